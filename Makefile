@@ -1,0 +1,38 @@
+# The two commands a newcomer needs: `make test` and `make demo`. Both set up
+# everything from a clean clone: a virtualenv in .venv, the CPU build of torch,
+# this project and its dependencies.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+MODELS := .models
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: test demo bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: an unpinned resolve would fetch a multi-GB CUDA build.
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+$(MODELS)/bench-llama-32m/config.json: models/configs/bench-llama-32m.json | $(STAMP)
+	$(PY) scripts/make_tiny_model.py --config $< --out $(MODELS)/bench-llama-32m
+
+demo: $(STAMP) $(MODELS)/bench-llama-32m/config.json
+	$(PY) scripts/demo_engine.py --model $(MODELS)/bench-llama-32m
+
+bench: $(STAMP) $(MODELS)/bench-llama-32m/config.json
+	$(PY) scripts/bench_engine.py --model $(MODELS)/bench-llama-32m --batch 16 --prompt-tokens 64 \
+		--new-tokens 128 --json bench-engine.json
+
+clean:
+	rm -rf $(VENV) $(MODELS) .pytest_cache

@@ -1,0 +1,65 @@
+"""Engine configuration: every knob in one typed place, with its default and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; raised before anything is loaded."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Most sequences in one forward step (the batch "slots").
+    max_num_seqs: int = 64
+    # Most tokens (prefill + decode) in one forward step; bounds step latency.
+    max_num_batched_tokens: int = 1024
+    # Split long prompts across steps so running decodes keep flowing.
+    enable_chunked_prefill: bool = True
+    # Longest prompt + output a request may reach (the model's context unless set lower).
+    max_model_len: int = 2048
+    # Token ids that end a request unless it asked for ignore_eos.
+    eos_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Tokens per KV block. Smaller wastes less memory at the tail, larger gathers faster.
+    block_size: int = 16
+    # Blocks in the pool; None derives it from kv_cache_memory_mb.
+    num_kv_blocks: int | None = None
+    # KV pool size (all layers, K and V) when num_kv_blocks is None.
+    kv_cache_memory_mb: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+    # None: the model's max_position_embeddings. Lower it to save KV memory per request.
+    max_model_len: int | None = None
+    # "cpu", "cuda" or "cuda:N".
+    device: str = "cpu"
+    # Weights and KV dtype: float32, float16 or bfloat16.
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_mb < 1:
+            raise ConfigError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

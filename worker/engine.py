@@ -1,0 +1,130 @@
+"""The engine loop: validate and admit requests, then schedule -> run -> sample -> update, one step at a time."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.errors import DuplicateRequest, InvalidRequest
+from common.tiers import parse_tier
+from worker.block_manager import BlockManager, BlockUsage
+from worker.config import EngineConfig, SchedulerConfig
+from worker.model_runner import ModelRunner, load_model
+from worker.request import FinishReason, Request, RequestOutput, SamplingParams
+from worker.sampler import Sampler
+from worker.scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = runner
+        info = runner.info
+        self.vocab_size = info.vocab_size
+        self.max_model_len = min(config.max_model_len or info.max_position_embeddings,
+                                 info.max_position_embeddings)
+        self.blocks = BlockManager(runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+                eos_token_ids=info.eos_token_ids,
+            ),
+            self.blocks,
+        )
+        self.sampler = Sampler(runner.device)
+        self._requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self._seeds = random.Random()  # only for requests that gave no seed
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        config.validate()
+        return cls(ModelRunner(load_model(model_dir, config), config), config)
+
+    # -- requests -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams | None = None, tier: str = "P3", tenant: str | None = None) -> None:
+        """Queue a request; raises InvalidRequest (and changes nothing) if it can never be served."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id must be a non-empty string", field="request_id")
+        if request_id in self._requests:
+            raise DuplicateRequest(request_id)
+        tier_ = parse_tier(tier)
+        prompt = self._validate_prompt(prompt_token_ids)
+        params.validate(self.vocab_size)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens", field="max_tokens")
+        need = self.blocks.blocks_for(total)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequest(f"request needs {need} KV blocks but the pool holds only "
+                                 f"{self.blocks.num_blocks}", field="max_tokens")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        self._arrivals += 1
+        req = Request(request_id, prompt, params, tier_, self._arrivals, seed, tenant=tenant,
+                      arrival_time=time.monotonic())
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        try:
+            prompt = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise InvalidRequest("prompt_token_ids must be a sequence of integers",
+                                 field="prompt_token_ids") from None
+        if not prompt:
+            raise InvalidRequest("prompt_token_ids is empty", field="prompt_token_ids")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                 field="prompt_token_ids")
+        return prompt
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its KV blocks; False if it is unknown or already finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req, FinishReason.ABORT)
+        req.finish_time = time.monotonic()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def kv_usage(self) -> BlockUsage:
+        return self.blocks.usage()
+
+    # -- the loop -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward step over the scheduled batch; one output per request that got a token."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampling = [c.request for c in sched.chunks if c.sample]
+        logits = self.runner.execute(sched.chunks, self.blocks.block_table)
+        tokens = self.sampler.sample(logits, sampling) if sampling else []
+        outputs = self.scheduler.postprocess(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
+        now = time.monotonic()
+        for out in outputs:
+            req = self._requests[out.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if out.finished:
+                req.finish_time = now
+                del self._requests[out.request_id]
+        return outputs

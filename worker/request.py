@@ -1,0 +1,126 @@
+"""Per-request state: what to generate, how far it has got, and how it ended.
+
+A request carries ``num_computed_tokens`` (tokens whose K/V are in the cache)
+instead of a prefill/decode flag: a prompt is prefilled while
+``num_computed_tokens < len(prompt)``, chunked prefill is just a smaller step,
+and a recomputed request is one whose counter went back to zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from common.errors import InvalidRequest
+from common.tiers import Tier
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or one of the request's stop token ids
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # cancelled by the caller
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None  # None: no top-k filtering
+    top_p: float = 1.0
+    # Fixes this request's random stream, independent of what else is batched with it.
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequest on the first field that cannot be served."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", field="max_tokens")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature!r}", field="temperature")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise InvalidRequest(f"top_k must be None or an integer >= 1, got {self.top_k!r}", field="top_k")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", field="top_p")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}", field="seed")
+        for tid in self.stop_token_ids:
+            if not isinstance(tid, int) or not 0 <= tid < vocab_size:
+                raise InvalidRequest(f"stop token id {tid!r} is outside the vocabulary (0..{vocab_size - 1})",
+                                     field="stop_token_ids")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tier: Tier
+    # Engine-wide admission counter: the FIFO order, and the tie-break within a tier.
+    arrival_seq: int
+    # Seed actually used; drawn at admission when the caller gave none, so a
+    # recomputed request samples the same tokens again.
+    seed: int
+    tenant: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Times in seconds from time.monotonic(); filled by the engine.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what the KV cache must eventually hold."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled in this step (empty for an abort)
+    finished: bool
+    finish_reason: FinishReason | None  # set exactly when finished
+    num_output_tokens: int  # all tokens generated so far, including new_token_ids
