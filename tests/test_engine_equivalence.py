@@ -79,7 +79,8 @@ def test_unchunked_prefill_matches_chunked(tiny_model_dir):
     results = []
     for chunked in (False, True):
         engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(
-            num_kv_blocks=128, max_num_batched_tokens=96 if not chunked else 10, enable_chunked_prefill=chunked))
+            num_kv_blocks=128, max_num_batched_tokens=128 if not chunked else 10, enable_chunked_prefill=chunked,
+            max_model_len=128))
         results.append(run_all(engine, {0: [(f"r{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps)]}))
     assert results[0] == results[1]
 

@@ -28,6 +28,11 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # A request recomputed after preemption re-prefills prompt + output in one step: without
+            # chunking that step can need up to max_model_len tokens, or the request would wait forever.
+            raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                              f"must be >= max_model_len ({self.max_model_len})")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from collections.abc import Sequence
@@ -15,6 +16,10 @@ from worker.model_runner import ModelRunner, load_model
 from worker.request import FinishReason, Request, RequestOutput, SamplingParams
 from worker.sampler import Sampler
 from worker.scheduler import Scheduler
+
+
+def _refuse_bool() -> bool:
+    raise TypeError("bool is not a token id")
 
 
 class Engine:
@@ -60,6 +65,9 @@ class Engine:
         tier_ = parse_tier(tier)
         prompt = self._validate_prompt(prompt_token_ids)
         params.validate(self.vocab_size)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len} "
+                                 f"and at least one must be left to generate", field="prompt_token_ids")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(
@@ -78,7 +86,10 @@ class Engine:
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         try:
-            prompt = [int(t) for t in prompt_token_ids]
+            if isinstance(prompt_token_ids, (str, bytes)):
+                raise TypeError
+            # operator.index takes ints (and numpy ints) but refuses floats and strings; bools are refused too.
+            prompt = [operator.index(t) for t in prompt_token_ids if not isinstance(t, bool) or _refuse_bool()]
         except (TypeError, ValueError):
             raise InvalidRequest("prompt_token_ids must be a sequence of integers",
                                  field="prompt_token_ids") from None
