@@ -85,13 +85,16 @@ def test_unchunked_prefill_matches_chunked(tiny_model_dir):
     assert results[0] == results[1]
 
 
-def test_kv_pressure_preempts_and_still_matches(tiny_model_dir, hf_reference):
+@pytest.mark.parametrize("swap_space_mb,mode", [(0, "recompute"), (64, "swap")])
+def test_kv_pressure_preempts_and_still_matches(tiny_model_dir, hf_reference, swap_space_mb, mode):
     # 12 blocks of 16 tokens cannot hold four 50-token prompts growing to 80 tokens at once:
-    # the scheduler must push requests back (recompute) and the output must not change.
+    # the scheduler must push requests back (recompute, or swap when there is host room)
+    # and the output must not change.
     ps = prompts(4, seed=4, lo=40, hi=50)
-    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=12, max_num_batched_tokens=64))
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=12, max_num_batched_tokens=64,
+                                                                 swap_space_mb=swap_space_mb))
     out = run_all(engine, {0: [(f"r{i}", p, SamplingParams(max_tokens=30)) for i, p in enumerate(ps)]})
     for i, p in enumerate(ps):
         assert out[f"r{i}"] == reference(hf_reference, p, 30)
-    assert engine.scheduler.num_recompute_preemptions > 0
+    assert engine.stats().by_mode()[mode] > 0
     assert engine.kv_usage().num_used == 0

@@ -405,7 +405,7 @@ def test_running_request_is_preempted_by_recompute_when_blocks_run_out():
     assert preempt_out.preempted == [b]
     assert [c.request for c in preempt_out.chunks] == [a]
     assert b_before[1] > 0
-    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.status is RequestStatus.SUSPENDED and b.preempt_mode == "recompute" and b.num_computed_tokens == 0
     assert b.output_token_ids == b_before[0]  # generated tokens are kept and re-prefilled
     assert not sched.blocks.has_blocks("b")
     assert sched.num_recompute_preemptions == 1
@@ -602,7 +602,7 @@ def test_random_workloads_keep_every_invariant(workload):
         assert bm.usage().num_used <= num_blocks
         assert len(sched.running) <= max_seqs
         for r in sched.waiting:
-            assert r.status is RequestStatus.WAITING and not bm.has_blocks(r.request_id)
+            assert r.status in (RequestStatus.WAITING, RequestStatus.SUSPENDED) and not bm.has_blocks(r.request_id)
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
             assert len(bm.block_table(r.request_id)) == bm.blocks_for(r.num_computed_tokens)
@@ -640,7 +640,7 @@ def test_random_workloads_keep_every_invariant(workload):
                 assert c.sample
             assert len(bm.block_table(r.request_id)) * block_size >= c.start + c.num_tokens
         for r in out.preempted:
-            assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0
+            assert r.status is RequestStatus.SUSPENDED and r.num_computed_tokens == 0
             assert not bm.has_blocks(r.request_id)
         bm.check_invariants()
 

@@ -52,6 +52,47 @@ class EngineConfig:
     device: str = "cpu"
     # Weights and KV dtype: float32, float16 or bfloat16.
     dtype: str = "float32"
+    # "priority": tier order with preemption at step boundaries; "fifo": admission order, no preemption.
+    policy: str = "priority"
+    # Which tiers each tier may preempt, e.g. {"P0": ["P2", "P3"]}; None: the design's default matrix.
+    preemption_matrix: dict[str, list[str]] | None = None
+    # A resumed request runs at least this many steps before it may be preempted again.
+    min_residency_steps: int = 8
+    # Leave alone a victim with at most this many tokens left to generate.
+    guard_remaining_tokens: int = 4
+    # Leave alone a victim that has generated more than this many tokens (None: no limit).
+    guard_max_generated: int | None = None
+    # KV blocks only P0 may use, so a P0 request never waits for P2/P3 work to drain.
+    p0_reserve_blocks: int = 0
+    # Most of the KV pool P2 and P3 together may hold (fraction in (0, 1]).
+    low_tier_kv_share: float = 1.0
+    # Host memory for swapped-out KV blocks; 0 disables swap (preemption then keeps or recomputes).
+    swap_space_mb: int = 256
+    # Cost model: host<->device bandwidth (bytes/s) and re-prefill speed (tokens/s) used to choose
+    # between swap and recompute for each preemption.
+    swap_bytes_per_s: float = 4e9
+    recompute_tokens_per_s: float = 2000.0
+
+    def preemption_config(self, bytes_per_block: int):
+        """The scheduler's PreemptionConfig for a model whose KV block takes ``bytes_per_block``."""
+        from common.tiers import parse_tier
+        from worker.preemption import PreemptionConfig
+
+        fields = dict(min_residency_steps=self.min_residency_steps, guard_remaining_tokens=self.guard_remaining_tokens,
+                      guard_max_generated=self.guard_max_generated, p0_reserve_blocks=self.p0_reserve_blocks,
+                      low_tier_kv_share=self.low_tier_kv_share,
+                      swap_space_blocks=self.swap_space_mb * 2**20 // max(1, bytes_per_block),
+                      swap_bytes_per_s=self.swap_bytes_per_s, recompute_tokens_per_s=self.recompute_tokens_per_s,
+                      bytes_per_block=bytes_per_block)
+        if self.preemption_matrix is not None:
+            try:
+                fields["matrix"] = {parse_tier(k): frozenset(parse_tier(v) for v in vs)
+                                    for k, vs in self.preemption_matrix.items()}
+            except ValueError as e:
+                raise ConfigError(f"preemption_matrix: {e}") from None
+        config = PreemptionConfig(**fields)
+        config.validate()
+        return config
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -66,5 +107,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.policy not in ("priority", "fifo"):
+            raise ConfigError(f"policy must be 'priority' or 'fifo', got {self.policy!r}")
+        if self.swap_space_mb < 0:
+            raise ConfigError(f"swap_space_mb must be >= 0, got {self.swap_space_mb}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

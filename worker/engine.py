@@ -13,6 +13,10 @@ from common.tiers import parse_tier
 from worker.block_manager import BlockManager, BlockUsage
 from worker.config import EngineConfig, SchedulerConfig
 from worker.model_runner import ModelRunner, load_model
+from worker.policy import make_policy
+from worker.preemption import PreemptMode
+from worker.scheduler import SchedulerStats
+from worker.tracing import EngineTracer
 from worker.request import FinishReason, Request, RequestOutput, SamplingParams
 from worker.sampler import Sampler
 from worker.scheduler import Scheduler
@@ -23,7 +27,7 @@ def _refuse_bool() -> bool:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, tracer: EngineTracer | None = None) -> None:
         self.config = config
         self.runner = runner
         info = runner.info
@@ -40,7 +44,12 @@ class Engine:
                 eos_token_ids=info.eos_token_ids,
             ),
             self.blocks,
+            make_policy(config.policy),
+            config.preemption_config(runner.bytes_per_block),
         )
+        host = self.scheduler.host_blocks
+        runner.allocate_host_pool(host.num_blocks if host is not None else 0)
+        self.tracer = tracer or EngineTracer()
         self.sampler = Sampler(runner.device)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -83,6 +92,7 @@ class Engine:
                       arrival_time=time.monotonic())
         self._requests[request_id] = req
         self.scheduler.add(req)
+        self.tracer.request_added(req)
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         try:
@@ -108,7 +118,20 @@ class Engine:
             return False
         self.scheduler.remove(req, FinishReason.ABORT)
         req.finish_time = time.monotonic()
+        self.tracer.request_finished(req)
         return True
+
+    def suspend(self, request_id: str, mode: str | PreemptMode = PreemptMode.RECOMPUTE) -> None:
+        """Preempt a running request by hand (tests, draining a worker); the scheduler resumes it as usual.
+
+        Raises KeyError for an unknown request and ValueError if it is not running or the mode is unusable.
+        """
+        req = self._requests[request_id]
+        self.scheduler.suspend(req, PreemptMode(mode))  # copies and the decision go out with the next step
+
+    def stats(self) -> SchedulerStats:
+        """Preemptions by tier and mode, wasted and recomputed tokens, bytes swapped, time suspended."""
+        return self.scheduler.stats
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -124,7 +147,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one forward step over the scheduled batch; one output per request that got a token."""
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        self.tracer.step_scheduled(sched, self._requests)
+        if sched.copies:
+            self.runner.copy_blocks(sched.copies)
+        if not sched.chunks:
             return []
         sampling = [c.request for c in sched.chunks if c.sample]
         logits = self.runner.execute(sched.chunks, self.blocks.block_table)
@@ -138,4 +164,5 @@ class Engine:
             if out.finished:
                 req.finish_time = now
                 del self._requests[out.request_id]
+                self.tracer.request_finished(req)
         return outputs

@@ -12,7 +12,7 @@ import torch
 from worker import paged_attention
 from worker.config import ConfigError, EngineConfig
 from worker.paged_attention import AttentionMetadata, PrefillSpan
-from worker.scheduler import ScheduledChunk
+from worker.scheduler import BlockCopy, ScheduledChunk
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,6 +73,34 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.info.num_layers)
         ]
+
+        self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_host_pool(self, num_blocks: int) -> None:
+        """Host-side pool that swapped-out blocks are copied to (pinned when the device is a GPU)."""
+        if num_blocks == 0:
+            self.host_cache = []
+            return
+        shape = (num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
+        pin = self.device.type == "cuda"
+        self.host_cache = [
+            (torch.zeros(shape, dtype=self.dtype, pin_memory=pin), torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(self.info.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Swap blocks out to / in from the host pool, in the order given (later copies may reuse ids)."""
+        for c in copies:
+            dev = torch.tensor(c.device_block_ids, dtype=torch.long, device=self.device)
+            host = torch.tensor(c.host_block_ids, dtype=torch.long)
+            for (dk, dv), (hk, hv) in zip(self.kv_cache, self.host_cache):
+                if c.to_host:
+                    hk.index_copy_(0, host, dk.index_select(0, dev).to("cpu"))
+                    hv.index_copy_(0, host, dv.index_select(0, dev).to("cpu"))
+                else:
+                    dk.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
+                    dv.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
 
     @property
     def bytes_per_block(self) -> int:

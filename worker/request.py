@@ -23,8 +23,9 @@ class FinishReason(str, enum.Enum):
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"  # not started yet
+    RUNNING = "running"  # holds a batch slot
+    SUSPENDED = "suspended"  # preempted; waits to resume (see Request.preempt_mode)
     FINISHED = "finished"
 
 
@@ -67,7 +68,7 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list.remove and `in` must not compare token lists
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -83,6 +84,15 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # How the request gave way while SUSPENDED: "keep", "swap" or "recompute" (a PreemptMode).
+    preempt_mode: str | None = None
+    # Scheduler step at which it last resumed after a preemption (the anti-ping-pong guard).
+    last_resume_step: int | None = None
+    num_preemptions: int = 0
+    suspended_since: float | None = None
+    suspended_total_s: float = 0.0
+    # Set once the request first holds a batch slot; a started request resumes before new work of its tier.
+    started: bool = False
     # Times in seconds from time.monotonic(); filled by the engine.
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -1,0 +1,244 @@
+"""The real scheduler and block manager, driven by a step-time model instead of a model.
+
+No torch: each step's duration comes from ``StepTimeModel`` and every sampled
+token is a fixed id (EOS is never produced, so requests run to max_tokens).
+``simulate`` replays one arrival trace and checks the scheduler's invariants
+after every step; ``scripts/simulate.py`` runs thousands of random traces.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from common.tiers import Tier
+from worker.block_manager import BlockManager
+from worker.config import SchedulerConfig
+from worker.policy import make_policy
+from worker.preemption import PreemptionConfig, Trigger
+from worker.request import Request, RequestStatus, SamplingParams
+from worker.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    time_s: float
+    prompt_tokens: int
+    max_tokens: int
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds for one step: a fixed cost, plus per sequence and per token, plus block copies."""
+
+    base_s: float = 0.004
+    per_seq_s: float = 0.0004
+    per_token_s: float = 0.00002
+    per_block_copy_s: float = 0.00002
+
+    def __call__(self, out: SchedulerOutput) -> float:
+        copied = sum(len(c.device_block_ids) for c in out.copies)
+        return (self.base_s + self.per_seq_s * len(out.chunks) + self.per_token_s * out.num_batched_tokens
+                + self.per_block_copy_s * copied)
+
+
+@dataclass
+class SimResult:
+    finished: dict[str, Request] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    steps: int = 0
+    sim_time_s: float = 0.0
+    scheduler: Scheduler | None = None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build_scheduler(num_blocks: int, block_size: int, sched: SchedulerConfig, preemption: PreemptionConfig,
+                    policy: str, clock) -> Scheduler:
+    return Scheduler(sched, BlockManager(num_blocks, block_size), make_policy(policy), preemption, clock=clock)
+
+
+def simulate(arrivals: list[Arrival], *, num_blocks: int = 64, block_size: int = 16,
+             sched: SchedulerConfig | None = None, preemption: PreemptionConfig | None = None,
+             policy: str = "priority", step_model: StepTimeModel | None = None,
+             max_steps: int = 200_000, check: bool = True) -> SimResult:
+    sched = sched or SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=4096)
+    preemption = preemption or PreemptionConfig(bytes_per_block=1)
+    step_model = step_model or StepTimeModel()
+    clock = _Clock()
+    s = build_scheduler(num_blocks, block_size, sched, preemption, policy, clock)
+    res = SimResult(scheduler=s)
+    pending = sorted(arrivals, key=lambda a: (a.time_s, a.request_id))
+    seen: set[str] = set()
+    seq = 0
+    while pending or s.has_unfinished():
+        if res.steps >= max_steps:
+            res.violations.append(f"starvation: {len(s.waiting) + len(s.running)} requests unfinished "
+                                  f"after {max_steps} steps")
+            break
+        while pending and pending[0].time_s <= clock.now:
+            a = pending.pop(0)
+            seq += 1
+            s.add(Request(a.request_id, [7] * a.prompt_tokens, SamplingParams(max_tokens=a.max_tokens), a.tier,
+                          seq, seed=seq, arrival_time=a.time_s))
+            seen.add(a.request_id)
+        if not s.has_unfinished():
+            clock.now = pending[0].time_s
+            continue
+        out = s.schedule()
+        res.steps += 1
+        if check:
+            _check_step(s, out, res.violations)
+        clock.now += step_model(out)
+        for r in s.postprocess(out, {c.request.request_id: 9 for c in out.chunks if c.sample}):
+            if r.finished:
+                req = next(c.request for c in out.chunks if c.request.request_id == r.request_id)
+                if r.request_id in res.finished:
+                    res.violations.append(f"{r.request_id} finished twice")
+                req.finish_time = clock.now
+                res.finished[r.request_id] = req
+    res.sim_time_s = clock.now
+    if check:
+        lost = seen - set(res.finished)
+        if lost and not any(v.startswith("starvation") for v in res.violations):
+            res.violations.append(f"lost requests: {sorted(lost)[:5]}")
+        for rid, req in res.finished.items():
+            if len(req.output_token_ids) != req.params.max_tokens:
+                res.violations.append(f"{rid} produced {len(req.output_token_ids)} of {req.params.max_tokens}")
+        if s.blocks.num_free != s.blocks.num_blocks:
+            res.violations.append(f"{s.blocks.num_blocks - s.blocks.num_free} blocks still held at the end")
+    return res
+
+
+def _check_step(s: Scheduler, out: SchedulerOutput, violations: list[str]) -> None:
+    pc = s.preemption.config
+    for d in out.decisions:
+        if d.declined or d.trigger is Trigger.MANUAL:
+            continue
+        if not pc.preemptible(d.victim_tier):
+            violations.append(f"step {s.step_index}: {d.victim_tier.value} request {d.victim_id} preempted")
+    for r in out.preempted:
+        if r.last_resume_step is not None and s.step_index - r.last_resume_step < pc.min_residency_steps:
+            violations.append(f"step {s.step_index}: {r.request_id} preempted within its residency")
+    try:
+        s.blocks.check_invariants()
+        if s.host_blocks is not None:
+            s.host_blocks.check_invariants()
+    except AssertionError as e:
+        violations.append(f"step {s.step_index}: block accounting broken: {e}")
+    if out.num_batched_tokens > s.config.max_num_batched_tokens or len(s.running) > s.config.max_num_seqs:
+        violations.append(f"step {s.step_index}: batch limits exceeded")
+    if pc.p0_reserve_blocks:
+        non_p0 = sum(len(s.blocks.block_table(r.request_id)) for r in s.running + s.waiting if r.tier is not Tier.P0)
+        if non_p0 > s.blocks.num_blocks - pc.p0_reserve_blocks:
+            violations.append(f"step {s.step_index}: P0 reserve breached ({non_p0} blocks outside P0)")
+    for c in out.chunks:
+        if c.request.status is not RequestStatus.RUNNING:
+            violations.append(f"step {s.step_index}: {c.request.request_id} scheduled while not running")
+
+
+def random_trace(rng: random.Random, n: int, *, max_prompt: int = 64, max_new: int = 32,
+                 tier_weights: tuple[float, float, float, float] = (0.2, 0.2, 0.3, 0.3),
+                 span_s: float = 1.0) -> list[Arrival]:
+    """Random arrivals: uniform times over ``span_s``, tiers by weight, bursts included."""
+    tiers = list(Tier)
+    out = []
+    for i in range(n):
+        t = rng.random() * span_s if rng.random() > 0.2 else 0.0  # a fifth arrive together at t=0
+        out.append(Arrival(f"q{i}", round(t, 6), rng.randint(1, max_prompt), rng.randint(1, max_new),
+                           rng.choices(tiers, tier_weights)[0]))
+    return out
+
+
+def azure_trace(path: str | Path, *, limit: int | None = None, tier_mix: dict[Tier, float] | None = None,
+                seed: int = 0, max_prompt: int | None = None, max_new: int | None = None) -> list[Arrival]:
+    """Arrivals from the Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens).
+
+    Times are made relative to the first row; tiers are drawn from ``tier_mix`` with ``seed``.
+    """
+    mix = tier_mix or {Tier.P0: 0.1, Tier.P1: 0.2, Tier.P2: 0.3, Tier.P3: 0.4}
+    rng = random.Random(seed)
+    tiers, weights = list(mix), list(mix.values())
+    rows: Iterable[dict[str, str]]
+    out: list[Arrival] = []
+    with open(path, newline="") as f:
+        rows = csv.DictReader(f)
+        t0 = None
+        for i, row in enumerate(rows):
+            if limit is not None and i >= limit:
+                break
+            ts = datetime.fromisoformat(row["TIMESTAMP"][:26])
+            t0 = t0 or ts
+            prompt = max(1, int(row["ContextTokens"]))
+            new = max(1, int(row["GeneratedTokens"]))
+            if max_prompt:
+                prompt = min(prompt, max_prompt)
+            if max_new:
+                new = min(new, max_new)
+            out.append(Arrival(f"az{i}", (ts - t0).total_seconds(), prompt, new, rng.choices(tiers, weights)[0]))
+    return out
+
+
+def max_blocks_for_tier(tier: Tier, num_blocks: int, preemption: PreemptionConfig) -> int:
+    """Largest request (in blocks) that ``tier`` can ever hold under the reserve and the low-tier cap."""
+    limit = num_blocks if tier is Tier.P0 else num_blocks - preemption.p0_reserve_blocks
+    if tier in (Tier.P2, Tier.P3):
+        limit = min(limit, int(preemption.low_tier_kv_share * num_blocks))
+    return limit
+
+
+@dataclass(frozen=True)
+class Case:
+    """One random simulator run: the arrivals and the configuration they meet."""
+
+    arrivals: list[Arrival]
+    num_blocks: int
+    block_size: int
+    sched: SchedulerConfig
+    preemption: PreemptionConfig
+    policy: str
+
+
+def random_case(rng: random.Random, policy: str = "priority") -> Case:
+    """A small random workload and configuration; every request individually fits its tier's limit."""
+    block_size = rng.choice([4, 8, 16])
+    num_blocks = rng.randint(6, 48)
+    preemption = PreemptionConfig(
+        min_residency_steps=rng.choice([0, 2, 8]),
+        guard_remaining_tokens=rng.choice([0, 2, 8]),
+        guard_max_generated=rng.choice([None, None, 16]),
+        p0_reserve_blocks=rng.choice([0, 0, 1, 3]),
+        low_tier_kv_share=rng.choice([1.0, 1.0, 0.75]),
+        swap_space_blocks=rng.choice([0, 4, 16, 64]),
+        recompute_tokens_per_s=rng.choice([100.0, 2000.0, 1e6]),
+        bytes_per_block=rng.choice([1, 4096, 2**20]),
+    )
+    chunked = rng.random() < 0.8
+    max_len = 4096 if chunked else 256
+    sched = SchedulerConfig(max_num_seqs=rng.randint(1, 8), enable_chunked_prefill=chunked, max_model_len=max_len,
+                            max_num_batched_tokens=rng.choice([8, 32, 128]) if chunked else max_len)
+    arrivals = []
+    for a in random_trace(rng, rng.randint(2, 24), max_prompt=rng.choice([8, 64, 160]),
+                          max_new=rng.choice([4, 32, 64]), span_s=rng.choice([0.05, 0.5, 2.0])):
+        cap_tokens = max_blocks_for_tier(a.tier, num_blocks, preemption) * block_size
+        prompt = min(a.prompt_tokens, max(1, cap_tokens - 1))
+        arrivals.append(Arrival(a.request_id, a.time_s, prompt, max(1, min(a.max_tokens, cap_tokens - prompt)),
+                                a.tier))
+    return Case(arrivals, num_blocks, block_size, sched, preemption, policy)
+
+
+def run_case(case: Case, check: bool = True) -> SimResult:
+    return simulate(case.arrivals, num_blocks=case.num_blocks, block_size=case.block_size, sched=case.sched,
+                    preemption=case.preemption, policy=case.policy, check=check)

@@ -1,0 +1,133 @@
+"""OpenTelemetry spans for the engine: one per request, one per suspended period, one per
+preemption decision (taken or declined), linked to the requests it touched.
+
+The scheduler stays free of OpenTelemetry: it emits ``PreemptionDecision`` records and the
+engine hands each step's records here. Spans go to whatever tracer provider the process
+installed (none: the API's no-op tracer, at almost no cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span
+
+from worker.preemption import PreemptionDecision
+from worker.request import Request
+from worker.scheduler import SchedulerOutput
+
+TRACER_NAME = "tiered_serve.worker"
+
+
+def request_attributes(req: Request) -> dict[str, str | int]:
+    """Attributes every span of a request carries, so a trace backend can search by them."""
+    attrs: dict[str, str | int] = {"request.id": req.request_id, "request.tier": req.tier.value}
+    if req.tenant is not None:
+        attrs["tenant.id"] = req.tenant
+    return attrs
+
+
+def decision_attributes(d: PreemptionDecision) -> dict[str, str | int | float | bool]:
+    a: dict[str, str | int | float | bool] = {
+        "preemption.decision_id": d.decision_id,
+        "preemption.trigger": d.trigger.value,
+        "preemption.mode": d.mode.value if d.mode else "declined",
+        "preemption.declined": d.declined,
+        "preemption.beneficiary.request_id": d.beneficiary_id,
+        "preemption.beneficiary.tier": d.beneficiary_tier.value,
+        "preemption.victim_progress": d.victim_progress,
+        "preemption.blocks_freed": d.blocks_freed,
+        "preemption.bytes_moved": d.bytes_moved,
+        "preemption.estimated_cost_s": d.estimated_cost_s,
+        "scheduler.step": d.step,
+        "kv.utilisation": d.kv_utilisation,
+    }
+    if d.declined_reason is not None:
+        a["preemption.declined_reason"] = d.declined_reason.value
+    if d.beneficiary_tenant is not None:
+        a["preemption.beneficiary.tenant"] = d.beneficiary_tenant
+    if d.victim_id is not None:
+        a["preemption.victim.request_id"] = d.victim_id
+        a["preemption.victim.tier"] = d.victim_tier.value
+    if d.victim_tenant is not None:
+        a["preemption.victim.tenant"] = d.victim_tenant
+    for k, v in d.cost_inputs.items():
+        a[f"preemption.cost.{k}"] = v
+    for tier, n in d.running_per_tier.items():
+        a[f"scheduler.running.{tier}"] = n
+    for tier, n in d.waiting_per_tier.items():
+        a[f"scheduler.waiting.{tier}"] = n
+    return a
+
+
+class EngineTracer:
+    def __init__(self, tracer: trace.Tracer | None = None) -> None:
+        self.tracer = tracer or trace.get_tracer(TRACER_NAME)
+        self._requests: dict[str, Span] = {}
+        self._suspended: dict[str, Span] = {}
+
+    def request_added(self, req: Request) -> None:
+        attrs = request_attributes(req)
+        attrs.update({"request.prompt_tokens": req.num_prompt_tokens, "request.max_tokens": req.params.max_tokens})
+        self._requests[req.request_id] = self.tracer.start_span("worker.request", attributes=attrs)
+
+    def request_finished(self, req: Request) -> None:
+        self._end_suspended(req.request_id)
+        span = self._requests.pop(req.request_id, None)
+        if span is None:
+            return
+        span.set_attributes({
+            "request.finish_reason": req.finish_reason.value if req.finish_reason else "",
+            "request.output_tokens": len(req.output_token_ids),
+            "request.preemptions": req.num_preemptions,
+            "request.suspended_s": req.suspended_total_s,
+        })
+        span.end()
+
+    def step_scheduled(self, out: SchedulerOutput, live: Mapping[str, Request]) -> None:
+        decision_spans = {d.decision_id: self._decision_span(d) for d in out.decisions}
+        by_victim = {d.victim_id: d for d in out.decisions if d.victim_id and not d.declined}
+        for req in out.preempted:
+            d = by_victim.get(req.request_id)
+            self._start_suspended(req, d, decision_spans.get(d.decision_id) if d else None)
+        for chunk in out.chunks:
+            if chunk.request.request_id in self._suspended:
+                self._end_suspended(chunk.request.request_id)
+
+    def _decision_span(self, d: PreemptionDecision) -> Span:
+        links = []
+        for rid in (d.victim_id, d.beneficiary_id):
+            span = self._requests.get(rid) if rid else None
+            if span is not None:
+                links.append(Link(span.get_span_context(), {"link.role": "victim" if rid == d.victim_id
+                                                            else "beneficiary"}))
+        parent = self._requests.get(d.beneficiary_id)
+        ctx = trace.set_span_in_context(parent) if parent is not None else None
+        name = "scheduler.preemption_declined" if d.declined else "scheduler.preemption"
+        span = self.tracer.start_span(name, context=ctx, links=links, attributes=decision_attributes(d))
+        span.end()
+        victim = self._requests.get(d.victim_id) if d.victim_id else None
+        if victim is not None and hasattr(victim, "add_link"):
+            # The victim's own span points back at the decision, so its trace shows who preempted it.
+            victim.add_link(span.get_span_context(), {"link.role": "preempted_by"})
+        return span
+
+    def _start_suspended(self, req: Request, d: PreemptionDecision | None, decision: Span | None) -> None:
+        parent = self._requests.get(req.request_id)
+        ctx = trace.set_span_in_context(parent) if parent is not None else None
+        attrs = request_attributes(req)
+        attrs["suspend.mode"] = req.preempt_mode or ""
+        if d is not None:
+            attrs.update({"suspend.decision_id": d.decision_id, "suspend.by_request_id": d.beneficiary_id,
+                          "suspend.by_tier": d.beneficiary_tier.value, "suspend.trigger": d.trigger.value})
+            if d.beneficiary_tenant:
+                attrs["suspend.by_tenant"] = d.beneficiary_tenant
+        links = [Link(decision.get_span_context())] if decision is not None else []
+        self._suspended[req.request_id] = self.tracer.start_span("worker.suspended", context=ctx, links=links,
+                                                                 attributes=attrs)
+
+    def _end_suspended(self, request_id: str) -> None:
+        span = self._suspended.pop(request_id, None)
+        if span is not None:
+            span.end()
