@@ -3,6 +3,7 @@ a scheduled batch into next-token logits."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,9 @@ class ModelRunner:
         ]
 
         self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Wall time spent in block copies and how many copies, for the preemption-cost benchmark.
+        self.copy_seconds = 0.0
+        self.copy_events = 0
 
     def allocate_host_pool(self, num_blocks: int) -> None:
         """Host-side pool that swapped-out blocks are copied to (pinned when the device is a GPU)."""
@@ -91,6 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Swap blocks out to / in from the host pool, in the order given (later copies may reuse ids)."""
+        t0 = time.perf_counter()
         for c in copies:
             dev = torch.tensor(c.device_block_ids, dtype=torch.long, device=self.device)
             host = torch.tensor(c.host_block_ids, dtype=torch.long)
@@ -101,6 +106,10 @@ class ModelRunner:
                 else:
                     dk.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
                     dv.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.copy_seconds += time.perf_counter() - t0
+        self.copy_events += len(copies)
 
     @property
     def bytes_per_block(self) -> int:

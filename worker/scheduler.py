@@ -107,7 +107,6 @@ class Scheduler:
         self._decisions = 0
         # Declined decisions already recorded, per waiting request: one span per request and reason.
         self._declined_once: dict[str, set[DeclineReason]] = {}
-        self._gave_way_for_growth = False
         # Filled during one schedule() (or by a manual suspend between steps), handed out with its output.
         self._copies: list[BlockCopy] = []
         self._new_decisions: list[PreemptionDecision] = []
@@ -145,8 +144,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is {request.status.value}, not running")
         if mode is PreemptMode.SWAP and not self._host_fits(request):
             raise ValueError("swap needs a host pool with room (PreemptionConfig.swap_space_blocks)")
+        before = self._snapshot()
         freed, moved = self._give_way(request, mode)
-        self._decide(request, Trigger.MANUAL, request, mode, freed=freed, moved=moved)
+        self._decide(request, Trigger.MANUAL, request, mode, freed=freed, moved=moved, state=before)
 
     # -- one step -----------------------------------------------------------
 
@@ -157,7 +157,6 @@ class Scheduler:
         if self.policy.preempts:
             self._make_room_for_waiting()
 
-        self._gave_way_for_growth = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -168,13 +167,13 @@ class Scheduler:
             if i < len(self.running) and self.running[i] is req:  # else it gave way itself
                 i += 1
 
-        # New work only when no running request had to give way for memory this step:
-        # otherwise the one that just gave way would be readmitted at once and thrash.
-        while (not self._gave_way_for_growth and self.waiting and budget > 0
+        while (self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if any(req is p for p in self._preempted):
-                break  # it gave way this step; resuming it at once would undo the decision
+                # It gave way this step; resuming it at once would undo the decision and thrash.
+                # Strict order keeps everything behind it waiting too.
+                break
             n = self._tokens_this_step(req, budget)
             if n == 0 or not (self._allocate(req, n) or self._reclaim_from_suspended(req, n)):
                 break  # strict policy order: later requests do not overtake the head
@@ -294,7 +293,8 @@ class Scheduler:
 
     def _decide(self, beneficiary: Request, trigger: Trigger, victim: Request | None,
                 mode: PreemptMode | None, declined: DeclineReason | None = None,
-                freed: int = 0, moved: int = 0, cost: float = 0.0, inputs: dict | None = None) -> None:
+                freed: int = 0, moved: int = 0, cost: float = 0.0, inputs: dict | None = None,
+                state: tuple[float, dict[str, int], dict[str, int]] | None = None) -> None:
         if declined is not None:
             seen = self._declined_once.setdefault(beneficiary.request_id, set())
             if declined in seen:
@@ -302,6 +302,7 @@ class Scheduler:
             seen.add(declined)
             self.stats.declined += 1
         self._decisions += 1
+        utilisation, running, waiting = state or self._snapshot()
         self._new_decisions.append(PreemptionDecision(
             decision_id=f"pd-{self._decisions}", step=self.step_index, time=self.clock(), trigger=trigger,
             beneficiary_id=beneficiary.request_id, beneficiary_tier=beneficiary.tier,
@@ -310,17 +311,20 @@ class Scheduler:
             victim_tenant=victim.tenant if victim else None,
             victim_progress=(len(victim.output_token_ids) / victim.params.max_tokens) if victim else 0.0,
             blocks_freed=freed, bytes_moved=moved, estimated_cost_s=cost, cost_inputs=inputs or {},
-            kv_utilisation=self.blocks.usage().utilisation,
-            running_per_tier=_per_tier(self.running), waiting_per_tier=_per_tier(self.waiting)))
+            kv_utilisation=utilisation, running_per_tier=running, waiting_per_tier=waiting))
 
     def _preempt(self, victim: Request, beneficiary: Request, trigger: Trigger, blocks_needed: bool) -> int:
         host_free = self.host_blocks.num_free if self.host_blocks is not None else 0
         nblocks = self.blocks.blocks_for(victim.num_computed_tokens)
         choice = self.preemption.choose_mode(victim, blocks_needed, nblocks, host_free)
+        before = self._snapshot()  # the state the decision was taken in
         freed, moved = self._give_way(victim, choice.mode)
         self._decide(beneficiary, trigger, victim, choice.mode, freed=freed, moved=moved,
-                     cost=choice.estimated_cost_s, inputs=choice.inputs)
+                     cost=choice.estimated_cost_s, inputs=choice.inputs, state=before)
         return freed
+
+    def _snapshot(self) -> tuple[float, dict[str, int], dict[str, int]]:
+        return self.blocks.usage().utilisation, _per_tier(self.running), _per_tier(self.waiting)
 
     def _make_room_for_waiting(self) -> None:
         """Phase 0: preempt for waiting requests that outrank running ones and cannot start."""
@@ -388,13 +392,11 @@ class Scheduler:
             if not victims:
                 break
             self._preempt(victims[-1], req, Trigger.KV_MEMORY, blocks_needed=True)
-            self._gave_way_for_growth = True
             if self._allocate(req, n):
                 return True
         if self.preemption.config.preemptible(req.tier) and self.preemption.guard(
                 req, self.step_index) is not DeclineReason.RESIDENCY:
             self._preempt(req, req, Trigger.KV_MEMORY, blocks_needed=True)
-            self._gave_way_for_growth = True
         return False
 
     # -- after the forward step ----------------------------------------------

@@ -1,0 +1,233 @@
+"""Preemption benchmark: one scenario under policy fifo and priority, on the same engine and model, in one run.
+
+Also runs the P0 requests alone on an idle engine, the baseline for P0 time to first
+token. Requests arrive on the wall clock as the scenario says; latency and TTFT are
+measured from each request's scheduled arrival. Prints a table per tier and policy
+and writes JSON (see --help of --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Job:
+    request_id: str
+    tier: str
+    arrive_s: float
+    prompt: list[int]
+    max_tokens: int
+    first_s: float | None = None
+    done_s: float | None = None
+    tokens: int = 0
+
+
+def make_jobs(scenario: dict, vocab: int, seed: int, tiers: set[str] | None = None) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for g in scenario["groups"]:
+        for i in range(g["count"]):
+            prompt = [rng.randrange(3, vocab) for _ in range(g["prompt_tokens"])]
+            if tiers is None or g["tier"] in tiers:
+                arrive = g["arrival"]["start_s"] + i * g["arrival"]["interval_s"]
+                jobs.append(Job(f'{g["tier"]}-{i:03d}', g["tier"], arrive, prompt, g["max_tokens"]))
+    return sorted(jobs, key=lambda j: (j.arrive_s, j.request_id))
+
+
+def run(engine, jobs: list[Job], ignore_eos: bool, temperature: float, desc: str) -> dict:
+    from worker import SamplingParams
+
+    pending = list(jobs)
+    by_id = {j.request_id: j for j in jobs}
+    bar = tqdm(total=sum(j.max_tokens for j in jobs), desc=desc, unit="tok", file=sys.stderr, leave=False)
+    step_s: list[float] = []
+    t0 = time.monotonic()
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - t0
+        while pending and pending[0].arrive_s <= now:
+            j = pending.pop(0)
+            engine.add_request(j.request_id, j.prompt, SamplingParams(
+                max_tokens=j.max_tokens, temperature=temperature, seed=0, ignore_eos=ignore_eos), tier=j.tier)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0].arrive_s - now))
+            continue
+        s0 = time.monotonic()
+        outs = engine.step()
+        now = time.monotonic() - t0
+        step_s.append(time.monotonic() - s0)
+        for o in outs:
+            j = by_id[o.request_id]
+            j.tokens += len(o.new_token_ids)
+            bar.update(len(o.new_token_ids))
+            if j.first_s is None:
+                j.first_s = now
+            if o.finished:
+                j.done_s = now
+    bar.close()
+    stats = engine.stats()
+    return {
+        "tiers": tier_table(jobs),
+        "preemptions": stats.by_mode(),
+        "wasted_tokens": stats.wasted_tokens,
+        "recomputed_tokens": stats.recomputed_tokens,
+        "bytes_swapped": stats.bytes_swapped,
+        "declined_decisions": stats.declined,
+        "wall_s": time.monotonic() - t0,
+        "mean_step_s": statistics.fmean(step_s) if step_s else 0.0,
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def tier_table(jobs: list[Job]) -> dict:
+    out = {}
+    for tier in sorted({j.tier for j in jobs}):
+        js = [j for j in jobs if j.tier == tier]
+        done = [j for j in js if j.done_s is not None and j.tokens == j.max_tokens]
+        lat = [j.done_s - j.arrive_s for j in done]
+        ttft = [j.first_s - j.arrive_s for j in js if j.first_s is not None]
+        out[tier] = {
+            "count": len(js), "completed": len(done),
+            "latency_mean_s": statistics.fmean(lat) if lat else None,
+            "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
+            "ttft_mean_s": statistics.fmean(ttft) if ttft else None, "ttft_p99_s": _pct(ttft, 0.99),
+        }
+    return out
+
+
+def prefill_seconds_per_token(engine, vocab: int) -> float:
+    """Time to prefill one long prompt on the idle engine, per token: the price of recompute."""
+    from worker import SamplingParams
+
+    n = min(512, engine.max_model_len - 1)
+    engine.add_request("prefill-probe", [5 + i % (vocab - 5) for i in range(n)], SamplingParams(max_tokens=1))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return (time.perf_counter() - t0) / n
+
+
+def ensure_model(scenario: dict, model: Path | None) -> Path:
+    if model is not None:
+        return model
+    from scripts.make_tiny_model import build
+
+    name = Path(scenario["model"]).stem
+    out = ROOT / ".models" / name
+    if not (out / "config.json").exists():
+        build(ROOT / "models" / "configs" / scenario["model"], out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", type=Path, default=ROOT / "bench" / "seed-scenario.json",
+                    help="scenario JSON (bench/seed-scenario.json, bench/memory-bound-scenario.json)")
+    ap.add_argument("--model", type=Path, help="model directory (default: build the scenario's config in .models/)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help='write {"policies": {...}, "alone": {...}, "goals": {...}} here')
+    args = ap.parse_args(argv)
+    if not args.scenario.is_file():
+        ap.error(f"scenario not found: {args.scenario}")
+    scenario = json.loads(args.scenario.read_text())
+
+    from transformers.utils import logging as hf_logging
+
+    from worker import EngineConfig
+    from worker.engine import Engine
+    from worker.model_runner import ModelRunner, load_model
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    eng_cfg = scenario.get("engine", {})
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=eng_cfg.get("max_running_sequences", 16),
+                       block_size=eng_cfg.get("block_size", 16), num_kv_blocks=eng_cfg.get("num_kv_blocks"),
+                       swap_space_mb=eng_cfg.get("swap_space_mb", 256))
+    model_dir = ensure_model(scenario, args.model)
+    runner = ModelRunner(load_model(model_dir, cfg), cfg)  # one model and KV pool for every run
+    vocab = runner.info.vocab_size
+    sampling = scenario.get("sampling", {})
+    ignore_eos, temperature = sampling.get("ignore_eos", True), sampling.get("temperature", 0.0)
+
+    sec_per_prefill_token = prefill_seconds_per_token(Engine(runner, cfg), vocab)  # also warms up
+    results: dict = {"scenario": scenario["name"], "policies": {}}
+    for policy in scenario.get("compare", ["fifo", "priority"]):
+        engine = Engine(runner, replace(cfg, policy=policy))
+        copies0, copy_s0 = runner.copy_events, runner.copy_seconds
+        r = run(engine, make_jobs(scenario, vocab, args.seed), ignore_eos, temperature, policy)
+        events = sum(r["preemptions"].values())
+        copy_s = runner.copy_seconds - copy_s0
+        event_s = (copy_s + r["recomputed_tokens"] * sec_per_prefill_token) / events if events else 0.0
+        r["copy_events"] = runner.copy_events - copies0
+        r["preemption_event_cost_s"] = event_s
+        r["preemption_event_cost_vs_step"] = event_s / r["mean_step_s"] if r["mean_step_s"] else 0.0
+        results["policies"][policy] = r
+    alone = run(Engine(runner, replace(cfg, policy="priority")),
+                make_jobs(scenario, vocab, args.seed, tiers={"P0"}), ignore_eos, temperature, "P0 alone")
+    results["alone"] = alone["tiers"]
+    results["settings"] = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__,
+                           "threads": torch.get_num_threads(), "machine": platform.machine(),
+                           "model": str(model_dir), "engine": eng_cfg}
+    results["goals"] = goals(results)
+    print_report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def goals(res: dict) -> dict:
+    pol = res["policies"]
+    if "fifo" not in pol or "priority" not in pol:
+        return {}
+    f, p = pol["fifo"]["tiers"], pol["priority"]["tiers"]
+    low = "P3" if "P3" in p else max(p)
+    out = {
+        "p0_latency_priority_over_fifo": p["P0"]["latency_mean_s"] / f["P0"]["latency_mean_s"],
+        f"{low}_completed_share": p[low]["completed"] / p[low]["count"],
+        f"{low}_latency_priority_over_fifo": p[low]["latency_mean_s"] / f[low]["latency_mean_s"],
+        "p0_ttft_p99_loaded_over_alone": p["P0"]["ttft_p99_s"] / res["alone"]["P0"]["ttft_p99_s"],
+        "wasted_tokens_priority": pol["priority"]["wasted_tokens"],
+    }
+    return out
+
+
+def print_report(res: dict) -> None:
+    print(f"\nscenario {res['scenario']}")
+    head = f"{'policy':<10}{'tier':<5}{'n':>4}{'done':>6}{'lat mean':>10}{'p50':>8}{'p99':>8}{'ttft mean':>11}{'p99':>8}"
+    print(head)
+    rows = [(k, v["tiers"]) for k, v in res["policies"].items()] + [("alone", res["alone"])]
+    for name, tiers in rows:
+        for tier, t in tiers.items():
+            print(f"{name:<10}{tier:<5}{t['count']:>4}{t['completed']:>6}{t['latency_mean_s'] or 0:>10.3f}"
+                  f"{t['latency_p50_s']:>8.3f}{t['latency_p99_s']:>8.3f}{t['ttft_mean_s'] or 0:>11.3f}"
+                  f"{t['ttft_p99_s']:>8.3f}")
+    for name, r in res["policies"].items():
+        print(f"{name}: preemptions {r['preemptions']}, wasted {r['wasted_tokens']} tokens, recomputed "
+              f"{r['recomputed_tokens']}, swapped {r['bytes_swapped'] / 2**20:.1f} MiB, one preemption event "
+              f"= {r['preemption_event_cost_vs_step']:.3f} decode steps, mean step {r['mean_step_s'] * 1e3:.1f} ms")
+    for k, v in res.get("goals", {}).items():
+        print(f"  {k}: {v:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
