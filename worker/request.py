@@ -89,6 +89,8 @@ class Request:
     # Scheduler step at which it last resumed after a preemption (the anti-ping-pong guard).
     last_resume_step: int | None = None
     num_preemptions: int = 0
+    # KV tokens thrown away by a recompute preemption, to be computed again on resume.
+    discarded_tokens: int = 0
     suspended_since: float | None = None
     suspended_total_s: float = 0.0
     # Set once the request first holds a batch slot; a started request resumes before new work of its tier.

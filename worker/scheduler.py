@@ -268,6 +268,7 @@ class Scheduler:
             freed = self.blocks.free(req.request_id)
         elif mode is PreemptMode.RECOMPUTE:
             self.stats.wasted_tokens += req.num_computed_tokens
+            req.discarded_tokens += req.num_computed_tokens
             req.num_computed_tokens = 0
             freed = self.blocks.free(req.request_id)
         req.preempt_mode = mode.value
@@ -284,8 +285,8 @@ class Scheduler:
                 req.suspended_total_s += gap
                 self.stats.suspended_s += gap
                 req.suspended_since = None
-            if req.preempt_mode == PreemptMode.RECOMPUTE.value:
-                self.stats.recomputed_tokens += req.num_tokens - 1
+            self.stats.recomputed_tokens += req.discarded_tokens
+            req.discarded_tokens = 0
         req.preempt_mode = None
         req.started = True
         req.status = RequestStatus.RUNNING

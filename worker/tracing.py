@@ -89,6 +89,8 @@ class EngineTracer:
         decision_spans = {d.decision_id: self._decision_span(d) for d in out.decisions}
         by_victim = {d.victim_id: d for d in out.decisions if d.victim_id and not d.declined}
         for req in out.preempted:
+            if req.request_id not in live:
+                continue  # suspended by hand, then aborted before this step: its request span is closed
             d = by_victim.get(req.request_id)
             self._start_suspended(req, d, decision_spans.get(d.decision_id) if d else None)
         for chunk in out.chunks:
@@ -97,11 +99,10 @@ class EngineTracer:
 
     def _decision_span(self, d: PreemptionDecision) -> Span:
         links = []
-        for rid in (d.victim_id, d.beneficiary_id):
+        for rid, role in ((d.victim_id, "victim"), (d.beneficiary_id, "beneficiary")):
             span = self._requests.get(rid) if rid else None
-            if span is not None:
-                links.append(Link(span.get_span_context(), {"link.role": "victim" if rid == d.victim_id
-                                                            else "beneficiary"}))
+            if span is not None and not (role == "beneficiary" and rid == d.victim_id):  # a manual suspend
+                links.append(Link(span.get_span_context(), {"link.role": role}))
         parent = self._requests.get(d.beneficiary_id)
         ctx = trace.set_span_in_context(parent) if parent is not None else None
         name = "scheduler.preemption_declined" if d.declined else "scheduler.preemption"
