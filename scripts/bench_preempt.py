@@ -174,12 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(runner, replace(cfg, policy=policy))
         copies0, copy_s0 = runner.copy_events, runner.copy_seconds
         r = run(engine, make_jobs(scenario, vocab, args.seed), ignore_eos, temperature, policy)
-        events = sum(r["preemptions"].values())
+        # What one preemption event costs, in decode steps: keep is free; swap is the measured copy
+        # time (out and back) per swapped victim; recompute is the re-prefill time of what it discarded.
+        step = r["mean_step_s"] or float("inf")
+        n_swap, n_rec = r["preemptions"]["swap"], r["preemptions"]["recompute"]
         copy_s = runner.copy_seconds - copy_s0
-        event_s = (copy_s + r["recomputed_tokens"] * sec_per_prefill_token) / events if events else 0.0
         r["copy_events"] = runner.copy_events - copies0
-        r["preemption_event_cost_s"] = event_s
-        r["preemption_event_cost_vs_step"] = event_s / r["mean_step_s"] if r["mean_step_s"] else 0.0
+        r["event_cost_vs_decode_step"] = {
+            "keep": 0.0,
+            "swap": copy_s / n_swap / step if n_swap else None,
+            "recompute": r["recomputed_tokens"] * sec_per_prefill_token / n_rec / step if n_rec else None,
+        }
+        events = sum(r["preemptions"].values())
+        r["mean_event_cost_vs_decode_step"] = (
+            (copy_s + r["recomputed_tokens"] * sec_per_prefill_token) / events / step if events else 0.0)
         results["policies"][policy] = r
     alone = run(Engine(runner, replace(cfg, policy="priority")),
                 make_jobs(scenario, vocab, args.seed, tiers={"P0"}), ignore_eos, temperature, "P0 alone")
@@ -222,9 +230,10 @@ def print_report(res: dict) -> None:
                   f"{t['latency_p50_s']:>8.3f}{t['latency_p99_s']:>8.3f}{t['ttft_mean_s'] or 0:>11.3f}"
                   f"{t['ttft_p99_s']:>8.3f}")
     for name, r in res["policies"].items():
+        costs = ", ".join(f"{m} {v:.3f}" for m, v in r["event_cost_vs_decode_step"].items() if v is not None)
         print(f"{name}: preemptions {r['preemptions']}, wasted {r['wasted_tokens']} tokens, recomputed "
-              f"{r['recomputed_tokens']}, swapped {r['bytes_swapped'] / 2**20:.1f} MiB, one preemption event "
-              f"= {r['preemption_event_cost_vs_step']:.3f} decode steps, mean step {r['mean_step_s'] * 1e3:.1f} ms")
+              f"{r['recomputed_tokens']}, swapped {r['bytes_swapped'] / 2**20:.1f} MiB (both ways), "
+              f"mean step {r['mean_step_s'] * 1e3:.1f} ms; one event in decode steps: {costs}")
     for k, v in res.get("goals", {}).items():
         print(f"  {k}: {v:.3f}")
 

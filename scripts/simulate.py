@@ -18,6 +18,7 @@ import os
 import random
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,8 +56,9 @@ def check(traces: int, seed: int, workers: int) -> int:
     return total
 
 
-def replay(path: Path, limit: int, seed: int, num_blocks: int, max_num_seqs: int) -> dict:
-    arrivals = azure_trace(path, limit=limit, seed=seed, max_prompt=2048, max_new=512)
+def replay(path: Path, limit: int, seed: int, num_blocks: int, max_num_seqs: int, speedup: float) -> dict:
+    arrivals = [replace(a, time_s=a.time_s / speedup)
+                for a in azure_trace(path, limit=limit, seed=seed, max_prompt=2048, max_new=512)]
     out = {}
     for policy in ("fifo", "priority"):
         res = simulate(arrivals, num_blocks=num_blocks, block_size=16, policy=policy,
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--azure", type=Path, nargs="?", const=DEFAULT_AZURE, default=None,
                     help="replay the Azure trace instead (default path: the copy in data/)")
     ap.add_argument("--limit", type=int, default=2000, help="rows of the Azure trace to replay")
+    ap.add_argument("--speedup", type=float, default=1.0, help="divide the trace's arrival times by this (load)")
     ap.add_argument("--num-blocks", type=int, default=2048, help="KV blocks for the replay")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--json", type=Path, help="write the replay results here")
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.azure is not None:
         if not args.azure.is_file():
             ap.error(f"trace not found: {args.azure}")
-        result = replay(args.azure, args.limit, args.seed, args.num_blocks, args.max_num_seqs)
+        result = replay(args.azure, args.limit, args.seed, args.num_blocks, args.max_num_seqs, args.speedup)
         for policy, r in result.items():
             print(f"{policy:>9}: " + "  ".join(f"{t} n={v['count']} mean={v['latency_mean_s']:.2f}s "
                                                f"p99={v['latency_p99_s']:.2f}s" for t, v in r["tiers"].items())

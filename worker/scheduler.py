@@ -68,7 +68,8 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    preemptions: Counter = field(default_factory=Counter)  # (victim tier, mode) -> count
+    # (victim tier, mode) -> events; a keep-suspended request that later gives up its blocks counts again.
+    preemptions: Counter = field(default_factory=Counter)
     wasted_tokens: int = 0  # computed KV discarded by recompute preemptions
     recomputed_tokens: int = 0  # tokens prefilled again after a recompute preemption
     bytes_swapped: int = 0  # both directions
@@ -254,9 +255,10 @@ class Scheduler:
             req.suspended_since = self.clock()
             self._preempted.append(req)
             self.stats.preemptions[(req.tier, mode)] += 1
-        else:  # a keep-suspended request giving up its blocks too
+        else:  # a keep-suspended request giving up its blocks too: a second event, counted in its mode
             self.waiting.remove(req)
             self.stats.demotions += 1
+            self.stats.preemptions[(req.tier, mode)] += 1
         freed = moved = 0
         if mode is PreemptMode.SWAP:
             k = self.blocks.blocks_for(req.num_computed_tokens)
