@@ -1,8 +1,8 @@
 """Engine demo: mixed requests join a running batch; prints per-request latency and tokens/s.
 
 Requests of every tier, short and long prompts, greedy and sampled, arrive
-while earlier ones are still decoding. Tiers are recorded but, until priority
-preemption lands, scheduled first come first served.
+while earlier ones are still decoding; the engine schedules them by tier and
+preempts lower tiers for higher ones at step boundaries.
 """
 
 from __future__ import annotations
