@@ -22,3 +22,39 @@ class DuplicateRequest(InvalidRequest):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request id {request_id!r} is already in use", field="request_id")
         self.request_id = request_id
+
+
+class Unauthorized(ServingError):
+    """Unknown or missing API key."""
+
+
+class Forbidden(ServingError):
+    """The tenant is not entitled to what it asked for (e.g. a higher tier)."""
+
+
+class QuotaExceeded(ServingError):
+    """The tenant's P0 quota is spent; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Overloaded(ServingError):
+    """The estimated wait exceeds the tier's queue timeout; nothing was stored."""
+
+    def __init__(self, message: str, estimated_wait_s: float) -> None:
+        super().__init__(message)
+        self.estimated_wait_s = estimated_wait_s
+
+
+class NotFound(ServingError):
+    """No such job (for this tenant)."""
+
+
+class JobFailed(ServingError):
+    """The job ended without a result: failed on a worker, dead-lettered or cancelled."""
+
+
+class JobExpired(ServingError):
+    """The job waited longer than its tier's queue timeout."""

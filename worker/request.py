@@ -136,3 +136,4 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None  # set exactly when finished
     num_output_tokens: int  # all tokens generated so far, including new_token_ids
+    num_preemptions: int = 0  # times this request was preempted so far

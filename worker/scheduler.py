@@ -421,7 +421,7 @@ class Scheduler:
             if reason is not None:
                 self.remove(req, reason)
             results.append(RequestOutput(req.request_id, [token], reason is not None, reason,
-                                         len(req.output_token_ids)))
+                                         len(req.output_token_ids), req.num_preemptions))
         return results
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:

@@ -1,0 +1,101 @@
+-- admit.lua: admit one job atomically: idempotency, P0 quota, wait estimate, enqueue.
+-- A refusal (quota, overload, duplicate, id in use) writes nothing and charges nothing.
+--
+-- KEYS[1..4]  queue zsets of P0..P3
+-- KEYS[5]     job hash of the new job
+-- KEYS[6]     quota hash of the tenant (touched only when ARGV[16] > 0 and the tier is P0)
+-- KEYS[7]     aging index zset
+-- KEYS[8]     deadlines index zset
+-- KEYS[9]     idempotency key (present only when the request carries one)
+-- ARGV[1]     job id
+-- ARGV[2]     tenant
+-- ARGV[3]     tier requested by the client (P0..P3)
+-- ARGV[4]     tier to admit at before quota (P0..P3)
+-- ARGV[5]     payload (opaque bytes)
+-- ARGV[6]     now, ms
+-- ARGV[7]     idempotency key TTL, ms
+-- ARGV[8..11]  queue timeout of P0..P3 in ms; -1 = no timeout
+-- ARGV[12..15] drain rate of P0..P3 in jobs/s (> 0, already floored by the caller)
+-- ARGV[16]    quota rate, tokens/s (0 = no quota)
+-- ARGV[17]    quota burst (bucket capacity, >= 1)
+-- ARGV[18]    quota exhausted policy: "refuse" | "downgrade" (to P1)
+--
+-- Returns one of:
+--   {"admitted", tier, estimated_wait_s, position}   position = queued jobs ahead of it
+--   {"duplicate", existing job id}                   the idempotency key was seen before
+--   {"quota", retry_after_s}                         P0 bucket empty, policy refuse
+--   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
+--   {"exists"}                                       the job id is already in use
+-- (floats are returned as strings: a Lua number would be truncated to an integer.)
+--
+-- Estimate: sum over the tiers r at or above the job's tier of depth(r) / rate(r): each
+-- backlog ahead drains at the rate its own tier is being served. Lower tiers do not count
+-- (the job goes ahead of them, preempting where allowed). The job goes last in its tier.
+
+local job_id, tenant, tier_requested = ARGV[1], ARGV[2], ARGV[3]
+local tier, payload = ARGV[4], ARGV[5]
+local now = tonumber(ARGV[6])
+local idem_ttl_ms = tonumber(ARGV[7])
+local quota_rate, quota_burst, on_exhausted = tonumber(ARGV[16]), tonumber(ARGV[17]), ARGV[18]
+
+if #KEYS >= 9 then
+    local existing = redis.call('GET', KEYS[9])
+    if existing then
+        return {'duplicate', existing}
+    end
+end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+    return {'exists'}
+end
+
+-- P0 token bucket: compute the refilled level; write it only once the job is admitted.
+local charge, tokens_left = false, 0
+if tier == 'P0' and quota_rate > 0 then
+    local bucket = redis.call('HMGET', KEYS[6], 'tokens', 'ts_ms')
+    local tokens, ts = tonumber(bucket[1]), tonumber(bucket[2])
+    if tokens == nil or ts == nil then
+        tokens, ts = quota_burst, now  -- no bucket: full
+    end
+    tokens = math.min(quota_burst, tokens + math.max(0, now - ts) * quota_rate / 1000)
+    if tokens >= 1 then
+        charge, tokens_left = true, tokens - 1
+    elseif on_exhausted == 'downgrade' then
+        tier = 'P1'
+    else
+        return {'quota', tostring((1 - tokens) / quota_rate)}
+    end
+end
+
+local rank = tonumber(string.sub(tier, 2))
+local ahead, estimate = 0, 0
+for r = 0, rank do
+    local depth = redis.call('ZCARD', KEYS[r + 1])
+    ahead = ahead + depth
+    estimate = estimate + depth / tonumber(ARGV[12 + r])
+end
+local timeout_ms = tonumber(ARGV[8 + rank])
+if timeout_ms >= 0 and estimate * 1000 > timeout_ms then
+    return {'overloaded', tier, tostring(estimate)}
+end
+
+if charge then
+    redis.call('HSET', KEYS[6], 'tokens', string.format('%.17g', tokens_left), 'ts_ms', now)
+    -- The bucket is full again after (burst - left) / rate seconds; a missing bucket is full.
+    redis.call('PEXPIRE', KEYS[6], math.ceil((quota_burst - tokens_left) / quota_rate * 1000) + 1)
+end
+redis.call('HSET', KEYS[5],
+    'id', job_id, 'tenant', tenant, 'tier', tier, 'tier_requested', tier_requested,
+    'tier_granted', tier, 'state', 'queued', 'payload', payload, 'enqueued_at_ms', now,
+    'tier_since_ms', now, 'attempt', 0, 'estimate_s', tostring(estimate))
+redis.call('ZADD', KEYS[rank + 1], now, job_id)
+if rank >= 2 then
+    redis.call('ZADD', KEYS[7], now, job_id)  -- P2 and P3 may age; P1 never ages into P0
+end
+if timeout_ms >= 0 then
+    redis.call('HSET', KEYS[5], 'deadline_ms', now + timeout_ms)
+    redis.call('ZADD', KEYS[8], now + timeout_ms, job_id)
+end
+if #KEYS >= 9 then
+    redis.call('SET', KEYS[9], job_id, 'PX', idem_ttl_ms)
+end
+return {'admitted', tier, tostring(estimate), ahead}

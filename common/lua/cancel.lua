@@ -1,0 +1,30 @@
+-- cancel.lua: cancel a queued or dispatched job, removing it from its queue or from
+-- inflight. A job in a final state (or unknown) is left alone.
+--
+-- KEYS[1]     job hash
+-- KEYS[2..5]  queue zsets of P0..P3
+-- KEYS[6]     inflight zset
+-- KEYS[7]     aging index zset
+-- KEYS[8]     deadlines index zset
+-- ARGV[1]     job id
+-- ARGV[2]     now, ms
+-- ARGV[3]     retention of the finished job hash, ms
+-- ARGV[4]     reason
+--
+-- Returns: the job's HGETALL as it was before cancelling, or nil if not cancelled.
+
+local job_id = ARGV[1]
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'queued' and state ~= 'dispatched' then
+    return false
+end
+local before = redis.call('HGETALL', KEYS[1])
+local tier = redis.call('HGET', KEYS[1], 'tier')
+redis.call('ZREM', KEYS[tonumber(string.sub(tier, 2)) + 2], job_id)
+redis.call('ZREM', KEYS[6], job_id)
+redis.call('ZREM', KEYS[7], job_id)
+redis.call('ZREM', KEYS[8], job_id)
+redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at_ms', ARGV[2], 'reason', ARGV[4])
+redis.call('HDEL', KEYS[1], 'payload')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return before

@@ -1,0 +1,41 @@
+-- complete.lua: record the outcome of a dispatched job. Only the current attempt may
+-- complete it: a completion from an expired (requeued or re-claimed) lease, or for a
+-- cancelled job, changes nothing.
+--
+-- KEYS[1]     job hash
+-- KEYS[2]     inflight zset
+-- KEYS[3]     drain statistics hash
+-- ARGV[1]     job id
+-- ARGV[2]     attempt the completion belongs to
+-- ARGV[3]     final state: "done" | "failed"
+-- ARGV[4]     now, ms
+-- ARGV[5]     retention of the finished job hash, ms
+-- ARGV[6]     drain rate time constant tau, ms
+-- ARGV[7..]   result fields: name, value, name, value, ...
+--
+-- Returns: 1 if recorded, 0 if stale.
+--
+-- Drain statistics of the job's tier P (see common/redis_keys.py):
+--   completed:P += 1;  rate:P = rate:P * exp(-(now - ts:P) / tau) + 1 / tau (jobs/s);  ts:P = now
+
+local job_id, state = ARGV[1], ARGV[3]
+local now, retention_ms, tau_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local fields = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'tier')
+if fields[1] ~= 'dispatched' or fields[2] ~= ARGV[2] then
+    return 0
+end
+local tier = fields[3]
+redis.call('HSET', KEYS[1], 'state', state, 'finished_at_ms', now)
+if #ARGV >= 7 then
+    redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+end
+redis.call('HDEL', KEYS[1], 'payload')
+redis.call('PEXPIRE', KEYS[1], retention_ms)
+redis.call('ZREM', KEYS[2], job_id)
+
+local stats = redis.call('HMGET', KEYS[3], 'rate:' .. tier, 'ts:' .. tier)
+local rate, ts = tonumber(stats[1]) or 0, tonumber(stats[2]) or now
+rate = rate * math.exp(-math.max(0, now - ts) / tau_ms) + 1000 / tau_ms
+redis.call('HSET', KEYS[3], 'rate:' .. tier, string.format('%.17g', rate), 'ts:' .. tier, math.max(ts, now))
+redis.call('HINCRBY', KEYS[3], 'completed:' .. tier, 1)
+return 1

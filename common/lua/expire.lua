@@ -1,0 +1,37 @@
+-- expire.lua: end queued jobs whose queue deadline (enqueue time + timeout of the tier
+-- granted at admission) has passed. Step two of expire(): step one read due ids from the
+-- deadlines index; this re-verifies each (still queued, deadline <= now).
+--
+-- KEYS[1..4]  queue zsets of P0..P3
+-- KEYS[5]     aging index zset
+-- KEYS[6]     deadlines index zset
+-- KEYS[7..]   job hashes
+-- ARGV[1]     now, ms
+-- ARGV[2]     retention of the finished job hash, ms
+-- ARGV[3..]   job ids, in the order of KEYS[7..]
+--
+-- Returns: the ids of the jobs expired.
+
+local now, retention_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local expired = {}
+for i = 7, #KEYS do
+    local job_key, job_id = KEYS[i], ARGV[i - 4]
+    local f = redis.call('HMGET', job_key, 'state', 'tier', 'tier_granted', 'deadline_ms',
+        'enqueued_at_ms')
+    local deadline = tonumber(f[4])
+    if f[1] == 'queued' and deadline and deadline <= now then
+        local timeout_s = (deadline - tonumber(f[5])) / 1000
+        redis.call('ZREM', KEYS[tonumber(string.sub(f[2], 2)) + 1], job_id)
+        redis.call('ZREM', KEYS[5], job_id)
+        redis.call('ZREM', KEYS[6], job_id)
+        redis.call('HSET', job_key, 'state', 'expired', 'finished_at_ms', now, 'reason',
+            'queue timeout of ' .. string.format('%g', timeout_s) .. 's for tier '
+            .. f[3] .. ' exceeded')
+        redis.call('HDEL', job_key, 'payload')
+        redis.call('PEXPIRE', job_key, retention_ms)
+        expired[#expired + 1] = job_id
+    elseif f[1] ~= 'queued' then
+        redis.call('ZREM', KEYS[6], job_id)  -- not queued: the index entry is stale
+    end
+end
+return expired

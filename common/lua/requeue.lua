@@ -1,0 +1,54 @@
+-- requeue.lua: settle leases that expired. Step two of requeue_expired(): step one read
+-- the expired ids from inflight; this re-verifies each (still in inflight, expiry <= now,
+-- still dispatched). A job tried fewer than max_attempts times goes back to the queue of
+-- its current tier with its original enqueue score (attempt kept; the next claim adds 1);
+-- otherwise it is dead-lettered.
+--
+-- KEYS[1..4]  queue zsets of P0..P3
+-- KEYS[5]     inflight zset
+-- KEYS[6]     dead zset
+-- KEYS[7]     aging index zset
+-- KEYS[8]     deadlines index zset
+-- KEYS[9..]   job hashes
+-- ARGV[1]     now, ms
+-- ARGV[2]     max attempts
+-- ARGV[3..]   job ids, in the order of KEYS[9..]
+--
+-- Returns: flat {job id, "queued" | "dead", ...} for the jobs settled.
+
+local now, max_attempts = tonumber(ARGV[1]), tonumber(ARGV[2])
+local settled = {}
+for i = 9, #KEYS do
+    local job_key, job_id = KEYS[i], ARGV[i - 6]
+    local expiry = tonumber(redis.call('ZSCORE', KEYS[5], job_id))
+    if expiry and expiry <= now then
+        local f = redis.call('HMGET', job_key, 'state', 'attempt', 'tier', 'enqueued_at_ms',
+            'tier_since_ms', 'deadline_ms')
+        redis.call('ZREM', KEYS[5], job_id)
+        -- A non-dispatched job cannot hold a lease; such an entry is only dropped.
+        if f[1] == 'dispatched' then
+            local attempt = tonumber(f[2])
+            if attempt >= max_attempts then
+                redis.call('HSET', job_key, 'state', 'dead', 'finished_at_ms', now,
+                    'reason', 'lease expired ' .. attempt .. ' times')
+                redis.call('ZADD', KEYS[6], now, job_id)
+                settled[#settled + 1] = job_id
+                settled[#settled + 1] = 'dead'
+            else
+                local rank = tonumber(string.sub(f[3], 2))
+                redis.call('HSET', job_key, 'state', 'queued')
+                redis.call('HDEL', job_key, 'worker', 'gateway', 'dispatched_at_ms')
+                redis.call('ZADD', KEYS[rank + 1], f[4], job_id)
+                if rank >= 2 then
+                    redis.call('ZADD', KEYS[7], f[5], job_id)
+                end
+                if f[6] then
+                    redis.call('ZADD', KEYS[8], f[6], job_id)
+                end
+                settled[#settled + 1] = job_id
+                settled[#settled + 1] = 'queued'
+            end
+        end
+    end
+end
+return settled

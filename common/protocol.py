@@ -1,0 +1,292 @@
+"""Every message that crosses a process boundary, and the one codec for them.
+
+Frames are msgpack maps ``{"v": SCHEMA_VERSION, "k": kind, "b": body}``. Bodies
+are frozen dataclasses of plain types. ``decode`` never trusts its input: a
+frame that is not msgpack, has the wrong version, an unknown kind, a missing
+or extra field, or a field of the wrong type raises ``ProtocolError``; the
+receiving loop answers with an ``ErrorReply`` and counts it. No pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+SCHEMA_VERSION = 1
+# Bounded so a hostile or buggy peer cannot make a process allocate without limit.
+MAX_MESSAGE_BYTES = 8 * 2**20
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be decoded into a known message."""
+
+
+# -- client <-> gateway ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    api_key: str
+    max_tokens: int
+    prompt: str | None = None  # text, tokenized by the gateway; or prompt_token_ids
+    prompt_token_ids: list[int] | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    tier: str | None = None  # None: the tenant's highest entitled tier
+    idempotency_key: str | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent / tracestate
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    job_id: str
+    tier: str
+    estimated_wait_s: float
+    duplicate: bool  # an earlier submission with the same idempotency key
+    downgraded: bool = False  # P0 quota exhausted and the tenant is configured to fall back to P1
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """Subscribe to a job's tokens from ``from_index`` on; the gateway replies with TokenChunk... JobDone."""
+
+    api_key: str
+    job_id: str
+    from_index: int = 0
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    job_id: str
+    index: int  # index of token_ids[0] in the job's output; every index reaches the client once
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class JobDone:
+    job_id: str
+    state: str  # done | failed | expired | cancelled | dead
+    finish_reason: str | None
+    token_ids: list[int]
+    text: str
+    queued_s: float
+    ttft_s: float | None
+    total_s: float
+    preemptions: int
+    reason: str | None = None  # why it failed / expired / was dead-lettered
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    api_key: str
+    job_id: str
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    job_id: str
+    state: str
+    tier: str
+    attempt: int
+    estimated_wait_s: float | None
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    api_key: str
+    job_id: str
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    job_id: str
+    cancelled: bool  # False: it had already ended
+
+
+@dataclass(frozen=True)
+class InfoRequest:
+    """Cluster overview for operators and launchers; any valid API key may ask."""
+
+    api_key: str
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    gateway_id: str
+    workers: list[str]
+    queue_depths: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    code: str  # unauthorized | forbidden | invalid_request | quota_exceeded | overloaded | not_found | protocol
+    message: str
+    field: str | None = None
+    retry_after_s: float | None = None
+    estimated_wait_s: float | None = None
+    in_reply_to: str | None = None  # job id where there is one
+
+
+# -- gateway <-> worker ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    worker_id: str
+    model: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class GatewayWelcome:
+    """Reply to WorkerHello: tells the worker which gateway is on the other end of this socket."""
+
+    gateway_id: str
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """Heartbeat: extends the leases of ``job_ids`` and reports capacity."""
+
+    worker_id: str
+    free_slots: int
+    free_kv_blocks: int
+    running: dict[str, int]  # per tier
+    waiting: dict[str, int]  # per tier
+    job_ids: list[str]  # jobs this worker holds (running, waiting or suspended)
+    # Cheapest preemption here for a P0/P1 job, in estimated seconds (0: a slot is free or keep will do).
+    preemption_cost_s: float
+
+
+@dataclass(frozen=True)
+class DispatchJob:
+    job_id: str
+    attempt: int
+    tier: str
+    tenant: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int  # fixed at admission, so a re-dispatch reproduces the same tokens
+    reply_to: str  # gateway id that streams this job to its client
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CancelJob:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class JobTokens:
+    job_id: str
+    attempt: int
+    index: int  # index of token_ids[0] in the job's output
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    job_id: str
+    attempt: int
+    state: str  # done | failed
+    finish_reason: str | None
+    num_tokens: int
+    ttft_s: float | None
+    run_s: float
+    preemptions: int
+    reason: str | None = None
+
+
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
+    SubmitRequest, SubmitReply, StreamRequest, TokenChunk, JobDone, StatusRequest, StatusReply, CancelRequest,
+    CancelReply, InfoRequest, InfoReply, ErrorReply, WorkerHello, GatewayWelcome, WorkerLoad, DispatchJob, CancelJob, JobTokens, JobFinished)}
+
+
+def encode(msg: Any) -> bytes:
+    kind = type(msg).__name__
+    if MESSAGES.get(kind) is not type(msg):
+        raise TypeError(f"not a protocol message: {type(msg)!r}")
+    return msgpack.packb({"v": SCHEMA_VERSION, "k": kind, "b": dataclasses.asdict(msg)}, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Any:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("frame is not bytes")
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not a msgpack frame: {type(e).__name__}") from None
+    if not isinstance(raw, dict) or set(raw) != {"v", "k", "b"}:
+        raise ProtocolError("frame must be a map with keys v, k, b")
+    if raw["v"] != SCHEMA_VERSION:
+        raise ProtocolError(f"schema version {raw['v']!r} not supported (this side speaks {SCHEMA_VERSION})")
+    cls = MESSAGES.get(raw["k"]) if isinstance(raw["k"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {raw['k']!r}")
+    body = raw["b"]
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{cls.__name__}: body must be a map")
+    return _build(cls, body)
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, body: dict) -> Any:
+    hints, fields = _schema(cls)
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+            continue
+        if not _matches(body[name], hints[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}: wrong type {type(body[name]).__name__}")
+        kwargs[name] = body[name]
+    return cls(**kwargs)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        k, v = typing.get_args(hint)
+        return isinstance(value, dict) and all(_matches(a, k) and _matches(b, v) for a, b in value.items())
+    raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input

@@ -1,0 +1,149 @@
+"""Every Redis key of the serving cluster, in one place, and the loader of the Lua scripts.
+
+All keys of one cluster start with ``<prefix>:{<tag>}:``. The ``{<tag>}`` is a
+Redis Cluster hash tag, so every key of a cluster maps to one slot and every
+multi-key Lua script is Cluster-safe (scripts receive all their keys in KEYS).
+
+Key layout (``P`` is a tier P0..P3; ``<id>`` a job id):
+
+======================  ===========  ==========================================================
+key                     type         contents and lifetime
+======================  ===========  ==========================================================
+``q:P``                 sorted set   queued job ids of tier P, score = enqueue time in ms. A job
+                                     keeps that score when it ages into a higher tier, so it
+                                     lands ahead of newer jobs there. Member while queued.
+``job:<id>``            hash         the job (fields below). No TTL while queued, dispatched or
+                                     dead; after done / failed / expired / cancelled it expires
+                                     ``idempotency_ttl`` later (so a duplicate submission inside
+                                     the idempotency window still finds it) and its payload is
+                                     dropped. Dead-lettered jobs keep payload, no TTL: an
+                                     operator inspects and removes them.
+``inflight``            sorted set   dispatched job id -> lease expiry in ms. Member while
+                                     dispatched; heartbeats move the expiry forward.
+``dead``                sorted set   dead-lettered job id -> time of dead-lettering in ms.
+                                     Permanent until an operator removes it.
+``idem:<tenant>:<key>`` string       job id admitted under this idempotency key; TTL
+                                     ``idempotency_ttl`` (default 24 h) from admission. The
+                                     tenant is percent-encoded so ':' cannot make names collide.
+``quota:<tenant>``      hash         P0 token bucket: ``tokens`` (float), ``ts_ms`` (last
+                                     update). Expires when the bucket would be full again (a
+                                     missing bucket *is* a full one), so idle tenants cost
+                                     nothing.
+``drain``               hash         drain statistics per tier, updated by complete.lua:
+                                     ``completed:P`` (count of done + failed), ``rate:P`` and
+                                     ``ts:P`` (see below). Permanent.
+``aging``               sorted set   index: queued job id of an agable tier (P2, P3) ->
+                                     ``tier_since_ms``, so aging finds due jobs without scanning
+                                     queues. Member while queued in P2 or P3.
+``deadlines``           sorted set   index: queued job id -> the ms at which its queue timeout
+                                     expires (enqueue + timeout of the tier granted at
+                                     admission). Member while queued, if the tier has a timeout.
+======================  ===========  ==========================================================
+
+Job hash fields: ``id``, ``tenant``, ``tier`` (current), ``tier_requested`` (asked by the
+client), ``tier_granted`` (at admission, after any quota downgrade), ``state`` (queued |
+dispatched | done | failed | expired | cancelled | dead), ``payload`` (bytes, opaque: the
+gateway's msgpack request), ``enqueued_at_ms``, ``tier_since_ms`` (entered current tier),
+``attempt`` (0 at admission, +1 per claim), ``estimate_s`` (wait estimate at admission),
+``deadline_ms`` (queue deadline, absent if the tier has none), ``worker`` and ``gateway``
+(holder while dispatched), ``dispatched_at_ms``, ``reason`` (why it failed, expired, died or was
+cancelled), ``finished_at_ms``, plus any result fields given to complete().
+
+Drain rate formula (per tier, jobs/s): an exponentially decayed count of completions,
+``rate(t) = (1/tau) * sum_i exp(-(t - t_i) / tau)`` over completion times ``t_i``. It is
+stored as ``rate:P`` = rate at ``ts:P`` and updated on each completion at ``now`` by
+``rate = rate * exp(-(now - ts) / tau) + 1/tau``; a reader decays it to the present the same
+way. For completions at a steady ``r`` jobs/s it converges to ``r``; ``tau`` (default 30 s) is
+the memory of the average.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+from redis.commands.core import Script
+
+from common.tiers import ALL_TIERS, Tier
+
+LUA_DIR = Path(__file__).resolve().parent / "lua"
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Key names of one cluster: ``KeySpace(prefix="ts")`` gives ``ts:{c}:q:P0`` and so on."""
+
+    prefix: str  # distinguishes deployments (and tests) sharing one Redis
+    tag: str = "c"  # the hash tag: all keys of the cluster share the slot of this string
+
+    def __post_init__(self) -> None:
+        for name, value in (("prefix", self.prefix), ("tag", self.tag)):
+            if not value or any(ch in value for ch in "{}"):
+                raise ValueError(f"KeySpace {name} must be non-empty and free of braces, got {value!r}")
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.tag}}}"
+
+    def queue(self, tier: Tier) -> str:
+        return f"{self.base}:q:{tier.value}"
+
+    def queues(self) -> tuple[str, str, str, str]:
+        """The four tier queues in rank order (P0 first): the KEYS[1..4] of most scripts."""
+        q0, q1, q2, q3 = (self.queue(t) for t in ALL_TIERS)
+        return q0, q1, q2, q3
+
+    def job(self, job_id: str) -> str:
+        return f"{self.base}:job:{job_id}"
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.base}:inflight"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.base}:dead"
+
+    def idem(self, tenant: str, key: str) -> str:
+        return f"{self.base}:idem:{quote(tenant, safe='')}:{key}"
+
+    def quota(self, tenant: str) -> str:
+        return f"{self.base}:quota:{quote(tenant, safe='')}"
+
+    @property
+    def drain(self) -> str:
+        return f"{self.base}:drain"
+
+    @property
+    def aging(self) -> str:
+        return f"{self.base}:aging"
+
+    @property
+    def deadlines(self) -> str:
+        return f"{self.base}:deadlines"
+
+    def scan_pattern(self) -> str:
+        """A SCAN MATCH pattern for every key of this cluster (glob characters escaped)."""
+        escaped = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self.base)
+        return escaped + ":*"
+
+
+# One dict of Script objects per client: register_script only hashes the source; the
+# first call of each script on a server loads it (EVALSHA, NOSCRIPT, SCRIPT LOAD) and
+# later calls are a single EVALSHA.
+_LOADED: weakref.WeakKeyDictionary[redis.Redis, dict[str, Script]] = weakref.WeakKeyDictionary()
+
+
+def load_scripts(client: redis.Redis) -> dict[str, Script]:
+    """``{name: Script}`` for every ``common/lua/<name>.lua``, registered once per client."""
+    scripts = _LOADED.get(client)
+    if scripts is None:
+        scripts = {
+            path.stem: client.register_script(path.read_text(encoding="utf-8"))
+            for path in sorted(LUA_DIR.glob("*.lua"))
+        }
+        _LOADED[client] = scripts
+    return scripts

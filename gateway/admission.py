@@ -1,0 +1,61 @@
+"""Admission checks that need no Redis: who is asking, for which tier, and is the request servable.
+
+Everything here runs before anything is stored or charged; a refusal raises a typed error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.errors import Forbidden, InvalidRequest, Unauthorized
+from common.protocol import SubmitRequest
+from common.tiers import Tier, parse_tier
+from gateway.tenants import Tenant, TenantDirectory
+
+
+@dataclass(frozen=True)
+class Admission:
+    tenant: Tenant
+    tier_requested: Tier
+    prompt_token_ids: list[int]
+
+
+def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size: int | None,
+          max_model_len: int, max_tokens_limit: int) -> Admission:
+    tenant = tenants.lookup(req.api_key)
+    if tenant is None:
+        raise Unauthorized("unknown API key")
+    tier = parse_tier(req.tier) if req.tier is not None else tenant.highest_tier
+    if tier not in tenant.tiers:
+        allowed = ", ".join(sorted(t.value for t in tenant.tiers))
+        raise Forbidden(f"tenant {tenant.name!r} may use {allowed}, not {tier.value}")
+    if (req.prompt is None) == (req.prompt_token_ids is None):
+        raise InvalidRequest("give exactly one of prompt and prompt_token_ids", field="prompt")
+    if req.prompt is not None:
+        if tokenize is None:
+            raise InvalidRequest("this gateway has no tokenizer; send prompt_token_ids", field="prompt")
+        ids = tokenize(req.prompt)
+    else:
+        ids = req.prompt_token_ids
+    if not ids:
+        raise InvalidRequest("the prompt is empty", field="prompt")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"token ids must be in 0..{vocab_size - 1}", field="prompt_token_ids")
+    if not 1 <= req.max_tokens <= max_tokens_limit:
+        raise InvalidRequest(f"max_tokens must be in 1..{max_tokens_limit}", field="max_tokens")
+    if len(ids) + req.max_tokens > max_model_len:
+        raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                             f"model's context of {max_model_len}", field="prompt" if len(ids) >= max_model_len
+                             else "max_tokens")
+    if not math.isfinite(req.temperature) or req.temperature < 0:
+        raise InvalidRequest("temperature must be finite and >= 0", field="temperature")
+    if not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:
+        raise InvalidRequest("top_p must be in (0, 1]", field="top_p")
+    if req.top_k is not None and req.top_k < 1:
+        raise InvalidRequest("top_k must be >= 1", field="top_k")
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise InvalidRequest("seed must be in [0, 2**63)", field="seed")
+    if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= 200:
+        raise InvalidRequest("idempotency_key must be 1..200 characters", field="idempotency_key")
+    return Admission(tenant, tier, list(ids))

@@ -1,0 +1,49 @@
+"""Gateway configuration. Defaults here, overridden by a TOML file (--config) and then by
+environment variables TS_GATEWAY_<KEY> (e.g. TS_GATEWAY_REDIS_URL)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "TS_GATEWAY_"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    # Where SDK clients connect (ZeroMQ ROUTER).
+    client_bind: str = "tcp://127.0.0.1:5555"
+    # Where workers connect (ZeroMQ ROUTER).
+    worker_bind: str = "tcp://127.0.0.1:5556"
+    # Unique per gateway process; workers route a job's tokens back to the gateway that admitted it.
+    gateway_id: str = field(default_factory=lambda: f"gw-{socket.gethostname()}-{os.getpid()}")
+    # Redis holding all queue state, shared by every gateway of the cluster.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Key prefix (a hash tag is added so all keys share one Redis Cluster slot).
+    key_prefix: str = "ts"
+    # TOML file with [[tenant]] entries: name, api_key (or api_key_sha256), tiers, p0_rate_per_s, p0_burst,
+    # on_quota_exhausted ("refuse" or "downgrade").
+    tenants_file: str = "tenants.toml"
+    # Tokenizer (model directory or hub name) for text prompts and streamed text; "" accepts token ids only.
+    tokenizer: str = ""
+    # Context length used to validate prompts until a worker reports its model's.
+    max_model_len: int = 2048
+    # Largest max_tokens a request may ask for.
+    max_tokens_limit: int = 4096
+    # A dispatched job's lease; worker heartbeats extend it. Expired: re-queued (attempt + 1).
+    lease_s: float = 10.0
+    # Attempts before a job is dead-lettered.
+    max_attempts: int = 3
+    # A worker silent this long is dropped from dispatch (its leases then expire).
+    worker_timeout_s: float = 5.0
+    # A job waiting this long in its tier moves up one (never into P0).
+    aging_interval_s: float = 60.0
+    # Queue timeouts per tier in seconds (None: no timeout); past it a queued job ends as expired.
+    tier_timeouts_s: dict = field(default_factory=lambda: {"P0": 30.0, "P1": 60.0, "P2": 300.0, "P3": None})
+    # Drain rate (jobs/s per tier) assumed before any is measured, for wait estimates.
+    default_drain_rate_per_s: float = 1.0
+    # How often aging, expiry and lease recovery run.
+    maintenance_interval_s: float = 0.2
+    # Idempotency keys are remembered this long.
+    idempotency_ttl_s: int = 86400

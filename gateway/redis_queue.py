@@ -1,0 +1,350 @@
+"""Per-tier job queues in Redis: admission, dispatch leases, completion, aging, expiry, cancel.
+
+Several gateways share one Redis, so every change touching more than one key is one Lua
+script (common/lua/*.lua; key layout in common/redis_keys.py). Sweeps over per-job keys
+known only after a read (requeue_expired, age, expire) read the due ids first, then run a
+script that receives those jobs' keys in KEYS and re-verifies what was read.
+
+Invariants: a queued job is in exactly one ``q:P`` (its tier) and never in ``inflight``;
+a dispatched job is in ``inflight`` and in no queue; a finished job is in neither.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import redis
+
+from common.errors import DuplicateRequest
+from common.redis_keys import KeySpace, load_scripts
+from common.tiers import ALL_TIERS, Tier
+
+# Queue timeout per tier in seconds (None: waits forever); also the admission limit on the
+# estimated wait. Shared tier defaults live here until the configuration module exists.
+DEFAULT_TIER_TIMEOUTS_S: dict[Tier, float | None] = {Tier.P0: 30.0, Tier.P1: 60.0, Tier.P2: 300.0, Tier.P3: None}
+DEFAULT_AGING_INTERVAL_S = 60.0  # a job waiting this long in P2/P3 moves up one tier
+DEFAULT_IDEMPOTENCY_TTL_S = 86_400
+# Drain rate assumed for a tier the gateway has no measurement for (or measured ~0):
+# one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
+MIN_DRAIN_RATE_PER_S = 0.1
+DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
+SWEEP_LIMIT = 500  # most jobs one requeue_expired / age / expire call settles
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    DEAD = "dead"
+
+
+# Fields the queue's state machine owns: complete() may not overwrite them. ``reason`` is
+# a JobRecord field too, but complete() may set it (why a job failed).
+_QUEUE_FIELDS = frozenset(
+    "id tenant tier tier_requested tier_granted state payload enqueued_at_ms tier_since_ms attempt "
+    "estimate_s deadline_ms worker gateway dispatched_at_ms finished_at_ms".split()
+)
+_CORE_FIELDS = _QUEUE_FIELDS | {"reason"}  # everything else in the hash is a result field
+
+
+@dataclass(frozen=True)
+class QuotaSpec:
+    """A tenant's P0 token bucket."""
+
+    rate_per_s: float  # tokens refilled per second
+    burst: float  # bucket capacity; a full bucket admits this many P0 jobs at once
+    on_exhausted: Literal["refuse", "downgrade"] = "refuse"  # downgrade = admit at P1 instead
+
+    def __post_init__(self) -> None:
+        if not self.rate_per_s > 0 or not self.burst >= 1:
+            raise ValueError(f"quota needs rate_per_s > 0 and burst >= 1, got {self}")
+        if self.on_exhausted not in ("refuse", "downgrade"):
+            raise ValueError(f"on_exhausted must be 'refuse' or 'downgrade', got {self.on_exhausted!r}")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    job_id: str  # for a duplicate: the job first admitted under the idempotency key
+    tier: Tier  # tier the job is queued at (P1 after a quota downgrade; current tier for a duplicate)
+    estimated_wait_s: float  # jobs ahead / drain rate; 0.0 for a duplicate no longer queued
+    duplicate: bool  # True: the idempotency key was seen before; nothing was stored or charged
+    position: int | None  # queued jobs ahead of it; None for a duplicate no longer queued
+
+
+@dataclass(frozen=True)
+class QuotaRefused:
+    retry_after_s: float  # when the tenant's P0 bucket holds a token again
+
+
+@dataclass(frozen=True)
+class Overloaded:
+    estimated_wait_s: float  # the estimate that exceeded the timeout
+    tier: Tier  # the tier the estimate was made for
+    timeout_s: float  # that tier's queue timeout
+
+
+AdmitResult = Union[Admitted, QuotaRefused, Overloaded]
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    tenant: str
+    tier: Tier  # current tier (after aging)
+    tier_requested: Tier  # what the client asked for
+    tier_granted: Tier  # what it was admitted at (after a quota downgrade)
+    state: JobState
+    payload: bytes | None  # None once the job is finished (dropped to bound memory), except dead
+    enqueued_at_ms: int
+    tier_since_ms: int
+    attempt: int  # claims so far
+    estimate_s: float  # wait estimate at admission
+    deadline_ms: int | None  # queue deadline; None if the granted tier has no timeout
+    worker: str | None  # holder while dispatched (kept on a dead job)
+    gateway: str | None
+    dispatched_at_ms: int | None
+    reason: str | None  # why it expired, died, was cancelled (or failed, if complete() said)
+    finished_at_ms: int | None
+    result: dict[str, bytes] = field(default_factory=dict)  # the fields given to complete()
+
+    @classmethod
+    def from_redis(cls, raw: Mapping[bytes, bytes] | Sequence[bytes]) -> JobRecord:
+        """From HGETALL: a dict (redis-py) or a flat [field, value, ...] list (from Lua)."""
+        h = dict(raw) if isinstance(raw, Mapping) else dict(zip(raw[0::2], raw[1::2]))
+        d = {k.decode(): v for k, v in h.items()}
+
+        def text(name: str) -> str | None:
+            return d[name].decode() if name in d else None
+
+        def integer(name: str) -> int | None:
+            return int(d[name]) if name in d else None
+
+        return cls(
+            id=d["id"].decode(), tenant=d["tenant"].decode(), tier=Tier(d["tier"].decode()),
+            tier_requested=Tier(d["tier_requested"].decode()), tier_granted=Tier(d["tier_granted"].decode()),
+            state=JobState(d["state"].decode()), payload=d.get("payload"),
+            enqueued_at_ms=int(d["enqueued_at_ms"]), tier_since_ms=int(d["tier_since_ms"]),
+            attempt=int(d["attempt"]), estimate_s=float(d["estimate_s"]), deadline_ms=integer("deadline_ms"),
+            worker=text("worker"), gateway=text("gateway"), dispatched_at_ms=integer("dispatched_at_ms"),
+            reason=text("reason"), finished_at_ms=integer("finished_at_ms"),
+            result={k: v for k, v in d.items() if k not in _CORE_FIELDS},
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DrainStat:
+    completed: int  # jobs of this tier completed (done + failed) since the stats began
+    rate_per_s: float  # decayed completion rate at the time asked
+
+
+def _ms(seconds: float | None) -> str:
+    return "-1" if seconds is None else str(int(round(seconds * 1000)))
+
+
+class RedisQueue:
+    """The queue API over one KeySpace. Stateless apart from configuration: any number of
+    RedisQueue objects (in any number of gateways) may share a prefix."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: KeySpace,
+        *,
+        tier_timeouts_s: Mapping[Tier, float | None],
+        idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
+        drain_tau_s: float = DEFAULT_DRAIN_TAU_S,
+    ) -> None:
+        missing = [t.value for t in ALL_TIERS if t not in tier_timeouts_s]
+        if missing:
+            raise ValueError(f"tier_timeouts_s lacks {', '.join(missing)}")
+        if any(v is not None and v <= 0 for v in tier_timeouts_s.values()):
+            raise ValueError(f"queue timeouts must be positive or None, got {dict(tier_timeouts_s)}")
+        if idempotency_ttl_s < 1 or drain_tau_s <= 0:
+            raise ValueError("idempotency_ttl_s must be >= 1 and drain_tau_s > 0")
+        self.client = client
+        self.keys = keys
+        self.tier_timeouts_s = {t: tier_timeouts_s[t] for t in ALL_TIERS}
+        self.idempotency_ttl_s = idempotency_ttl_s
+        self.drain_tau_s = drain_tau_s
+        self._scripts = load_scripts(client)
+        self._retention_ms = str(idempotency_ttl_s * 1000)  # finished jobs outlive their idempotency key
+
+    # --- admission -------------------------------------------------------------------------
+    def admit(
+        self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int,
+        idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
+    ) -> AdmitResult:  # fmt: skip
+        """Admit a job with one script call (see common/lua/admit.lua for the rules)."""
+        if not job_id or not tenant:
+            raise ValueError("job_id and tenant must be non-empty")
+        rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
+        if not all(math.isfinite(r) for r in rates):
+            raise ValueError(f"drain rates must be finite, got {dict(drain_rate_per_s)}")
+        keys = [*self.keys.queues(), self.keys.job(job_id), self.keys.quota(tenant), self.keys.aging,
+                self.keys.deadlines]  # fmt: skip
+        if idempotency_key is not None:
+            keys.append(self.keys.idem(tenant, idempotency_key))
+        args = [
+            job_id, tenant, Tier(tier_requested).value, Tier(tier).value, payload, str(now_ms),
+            str(self.idempotency_ttl_s * 1000), *(_ms(self.tier_timeouts_s[t]) for t in ALL_TIERS),
+            *(repr(r) for r in rates), repr(quota.rate_per_s) if quota else "0",
+            repr(quota.burst) if quota else "0", quota.on_exhausted if quota else "refuse",
+        ]  # fmt: skip
+        reply = self._scripts["admit"](keys=keys, args=args)
+        kind = reply[0].decode()
+        if kind == "admitted":
+            return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]))
+        if kind == "quota":
+            return QuotaRefused(float(reply[1]))
+        if kind == "overloaded":
+            t = Tier(reply[1].decode())
+            return Overloaded(float(reply[2]), t, self.tier_timeouts_s[t])  # type: ignore[arg-type]
+        if kind == "duplicate":
+            return self._duplicate(reply[1].decode(), Tier(tier), rates)
+        if kind == "exists":
+            raise DuplicateRequest(job_id)
+        raise RuntimeError(f"admit.lua returned {reply!r}")
+
+    def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
+        """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(self.keys.job(job_id))
+        for q in self.keys.queues():
+            pipe.zcard(q)
+        for q in self.keys.queues():
+            pipe.zrank(q, job_id)
+        raw, *rest = pipe.execute()
+        depths, ranks = rest[:4], rest[4:]
+        if not raw:  # cannot happen while job retention >= idempotency TTL; answer honestly anyway
+            return Admitted(job_id, fallback_tier, 0.0, True, None)
+        job = JobRecord.from_redis(raw)
+        if job.state is not JobState.QUEUED or ranks[job.tier.rank] is None:
+            return Admitted(job_id, job.tier, 0.0, True, None)
+        r = job.tier.rank
+        ahead = [*depths[:r], ranks[r]]
+        return Admitted(job_id, job.tier, sum(n / rates[i] for i, n in enumerate(ahead)), True, sum(ahead))
+
+    # --- dispatch --------------------------------------------------------------------------
+    def peek(self, tiers: Sequence[Tier], limit: int) -> list[str]:
+        """Up to ``limit`` queued job ids of ``tiers`` in dispatch order (P0 first, then by score)."""
+        ordered = sorted({Tier(t) for t in tiers}, key=lambda t: t.rank)
+        if limit <= 0 or not ordered:
+            return []
+        ids = self._scripts["peek"](keys=[self.keys.queue(t) for t in ordered], args=[str(limit)])
+        return [i.decode() for i in ids]
+
+    def claim(
+        self, job_ids: Sequence[str], *, worker: str, gateway: str, now_ms: int, lease_ms: int
+    ) -> list[JobRecord]:
+        """Lease the still-queued jobs among ``job_ids`` to ``worker``; returns those claimed."""
+        if lease_ms <= 0:
+            raise ValueError(f"lease_ms must be positive, got {lease_ms}")
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return []
+        keys = [*self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
+                *(self.keys.job(i) for i in ids)]  # fmt: skip
+        rows = self._scripts["claim"](keys=keys, args=[worker, gateway, str(now_ms), str(lease_ms), *ids])
+        return [JobRecord.from_redis(row) for row in rows]
+
+    def extend_leases(self, worker: str, job_ids: Sequence[str], now_ms: int, lease_ms: int) -> int:
+        """Set the lease of each of ``job_ids`` dispatched to ``worker`` to now + lease; returns how many."""
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return 0
+        keys = [self.keys.inflight, *(self.keys.job(i) for i in ids)]
+        return int(self._scripts["extend"](keys=keys, args=[worker, str(now_ms + lease_ms), *ids]))
+
+    def complete(
+        self, job_id: str, *, attempt: int, state: str, now_ms: int, fields: Mapping[str, str | int | float | bytes]
+    ) -> bool:
+        """Finish a dispatched job as done or failed; False (nothing changed) if the attempt is stale."""
+        final = JobState(state)
+        if final not in (JobState.DONE, JobState.FAILED):
+            raise ValueError(f"complete() takes state 'done' or 'failed', got {state!r}")
+        clash = sorted(set(fields) & _QUEUE_FIELDS)
+        if clash:
+            raise ValueError(f"result fields may not overwrite queue fields: {clash}")
+        flat: list[str | bytes] = []
+        for name, value in fields.items():
+            if isinstance(value, bool) or not isinstance(value, (str, bytes, int, float)):
+                raise TypeError(f"result field {name!r} must be str, bytes, int or float, got {type(value).__name__}")
+            flat += [name, value if isinstance(value, (str, bytes)) else repr(value)]
+        keys = [self.keys.job(job_id), self.keys.inflight, self.keys.drain]
+        args = [job_id, str(attempt), final.value, str(now_ms), self._retention_ms,
+                str(int(self.drain_tau_s * 1000)), *flat]  # fmt: skip
+        return bool(self._scripts["complete"](keys=keys, args=args))
+
+    # --- sweeps (any gateway may run them; the scripts make concurrent runs safe) ----------
+    def requeue_expired(self, now_ms: int, max_attempts: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, str]]:
+        """Settle expired leases: back to the queue (original score) or, after max_attempts, dead."""
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        ids = self._due(self.keys.inflight, now_ms, limit)
+        if not ids:
+            return []
+        keys = [*self.keys.queues(), self.keys.inflight, self.keys.dead, self.keys.aging, self.keys.deadlines,
+                *(self.keys.job(i) for i in ids)]  # fmt: skip
+        flat = self._scripts["requeue"](keys=keys, args=[str(now_ms), str(max_attempts), *ids])
+        return [(flat[i].decode(), flat[i + 1].decode()) for i in range(0, len(flat), 2)]
+
+    def age(self, now_ms: int, interval_ms: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, Tier, Tier]]:
+        """Move jobs that waited ``interval_ms`` in P2/P3 up one tier; returns (id, from, to)."""
+        if interval_ms <= 0:
+            raise ValueError(f"interval_ms must be positive, got {interval_ms}")
+        cutoff = now_ms - interval_ms
+        ids = self._due(self.keys.aging, cutoff, limit)
+        if not ids:
+            return []
+        keys = [*self.keys.queues(), self.keys.aging, *(self.keys.job(i) for i in ids)]
+        flat = self._scripts["age"](keys=keys, args=[str(now_ms), str(cutoff), *ids])
+        triples = zip(flat[0::3], flat[1::3], flat[2::3])
+        return [(job_id.decode(), Tier(old.decode()), Tier(new.decode())) for job_id, old, new in triples]
+
+    def expire(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[str]:
+        """End queued jobs past the queue timeout of the tier granted at admission."""
+        ids = self._due(self.keys.deadlines, now_ms, limit)
+        if not ids:
+            return []
+        keys = [*self.keys.queues(), self.keys.aging, self.keys.deadlines, *(self.keys.job(i) for i in ids)]
+        return [i.decode() for i in self._scripts["expire"](keys=keys, args=[str(now_ms), self._retention_ms, *ids])]
+
+    def _due(self, index: str, max_score: int, limit: int) -> list[str]:
+        return [i.decode() for i in self.client.zrangebyscore(index, "-inf", max_score, start=0, num=limit)]
+
+    # --- cancel and reads ------------------------------------------------------------------
+    def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
+        """Cancel a queued or dispatched job; returns it as it was, or None if unknown or final."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines]
+        raw = self._scripts["cancel"](keys=keys, args=[job_id, str(now), self._retention_ms, reason])
+        return JobRecord.from_redis(raw) if raw else None
+
+    def get(self, job_id: str) -> JobRecord | None:
+        raw = self.client.hgetall(self.keys.job(job_id))
+        return JobRecord.from_redis(raw) if raw else None
+
+    def depths(self) -> dict[Tier, int]:
+        pipe = self.client.pipeline(transaction=False)
+        for q in self.keys.queues():
+            pipe.zcard(q)
+        return dict(zip(ALL_TIERS, (int(n) for n in pipe.execute())))
+
+    def drain_stats(self, now_ms: int) -> dict[Tier, DrainStat]:
+        """Completed counts and completion rates per tier, decayed to ``now_ms``: what admit() wants."""
+        raw = {k.decode(): v for k, v in self.client.hgetall(self.keys.drain).items()}
+        tau_ms = self.drain_tau_s * 1000
+        stats = {}
+        for t in ALL_TIERS:
+            rate, ts = float(raw.get(f"rate:{t.value}", 0)), float(raw.get(f"ts:{t.value}", now_ms))
+            decayed = rate * math.exp(-max(0.0, now_ms - ts) / tau_ms)
+            stats[t] = DrainStat(int(raw.get(f"completed:{t.value}", 0)), decayed)
+        return stats

