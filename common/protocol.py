@@ -43,6 +43,7 @@ class SubmitRequest:
     tier: str | None = None  # None: the tenant's highest entitled tier
     idempotency_key: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent / tracestate
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ class DispatchJob:
     seed: int  # fixed at admission, so a re-dispatch reproduces the same tokens
     reply_to: str  # gateway id that streams this job to its client
     trace_context: dict[str, str] = field(default_factory=dict)
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -98,11 +98,11 @@ def _result(done: P.JobDone) -> JobResult:
 
 
 def _submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
-                    idempotency_key) -> P.SubmitRequest:
+                    idempotency_key, ignore_eos) -> P.SubmitRequest:
     return P.SubmitRequest(api_key=api_key, max_tokens=max_tokens, prompt=prompt,
                            prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
                            temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed, tier=tier,
-                           idempotency_key=idempotency_key, trace_context=_trace_context())
+                           idempotency_key=idempotency_key, trace_context=_trace_context(), ignore_eos=ignore_eos)
 
 
 class _Chunks:
@@ -186,9 +186,9 @@ class GatewayClient:
 
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
-               tier: str | None = None, idempotency_key: str | None = None) -> Job:
+               tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False) -> Job:
         reply = self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p,
-                                           top_k, seed, tier, idempotency_key))
+                                           top_k, seed, tier, idempotency_key, ignore_eos))
         return Job(self, reply)
 
     def status(self, job_id: str) -> JobStatus:
@@ -269,9 +269,10 @@ class AsyncGatewayClient:
 
     async def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
-                     tier: str | None = None, idempotency_key: str | None = None) -> AsyncJob:
+                     tier: str | None = None, idempotency_key: str | None = None,
+                     ignore_eos: bool = False) -> AsyncJob:
         reply = await self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature,
-                                                 top_p, top_k, seed, tier, idempotency_key))
+                                                 top_p, top_k, seed, tier, idempotency_key, ignore_eos))
         return AsyncJob(self, reply)
 
     async def status(self, job_id: str) -> JobStatus:

@@ -153,7 +153,7 @@ class Gateway:
         payload = msgpack.packb({
             "prompt_token_ids": adm.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "top_k": req.top_k, "seed": seed, "reply_to": self.config.gateway_id,
-            "trace_context": req.trace_context,
+            "trace_context": req.trace_context, "ignore_eos": req.ignore_eos,
         })
         t = adm.tenant
         quota = (QuotaSpec(t.p0_rate_per_s, t.p0_burst, t.on_quota_exhausted)
@@ -358,7 +358,7 @@ class Gateway:
                 self._send(self.worker_sock, w.identity, P.DispatchJob(
                     rec.id, rec.attempt, rec.tier.value, rec.tenant, body["prompt_token_ids"], body["max_tokens"],
                     body["temperature"], body["top_p"], body["top_k"], body["seed"], body["reply_to"],
-                    body.get("trace_context") or {}))
+                    body.get("trace_context") or {}, bool(body.get("ignore_eos", False))))
                 w.pending.add(rec.id)
                 self.counters["dispatched"] += 1
 

@@ -72,25 +72,36 @@ class Cluster:
     def start(self) -> dict:
         a = self.args
         model = resolve_model(a.model)
-        self.redis = RedisServer()
+        self.redis = RedisServer(appendonly=True)
         self.redis.start()
         tenants = write_tenants(self.tmp / "tenants.toml")
-        client_ep = f"tcp://127.0.0.1:{free_port()}"
-        worker_ep = f"tcp://127.0.0.1:{free_port()}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval))
-        log_dir = self.tmp
-        self._spawn([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind", worker_ep,
-                     "--redis-url", self.redis.url, "--tenants-file", str(self.tmp / "tenants.toml"),
-                     "--gateway-id", "gw-0"], env | {"TS_GATEWAY_TOKENIZER": str(model)}, log_dir / "gateway.log")
+        # CPU workers split the cores; each torch pool spinning on all of them would thrash.
+        threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval),
+                   TS_GATEWAY_LEASE_S=str(a.lease_s), TS_GATEWAY_TOKENIZER=str(model),
+                   TS_WORKER_TORCH_THREADS=str(threads))
+        gateways = []
+        for g in range(a.gateways):
+            client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+            gateways.append({"id": f"gw-{g}", "endpoint": client_ep, "worker_endpoint": worker_ep})
+            self._spawn([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind", worker_ep,
+                         "--redis-url", self.redis.url, "--tenants-file", str(self.tmp / "tenants.toml"),
+                         "--gateway-id", f"gw-{g}"], env, self.tmp / f"gateway-{g}.log")
+        workers = []
         for i in range(a.workers):
-            cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--gateway", worker_ep,
-                   "--model", str(model), "--max-num-seqs", str(a.max_running)]
+            cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--model", str(model),
+                   "--max-num-seqs", str(a.max_running)]
+            for g in gateways:
+                cmd += ["--gateway", g["worker_endpoint"]]
             if a.kv_blocks:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
-            self._spawn(cmd, env, log_dir / f"worker-{i}.log")
-        state = {"gateway": client_ep, "redis": self.redis.url, "tenants": tenants, "spans_file": None,
-                 "logs": str(log_dir)}
-        self._wait_ready(client_ep, tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
+            self._spawn(cmd, env, self.tmp / f"worker-{i}.log")
+            workers.append({"id": f"wk-{i}", "pid": self.procs[-1].pid})
+        state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
+                 "key_prefix": "ts", "tenants": tenants, "spans_file": None, "logs": str(self.tmp),
+                 "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]]}
+        for g in gateways:
+            self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
         return state
 
     def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
@@ -104,7 +115,7 @@ class Cluster:
         client = GatewayClient(endpoint, key, timeout_s=2.0)
         try:
             while time.monotonic() < deadline:
-                dead = [p.args[2] for p in self.procs if p.poll() is not None]
+                dead = [" ".join(map(str, p.args[1:3])) for p in self.procs if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"{dead} exited early; see the logs in {self.tmp}")
                 try:
@@ -135,6 +146,8 @@ class Cluster:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--gateways", type=int, default=1, help="gateways sharing the one Redis")
+    ap.add_argument("--lease-s", type=float, default=10.0, help="dispatch lease; heartbeats extend it")
     ap.add_argument("--model", default="tiny", help="tiny | bench | a model directory")
     ap.add_argument("--state-file", type=Path, required=True, help="where to write the cluster's JSON state")
     ap.add_argument("--max-running", type=int, default=16, help="batch slots per worker")

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGUSR1, lambda *_: service.log_state())  # operators: `kill -USR1 <pid>`
     service.connect()
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
                                      config.device, json.dumps(config.gateways))
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build(config: WorkerConfig):
+    import torch
+
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
     from worker.config import EngineConfig
     from worker.engine import Engine
     from worker.service import WorkerService

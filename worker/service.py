@@ -119,7 +119,7 @@ class WorkerService:
         if msg.job_id in self.jobs:  # re-dispatched here after its lease expired: start over
             self.engine.abort(msg.job_id)
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
-                                top_p=msg.top_p, seed=msg.seed)
+                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
         try:
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant)
         except InvalidRequest as e:
@@ -148,6 +148,16 @@ class WorkerService:
                     job.job_id, job.attempt, "done", out.finish_reason.value if out.finish_reason else None,
                     job.sent, None if job.first_token is None else job.first_token - job.started,
                     now - job.started, out.num_preemptions))
+
+    def log_state(self) -> None:
+        """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""
+        s = self.engine.scheduler
+        for r in s.running + s.waiting:
+            log.info("%s %s %s mode=%s computed=%d out=%d/%d preempted=%d", r.request_id, r.tier.value,
+                     r.status.value, r.preempt_mode, r.num_computed_tokens, len(r.output_token_ids),
+                     r.params.max_tokens, r.num_preemptions)
+        log.info("jobs=%d kv=%s stats=%s counters=%s", len(self.jobs), self.engine.kv_usage(), s.stats,
+                 dict(self.counters))
 
     def _heartbeat(self, now: float) -> None:
         self._last_beat = now

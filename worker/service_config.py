@@ -34,5 +34,8 @@ class WorkerConfig:
     swap_space_mb: int = 256
     # "priority" (tiers, preemption) or "fifo".
     policy: str = "priority"
+    # torch intra-op threads; 0 keeps torch's default (all cores). Several workers on one host's CPUs
+    # should split the cores between them, or their thread pools spin against each other.
+    torch_threads: int = 0
     # Seconds between load reports; they also extend the leases of this worker's jobs.
     heartbeat_interval_s: float = 0.5

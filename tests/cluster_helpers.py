@@ -1,0 +1,83 @@
+"""Start a real local cluster (scripts/up.py: redis-server, gateways, workers) for integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes (then fail naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextmanager
+def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways: int = 1, max_running: int = 2,
+                  aging_interval: float = 60.0, lease_s: float = 10.0, kv_blocks: int = 0):
+    state_file = tmp_path / "cluster.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", str(workers), "--gateways", str(gateways),
+           "--model", str(model_dir), "--state-file", str(state_file), "--max-running", str(max_running),
+           "--aging-interval", str(aging_interval), "--lease-s", str(lease_s), "--ready-timeout", "90"]
+    if kv_blocks:
+        cmd += ["--kv-blocks", str(kv_blocks)]
+    log = (tmp_path / "up.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        wait_for(lambda: state_file.exists() or proc.poll() is not None, 120, "the cluster to start")
+        if proc.poll() is not None:
+            raise AssertionError(f"up.py exited {proc.returncode}: {(tmp_path / 'up.log').read_text()[-3000:]}")
+        state = json.loads(state_file.read_text())
+        state["redis_client"] = redis.Redis.from_url(state["redis"])
+        yield state
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        if state_file.exists():
+            st = json.loads(state_file.read_text())
+            for pid in [w["pid"] for w in st["workers"]] + st["gateway_pids"]:
+                assert not _alive(pid), f"process {pid} left behind"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of a dead child counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def job_hash(state: dict, job_id: str) -> dict[str, str]:
+    raw = state["redis_client"].hgetall(f"{state['key_prefix']}:{{c}}:job:{job_id}")
+    return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+
+
+def snapshot(state: dict) -> dict[bytes, bytes]:
+    """Every key of the cluster with a dump of its value: to prove a refusal changed nothing."""
+    r = state["redis_client"]
+    return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{state['key_prefix']}:*".encode(), count=1000))}

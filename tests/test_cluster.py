@@ -1,0 +1,163 @@
+"""The cluster end to end: real redis-server, gateway and worker processes on loopback, the SDK."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from common.errors import Forbidden, InvalidRequest, QuotaExceeded, Unauthorized
+from gateway.sdk import AsyncGatewayClient, GatewayClient
+from tests.cluster_helpers import job_hash, local_cluster, snapshot, wait_for
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("cluster"), tiny_model_dir, workers=2, max_running=2,
+                       aging_interval=1.0) as state:
+        yield state
+
+
+def client(cluster, tenant: str) -> GatewayClient:
+    return GatewayClient(cluster["gateway"], cluster["tenants"][tenant]["api_key"], timeout_s=30)
+
+
+def test_p0_jobs_finish_before_a_p3_flood_and_every_p3_completes(cluster):
+    lab, chat = client(cluster, "lab-co"), client(cluster, "chat-co")
+    flood = [lab.submit(prompt_token_ids=[5 + i, 6, 7], max_tokens=400, ignore_eos=True, seed=i) for i in range(12)]
+    wait_for(lambda: sum(job_hash(cluster, j.id)["state"] == "dispatched" for j in flood) == 4, 30,
+             "the flood to fill all four slots")
+    urgent = [chat.submit(prompt_token_ids=[9, 9, i], max_tokens=20, ignore_eos=True, tier="P0") for i in range(3)]
+    assert {j.tier for j in urgent} == {"P0"} and {j.tier for j in flood} == {"P3"}
+    results = {j.id: j.result(timeout=120) for j in urgent + flood}
+    assert all(len(results[j.id].token_ids) == 400 for j in flood)
+    assert all(len(results[j.id].token_ids) == 20 for j in urgent)
+    done_at = {j.id: int(job_hash(cluster, j.id)["finished_at_ms"]) for j in urgent + flood}
+    p3_finishes = sorted(done_at[j.id] for j in flood)
+    # Every P0 is done before the P3 jobs that were running or queued when it arrived (4 slots, 12 P3s).
+    assert max(done_at[j.id] for j in urgent) < p3_finishes[4]
+    assert any(results[j.id].preemptions for j in flood)  # P0s cut in by preempting running P3s
+
+
+def test_stream_delivers_each_index_once_and_matches_the_result(cluster):
+    lab = client(cluster, "lab-co")
+    job = lab.submit("hello world", max_tokens=50, temperature=0.8, seed=3, ignore_eos=True)
+    chunks = list(job.stream())
+    indices = [i for c in chunks for i in range(c.index, c.index + len(c.token_ids))]
+    assert indices == list(range(50))
+    result = job.result(timeout=30)
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert "".join(c.text for c in chunks) == result.text
+    assert result.finish_reason == "length" and result.total_s >= result.queued_s >= 0
+
+
+def test_refusals_store_nothing_and_charge_nothing(cluster):
+    lab, chat = client(cluster, "lab-co"), client(cluster, "chat-co")
+    wait_for(lambda: all(v == 0 for v in lab.info().queue_depths.values()), 60, "an idle cluster")
+    # Spend the P0 burst, so the next P0 is refused with a retry-after.
+    accepted = []
+    with pytest.raises(QuotaExceeded) as quota:
+        for i in range(10):
+            accepted.append(chat.submit(prompt_token_ids=[4, i], max_tokens=1, ignore_eos=True, tier="P0"))
+    assert 1 <= len(accepted) <= 5 and quota.value.retry_after_s > 0
+    for j in accepted:
+        j.result(timeout=30)
+    wait_for(lambda: all(v == 0 for v in lab.info().queue_depths.values()), 30, "the burst jobs to finish")
+    before = snapshot(cluster)
+    refusals = [
+        (lambda: GatewayClient(cluster["gateway"], "not-a-key").submit("hi"), Unauthorized),
+        (lambda: lab.submit("hi", tier="P0"), Forbidden),
+        (lambda: lab.submit("hi", tier="P9"), InvalidRequest),
+        (lambda: lab.submit(prompt_token_ids=[1] * 3000, max_tokens=4, ignore_eos=True), InvalidRequest),
+        (lambda: lab.submit(prompt_token_ids=[10**6], max_tokens=4, ignore_eos=True), InvalidRequest),
+        (lambda: lab.submit("hi", max_tokens=0, ignore_eos=True), InvalidRequest),
+        (lambda: lab.submit("hi", temperature=-1.0), InvalidRequest),
+        (lambda: lab.submit(), InvalidRequest),
+        (lambda: chat.submit(prompt_token_ids=[4], max_tokens=1, ignore_eos=True, tier="P0"), QuotaExceeded),
+    ]
+    for call, error in refusals:
+        with pytest.raises(error):
+            call()
+    assert snapshot(cluster) == before  # no job, no idempotency key, no quota charge
+
+
+def test_idempotency_key_returns_the_same_job(cluster):
+    lab = client(cluster, "lab-co")
+    a = lab.submit("same", max_tokens=3, idempotency_key="order-42", ignore_eos=True)
+    b = lab.submit("same", max_tokens=3, idempotency_key="order-42", ignore_eos=True)
+    assert a.id == b.id and not a.duplicate and b.duplicate
+    assert a.result(timeout=30).token_ids == b.result(timeout=30).token_ids
+
+
+def test_aging_promotes_a_waiting_p3_job(cluster):
+    lab, batch = client(cluster, "lab-co"), client(cluster, "batch-co")
+    blockers = [batch.submit(prompt_token_ids=[3, i], max_tokens=2000, ignore_eos=True, tier="P2") for i in range(4)]
+    wait_for(lambda: sum(job_hash(cluster, j.id)["state"] == "dispatched" for j in blockers) == 4, 30,
+             "P2 work to fill every slot")
+    waiting = lab.submit("patience", max_tokens=2, ignore_eos=True)
+    assert waiting.tier == "P3"
+    enqueued = job_hash(cluster, waiting.id)["enqueued_at_ms"]
+    # One aging interval (1 s here) later it has moved up, keeping its enqueue time; P1 at most, never P0.
+    h = wait_for(lambda: (lambda h: h if h["tier"] != "P3" else None)(job_hash(cluster, waiting.id)), 20,
+                 "the P3 job to age")
+    assert h["tier"] in ("P2", "P1") and h["tier_granted"] == "P3" and h["enqueued_at_ms"] == enqueued
+    for j in blockers:
+        batch.cancel(j.id)
+    assert len(waiting.result(timeout=60).token_ids) == 2
+    assert job_hash(cluster, waiting.id)["tier"] != "P0"
+
+
+def test_cancel_frees_the_worker(cluster):
+    lab = client(cluster, "lab-co")
+    job = lab.submit("long", max_tokens=1800, ignore_eos=True)
+    wait_for(lambda: job_hash(cluster, job.id)["state"] == "dispatched", 30, "dispatch")
+    assert lab.cancel(job.id) is True
+    assert lab.status(job.id).state == "cancelled"
+    assert lab.cancel(job.id) is False
+    # The slot is free again: a short job runs at once.
+    assert len(lab.submit("next", max_tokens=2, ignore_eos=True).result(timeout=30).token_ids) == 2
+
+
+def test_async_client_has_the_same_surface(cluster):
+    import asyncio
+
+    async def go():
+        c = AsyncGatewayClient(cluster["gateway"], cluster["tenants"]["api-co"]["api_key"], timeout_s=30)
+        try:
+            job = await c.submit("async", max_tokens=8, ignore_eos=True)
+            assert job.tier == "P1"
+            seen = [chunk.index async for chunk in job.stream()]
+            result = await job.result()
+            status = await c.status(job.id)
+            return seen, result, status
+        finally:
+            c.close()
+
+    seen, result, status = asyncio.run(go())
+    assert seen == list(range(len(seen))) and len(result.token_ids) == 8 and status.state == "done"
+
+
+def test_status_of_another_tenants_job_is_not_found(cluster):
+    from common.errors import NotFound
+
+    lab, api = client(cluster, "lab-co"), client(cluster, "api-co")
+    job = lab.submit("mine", max_tokens=1, ignore_eos=True)
+    with pytest.raises(NotFound):
+        api.status(job.id)
+    job.result(timeout=30)
+
+
+def test_concurrent_streams_from_threads(cluster):
+    lab = client(cluster, "lab-co")
+    jobs = [lab.submit(prompt_token_ids=[7, i], max_tokens=30, ignore_eos=True, seed=i) for i in range(6)]
+    out: dict[str, list[int]] = {}
+
+    def consume(job):
+        out[job.id] = [t for c in job.stream() for t in c.token_ids]
+
+    threads = [threading.Thread(target=consume, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(len(out[j.id]) == 30 for j in jobs)
