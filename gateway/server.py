@@ -175,7 +175,7 @@ class Gateway:
             assert isinstance(result, Admitted)
             if not result.duplicate:
                 self.enqueued_at[result.job_id] = now
-                self.streams.get_or_create(result.job_id)
+                self.streams.get_or_create(result.job_id).tenant = t.name
                 self._dirty = True
             self._send(self.clients, ident, P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s,
                                                           result.duplicate, result.tier is not adm.tier_requested))
@@ -194,6 +194,13 @@ class Gateway:
         return rec
 
     def on_stream(self, ident: bytes, req: P.StreamRequest) -> None:
+        live = self.streams.streams.get(req.job_id)
+        tenant = self.tenants.lookup(req.api_key)
+        if live is not None and tenant is not None and live.tenant == tenant.name:
+            # A job this gateway admitted and is still streaming: no Redis read needed.
+            live.subscribers[ident] = max(0, req.from_index)
+            self._flush(req.job_id)
+            return
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
             return

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 @dataclass
 class JobStream:
     job_id: str
+    tenant: str | None = None  # owner, known to the admitting gateway without a Redis read
     tokens: list[int] = field(default_factory=list)
     subscribers: dict[bytes, int] = field(default_factory=dict)  # client routing id -> next index to send
     first_token_at: float | None = None
