@@ -332,6 +332,18 @@ class RedisQueue:
         raw = self.client.hgetall(self.keys.job(job_id))
         return JobRecord.from_redis(raw) if raw else None
 
+    def jobs_ahead(self, job: JobRecord) -> dict[Tier, int]:
+        """Queued jobs that will be served before ``job``: all of higher tiers, the earlier ones of its own."""
+        pipe = self.client.pipeline(transaction=False)
+        higher = [t for t in ALL_TIERS if t.rank < job.tier.rank]
+        for t in higher:
+            pipe.zcard(self.keys.queue(t))
+        pipe.zscore(self.keys.queue(job.tier), job.id)
+        *counts, score = pipe.execute()
+        ahead = dict(zip(higher, (int(n) for n in counts)))
+        ahead[job.tier] = int(self.client.zcount(self.keys.queue(job.tier), "-inf", f"({score}")) if score else 0
+        return ahead
+
     def depths(self) -> dict[Tier, int]:
         pipe = self.client.pipeline(transaction=False)
         for q in self.keys.queues():

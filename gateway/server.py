@@ -221,9 +221,16 @@ class Gateway:
 
     def on_status(self, ident: bytes, req: P.StatusRequest) -> None:
         rec = self._own_job(ident, req.api_key, req.job_id)
-        if rec is not None:
-            self._send(self.clients, ident, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value, rec.attempt,
-                                                          rec.estimate_s, rec.reason))
+        if rec is None:
+            return
+        estimate = rec.estimate_s
+        if rec.state == "queued":  # kept current: the work ahead now, at the rates measured now
+            rates = self.drain_rates(self.clock())
+            estimate = sum(n / rates[t] for t, n in self.queue.jobs_ahead(rec).items())
+        else:
+            estimate = 0.0
+        self._send(self.clients, ident, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value, rec.attempt,
+                                                      estimate, rec.reason))
 
     def on_info(self, ident: bytes, req: P.InfoRequest) -> None:
         if self.tenants.lookup(req.api_key) is None:
@@ -259,6 +266,13 @@ class Gateway:
         now = self.clock()
         if ident != msg.worker_id.encode() or not self.workers.load(msg, now):
             return
+        w = self.workers.workers[msg.worker_id]
+        # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
+        # another gateway (its reply_to) or that was cancelled or requeued, would hold credit here forever.
+        for job_id in list(w.pending):
+            rec = self.queue.get(job_id)
+            if rec is None or rec.state != "dispatched" or rec.worker != msg.worker_id:
+                w.pending.discard(job_id)
         if msg.job_ids:
             self.queue.extend_leases(msg.worker_id, msg.job_ids, _ms(now), _ms(self.config.lease_s))
         self._dirty = True

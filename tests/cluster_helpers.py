@@ -29,7 +29,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 
 @contextmanager
 def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways: int = 1, max_running: int = 2,
-                  aging_interval: float = 60.0, lease_s: float = 10.0, kv_blocks: int = 0):
+                  aging_interval: float = 60.0, lease_s: float = 10.0, kv_blocks: int = 0,
+                  env: dict[str, str] | None = None):
     state_file = tmp_path / "cluster.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", str(workers), "--gateways", str(gateways),
            "--model", str(model_dir), "--state-file", str(state_file), "--max-running", str(max_running),
@@ -37,7 +38,7 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
     if kv_blocks:
         cmd += ["--kv-blocks", str(kv_blocks)]
     log = (tmp_path / "up.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ) | (env or {}))
     try:
         wait_for(lambda: state_file.exists() or proc.poll() is not None, 120, "the cluster to start")
         if proc.poll() is not None:
