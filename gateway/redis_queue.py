@@ -77,6 +77,8 @@ class Admitted:
     estimated_wait_s: float  # jobs ahead / drain rate; 0.0 for a duplicate no longer queued
     duplicate: bool  # True: the idempotency key was seen before; nothing was stored or charged
     position: int | None  # queued jobs ahead of it; None for a duplicate no longer queued
+    # The same per tier (fresh admissions only); diagnostic, for the admission span, so not compared.
+    ahead_by_tier: dict[Tier, int] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,8 @@ class RedisQueue:
         reply = self._scripts["admit"](keys=keys, args=args)
         kind = reply[0].decode()
         if kind == "admitted":
-            return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]))
+            return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]),
+                            dict(zip(ALL_TIERS, (int(n) for n in reply[4:8]))))
         if kind == "quota":
             return QuotaRefused(float(reply[1]))
         if kind == "overloaded":

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from opentelemetry import trace
 
 from common import protocol as P
+from common import tracing
 from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
                            ServingError, Unauthorized)
 from common.sockets import make_socket
@@ -78,14 +80,19 @@ def _raise_for(reply) -> None:
     raise ServingError(f"{code}: {msg}")
 
 
-def _trace_context() -> dict[str, str]:
-    try:
-        from opentelemetry.propagate import inject
-    except ImportError:  # tracing is optional for SDK users
-        return {}
-    carrier: dict[str, str] = {}
-    inject(carrier)
-    return carrier
+_tracer = trace.get_tracer("tiered_serve.sdk")
+
+
+def _submit_span():
+    """The request's root span (or a child of the caller's current span): its context travels with the job."""
+    return _tracer.start_as_current_span("sdk.submit", kind=trace.SpanKind.CLIENT)
+
+
+def _on_reply(span, reply) -> None:
+    if isinstance(reply, P.SubmitReply):
+        span.set_attributes(tracing.request_attributes(reply.job_id, reply.tier, None)
+                            | {"admission.estimated_wait_s": reply.estimated_wait_s,
+                               "admission.duplicate": reply.duplicate})
 
 
 def _result(done: P.JobDone) -> JobResult:
@@ -102,7 +109,7 @@ def _submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperat
     return P.SubmitRequest(api_key=api_key, max_tokens=max_tokens, prompt=prompt,
                            prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
                            temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed, tier=tier,
-                           idempotency_key=idempotency_key, trace_context=_trace_context(), ignore_eos=ignore_eos)
+                           idempotency_key=idempotency_key, trace_context=tracing.carrier(), ignore_eos=ignore_eos)
 
 
 class _Chunks:
@@ -187,8 +194,10 @@ class GatewayClient:
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False) -> Job:
-        reply = self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p,
-                                           top_k, seed, tier, idempotency_key, ignore_eos))
+        with _submit_span() as span:
+            reply = self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature,
+                                               top_p, top_k, seed, tier, idempotency_key, ignore_eos))
+            _on_reply(span, reply)
         return Job(self, reply)
 
     def status(self, job_id: str) -> JobStatus:
@@ -271,8 +280,10 @@ class AsyncGatewayClient:
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                      tier: str | None = None, idempotency_key: str | None = None,
                      ignore_eos: bool = False) -> AsyncJob:
-        reply = await self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature,
-                                                 top_p, top_k, seed, tier, idempotency_key, ignore_eos))
+        with _submit_span() as span:
+            reply = await self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens,
+                                                     temperature, top_p, top_k, seed, tier, idempotency_key, ignore_eos))
+            _on_reply(span, reply)
         return AsyncJob(self, reply)
 
     async def status(self, job_id: str) -> JobStatus:

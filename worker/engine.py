@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from common import tracing
 from common.errors import DuplicateRequest, InvalidRequest
 from common.tiers import parse_tier
 from worker.block_manager import BlockManager, BlockUsage
@@ -64,8 +65,12 @@ class Engine:
     # -- requests -----------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams | None = None, tier: str = "P3", tenant: str | None = None) -> None:
-        """Queue a request; raises InvalidRequest (and changes nothing) if it can never be served."""
+                    params: SamplingParams | None = None, tier: str = "P3", tenant: str | None = None,
+                    trace_context: dict[str, str] | None = None) -> None:
+        """Queue a request; raises InvalidRequest (and changes nothing) if it can never be served.
+
+        ``trace_context``: W3C headers of the trace this request belongs to (its spans join it).
+        """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest("request_id must be a non-empty string", field="request_id")
@@ -92,7 +97,7 @@ class Engine:
                       arrival_time=time.monotonic())
         self._requests[request_id] = req
         self.scheduler.add(req)
-        self.tracer.request_added(req)
+        self.tracer.request_added(req, tracing.context_from(trace_context) if trace_context else None)
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         try:
@@ -156,6 +161,7 @@ class Engine:
         logits = self.runner.execute(sched.chunks, self.blocks.block_table)
         tokens = self.sampler.sample(logits, sampling) if sampling else []
         outputs = self.scheduler.postprocess(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
+        self.tracer.step_finished(sched)
         now = time.monotonic()
         for out in outputs:
             req = self._requests[out.request_id]

@@ -8,11 +8,14 @@ installed (none: the API's no-op tracer, at almost no cost).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span
 
+from common import tracing
 from worker.preemption import PreemptionDecision
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
@@ -22,10 +25,7 @@ TRACER_NAME = "tiered_serve.worker"
 
 def request_attributes(req: Request) -> dict[str, str | int]:
     """Attributes every span of a request carries, so a trace backend can search by them."""
-    attrs: dict[str, str | int] = {"request.id": req.request_id, "request.tier": req.tier.value}
-    if req.tenant is not None:
-        attrs["tenant.id"] = req.tenant
-    return attrs
+    return dict(tracing.request_attributes(req.request_id, req.tier.value, req.tenant))
 
 
 def decision_attributes(d: PreemptionDecision) -> dict[str, str | int | float | bool]:
@@ -66,13 +66,44 @@ class EngineTracer:
         self.tracer = tracer or trace.get_tracer(TRACER_NAME)
         self._requests: dict[str, Span] = {}
         self._suspended: dict[str, Span] = {}
+        self._queued: dict[str, Span] = {}  # added, not yet scheduled
+        self._decoding: dict[str, Span] = {}  # from the first token to the end
+        self._step_start_ns = 0
 
-    def request_added(self, req: Request) -> None:
+    def request_added(self, req: Request, parent: Context | None = None) -> None:
+        """``parent``: the context the request arrived with (its trace), or None for a new trace."""
         attrs = request_attributes(req)
         attrs.update({"request.prompt_tokens": req.num_prompt_tokens, "request.max_tokens": req.params.max_tokens})
-        self._requests[req.request_id] = self.tracer.start_span("worker.request", attributes=attrs)
+        span = self.tracer.start_span("worker.request", context=parent, attributes=attrs)
+        self._requests[req.request_id] = span
+        self._queued[req.request_id] = self.tracer.start_span(
+            "worker.queue", context=trace.set_span_in_context(span), attributes=request_attributes(req))
+
+    def step_finished(self, out: SchedulerOutput) -> None:
+        """After the forward pass: a span per prefill chunk, and decode spans from the first token."""
+        end = time.time_ns()
+        for chunk in out.chunks:
+            req = chunk.request
+            parent = self._requests.get(req.request_id)
+            if parent is None:
+                continue
+            ctx = trace.set_span_in_context(parent)
+            if chunk.start < req.num_prompt_tokens:
+                span = self.tracer.start_span("worker.prefill", context=ctx, start_time=self._step_start_ns,
+                                              attributes=request_attributes(req) | {
+                                                  "prefill.start": chunk.start, "prefill.tokens": chunk.num_tokens,
+                                                  "scheduler.batch_tokens": out.num_batched_tokens})
+                span.end(end_time=end)
+            if chunk.sample and req.request_id not in self._decoding and not req.is_finished:
+                self._decoding[req.request_id] = self.tracer.start_span(
+                    "worker.decode", context=ctx, start_time=end, attributes=request_attributes(req))
 
     def request_finished(self, req: Request) -> None:
+        for table in (self._queued, self._decoding):
+            span = table.pop(req.request_id, None)
+            if span is not None:
+                span.set_attribute("request.output_tokens", len(req.output_token_ids))
+                span.end()
         self._end_suspended(req.request_id)
         span = self._requests.pop(req.request_id, None)
         if span is None:
@@ -86,6 +117,11 @@ class EngineTracer:
         span.end()
 
     def step_scheduled(self, out: SchedulerOutput, live: Mapping[str, Request]) -> None:
+        self._step_start_ns = time.time_ns()
+        for chunk in out.chunks:
+            queued = self._queued.pop(chunk.request.request_id, None)
+            if queued is not None:
+                queued.end(end_time=self._step_start_ns)
         decision_spans = {d.decision_id: self._decision_span(d) for d in out.decisions}
         by_victim = {d.victim_id: d for d in out.decisions if d.victim_id and not d.declined}
         for req in out.preempted:

@@ -21,7 +21,8 @@
 -- ARGV[18]    quota exhausted policy: "refuse" | "downgrade" (to P1)
 --
 -- Returns one of:
---   {"admitted", tier, estimated_wait_s, position}   position = queued jobs ahead of it
+--   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3}
+--                                                    position = queued jobs ahead of it, then per tier
 --   {"duplicate", existing job id}                   the idempotency key was seen before
 --   {"quota", retry_after_s}                         P0 bucket empty, policy refuse
 --   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
@@ -68,8 +69,10 @@ end
 
 local rank = tonumber(string.sub(tier, 2))
 local ahead, estimate = 0, 0
+local by_tier = {0, 0, 0, 0}
 for r = 0, rank do
     local depth = redis.call('ZCARD', KEYS[r + 1])
+    by_tier[r + 1] = depth
     ahead = ahead + depth
     estimate = estimate + depth / tonumber(ARGV[12 + r])
 end
@@ -98,4 +101,4 @@ end
 if #KEYS >= 9 then
     redis.call('SET', KEYS[9], job_id, 'PX', idem_ttl_ms)
 end
-return {'admitted', tier, tostring(estimate), ahead}
+return {'admitted', tier, tostring(estimate), ahead, by_tier[1], by_tier[2], by_tier[3], by_tier[4]}

@@ -22,7 +22,8 @@ for i = 6, #KEYS do
         local new_tier = 'P' .. (rank - 1)
         redis.call('ZREM', KEYS[rank + 1], job_id)
         redis.call('ZADD', KEYS[rank], f[4], job_id)
-        redis.call('HSET', job_key, 'tier', new_tier, 'tier_since_ms', now)
+        -- aged_to_<tier> records when, so a trace can show the promotion as an event.
+        redis.call('HSET', job_key, 'tier', new_tier, 'tier_since_ms', now, 'aged_to_' .. new_tier, now)
         if rank - 1 >= 2 then
             redis.call('ZADD', KEYS[5], now, job_id)
         else
