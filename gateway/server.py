@@ -284,6 +284,11 @@ class Gateway:
             self._flush(msg.job_id)
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
+        if msg.state not in ("done", "failed"):  # a malformed frame, not a handler error
+            self.counters["malformed"] += 1
+            self._send(self.worker_sock, ident, P.ErrorReply("protocol", f"JobFinished.state {msg.state!r} is not "
+                                                             "done or failed", field="state"))
+            return
         now = self.clock()
         s = self.streams.streams.get(msg.job_id)
         tokens = s.tokens if s is not None else []

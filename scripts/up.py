@@ -169,10 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(args.state_file)  # atomic: readers never see half a file
         print(f"cluster up: gateway {state['gateway']}, redis {state['redis']}, logs in {state['logs']}", flush=True)
+        gone: set[int] = set()
         while not stopping["now"]:
-            if any(p.poll() is not None for p in cluster.procs):
-                print("a cluster process exited; stopping", file=sys.stderr)
+            # A worker may die (its leases expire and other workers take its jobs over); a gateway may not.
+            if any(p.poll() is not None for p in cluster.procs[:args.gateways]):
+                print("a gateway exited; stopping", file=sys.stderr)
                 return 1
+            for p in cluster.procs[args.gateways:]:
+                if p.pid not in gone and p.poll() is not None:
+                    gone.add(p.pid)
+                    print(f"{' '.join(map(str, p.args[1:5]))} exited ({p.returncode}); the rest keep running",
+                          file=sys.stderr, flush=True)
             time.sleep(0.2)  # supervision tick; signals set the flag
     except RuntimeError as e:
         print(f"up.py: {e}", file=sys.stderr)

@@ -118,6 +118,7 @@ class WorkerService:
         reply = self.by_gateway.get(msg.reply_to, sock)
         if msg.job_id in self.jobs:  # re-dispatched here after its lease expired: start over
             self.engine.abort(msg.job_id)
+            del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
         try:
