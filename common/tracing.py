@@ -106,3 +106,10 @@ def request_attributes(request_id: str, tier: str, tenant: str | None) -> dict[s
     if tenant:
         attrs[TENANT_ID] = tenant
     return attrs
+
+
+def carrier_of(span: trace.Span) -> dict[str, str]:
+    """W3C headers naming ``span`` as the parent."""
+    out: dict[str, str] = {}
+    inject(out, context=trace.set_span_in_context(span))
+    return out

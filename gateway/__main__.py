@@ -29,12 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from common.tracing import setup_tracing
+
     try:
+        setup_tracing("tiered-serve-gateway")
         config = settings.load(GatewayConfig, args.config, ENV_PREFIX, client_bind=args.client_bind,
                                worker_bind=args.worker_bind, redis_url=args.redis_url,
                                tenants_file=args.tenants_file, gateway_id=args.gateway_id)
         gw = build(config)
-    except settings.ConfigError as e:
+    except (settings.ConfigError, ValueError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
     stop = {"now": False}

@@ -80,12 +80,12 @@ def _raise_for(reply) -> None:
     raise ServingError(f"{code}: {msg}")
 
 
-_tracer = trace.get_tracer("tiered_serve.sdk")
+SDK_TRACER = "tiered_serve.sdk"
 
 
-def _submit_span():
+def _submit_span(tracer: trace.Tracer):
     """The request's root span (or a child of the caller's current span): its context travels with the job."""
-    return _tracer.start_as_current_span("sdk.submit", kind=trace.SpanKind.CLIENT)
+    return tracer.start_as_current_span("sdk.submit", kind=trace.SpanKind.CLIENT)
 
 
 def _on_reply(span, reply) -> None:
@@ -168,10 +168,13 @@ class Job:
 
 
 class GatewayClient:
-    def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
+        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set)."""
         self.endpoint = endpoint
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.Context.instance()
         self._sock = self._new_socket()
 
@@ -194,7 +197,7 @@ class GatewayClient:
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False) -> Job:
-        with _submit_span() as span:
+        with _submit_span(self._tracer) as span:
             reply = self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature,
                                                top_p, top_k, seed, tier, idempotency_key, ignore_eos))
             _on_reply(span, reply)
@@ -254,10 +257,12 @@ class AsyncJob:
 
 
 class AsyncGatewayClient:
-    def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
         self.endpoint = endpoint
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._new_socket()
 
@@ -280,7 +285,7 @@ class AsyncGatewayClient:
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                      tier: str | None = None, idempotency_key: str | None = None,
                      ignore_eos: bool = False) -> AsyncJob:
-        with _submit_span() as span:
+        with _submit_span(self._tracer) as span:
             reply = await self._call(_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens,
                                                      temperature, top_p, top_k, seed, tier, idempotency_key, ignore_eos))
             _on_reply(span, reply)

@@ -20,11 +20,13 @@ import msgpack
 import zmq
 
 from common import protocol as P
+from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway import admission
 from gateway.config import GatewayConfig
+from gateway.spans import GatewaySpans
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, RedisQueue
 from gateway.streams import StreamTable
 from gateway.tenants import TenantDirectory
@@ -48,6 +50,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
+        self.spans = GatewaySpans()
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...
@@ -126,12 +129,14 @@ class Gateway:
         except (zmq.Again, zmq.ZMQError):
             self.counters["unroutable"] += 1  # peer gone or its queue full; it can re-subscribe
 
-    def _reply_error(self, ident: bytes, e: Exception, job_id: str | None = None) -> None:
+    def _error_for(self, e: Exception, job_id: str | None = None) -> P.ErrorReply:
         code = {Unauthorized: "unauthorized", Forbidden: "forbidden", InvalidRequest: "invalid_request"}.get(
             type(e), "invalid_request")
         self.counters[f"refused_{code}"] += 1
-        self._send(self.clients, ident, P.ErrorReply(code, str(e), field=getattr(e, "field", None),
-                                                     in_reply_to=job_id))
+        return P.ErrorReply(code, str(e), field=getattr(e, "field", None), in_reply_to=job_id)
+
+    def _reply_error(self, ident: bytes, e: Exception, job_id: str | None = None) -> None:
+        self._send(self.clients, ident, self._error_for(e, job_id))
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -139,46 +144,55 @@ class Gateway:
     # -- clients --------------------------------------------------------------------------------------------------
 
     def on_submit(self, ident: bytes, req: P.SubmitRequest) -> None:
+        with self.spans.admission(req) as span:
+            reply = self._admit(req, span)
+            if isinstance(reply, P.ErrorReply):
+                GatewaySpans.refused(span, reply.code, reply.message)
+        self._send(self.clients, ident, reply)
+
+    def _admit(self, req: P.SubmitRequest, span) -> P.SubmitReply | P.ErrorReply:
         tokenize = (lambda text: self.tokenizer(text).input_ids) if self.tokenizer is not None else None
         try:
             adm = admission.check(req, self.tenants, tokenize=tokenize, vocab_size=self.workers.vocab_size(),
                                   max_model_len=self.workers.max_model_len() or self.config.max_model_len,
                                   max_tokens_limit=self.config.max_tokens_limit)
         except (Unauthorized, Forbidden, InvalidRequest) as e:
-            self._reply_error(ident, e)
-            return
+            return self._error_for(e)
         now = self.clock()
         job_id = uuid.uuid4().hex
-        seed = req.seed if req.seed is not None else random.getrandbits(63)
-        payload = msgpack.packb({
-            "prompt_token_ids": adm.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": req.temperature,
-            "top_p": req.top_p, "top_k": req.top_k, "seed": seed, "reply_to": self.config.gateway_id,
-            "trace_context": req.trace_context, "ignore_eos": req.ignore_eos,
-        })
         t = adm.tenant
+        span.set_attributes(tracing.request_attributes(job_id, adm.tier_requested.value, t.name))
         quota = (QuotaSpec(t.p0_rate_per_s, t.p0_burst, t.on_quota_exhausted)
                  if adm.tier_requested is Tier.P0 and t.p0_rate_per_s else None)
+        # The job's later spans (queue, dispatch, worker) are children of this admission span.
+        parent = tracing.carrier()
+        payload = msgpack.packb({
+            "prompt_token_ids": adm.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": req.temperature,
+            "top_p": req.top_p, "top_k": req.top_k,
+            "seed": req.seed if req.seed is not None else random.getrandbits(63),
+            "reply_to": self.config.gateway_id, "trace_context": parent, "ignore_eos": req.ignore_eos,
+        })
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
                                   tier=adm.tier_requested, payload=payload, now_ms=_ms(now),
                                   idempotency_key=req.idempotency_key, quota=quota,
                                   drain_rate_per_s=self.drain_rates(now))
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
-            self._send(self.clients, ident, P.ErrorReply(
-                "quota_exceeded", f"P0 quota of tenant {t.name!r} is spent", retry_after_s=result.retry_after_s))
-        elif isinstance(result, Overloaded):
+            return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
+                                retry_after_s=result.retry_after_s)
+        if isinstance(result, Overloaded):
             self.counters["refused_overloaded"] += 1
-            self._send(self.clients, ident, P.ErrorReply(
-                "overloaded", f"estimated wait {result.estimated_wait_s:.1f}s exceeds the {adm.tier_requested.value} "
-                "queue timeout", estimated_wait_s=result.estimated_wait_s))
-        else:
-            assert isinstance(result, Admitted)
-            if not result.duplicate:
-                self.enqueued_at[result.job_id] = now
-                self.streams.get_or_create(result.job_id).tenant = t.name
-                self._dirty = True
-            self._send(self.clients, ident, P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s,
-                                                          result.duplicate, result.tier is not adm.tier_requested))
+            return P.ErrorReply("overloaded", f"estimated wait {result.estimated_wait_s:.1f}s exceeds the "
+                                f"{adm.tier_requested.value} queue timeout", estimated_wait_s=result.estimated_wait_s)
+        assert isinstance(result, Admitted)
+        GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
+                              result.estimated_wait_s, result.position, result.ahead_by_tier)
+        if not result.duplicate:
+            self.enqueued_at[result.job_id] = now
+            self.streams.get_or_create(result.job_id).tenant = t.name
+            self._dirty = True
+        return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
+                             result.tier is not adm.tier_requested)
 
     def _own_job(self, ident: bytes, api_key: str, job_id: str):
         """The job record if the caller's tenant owns it; else replies with an error and returns None."""
@@ -369,11 +383,14 @@ class Gateway:
         if not ids:
             return
         by_worker: dict[str, list[str]] = {}
+        reason: dict[str, str] = {}  # why each job goes where it goes, for its dispatch span
         planned: Counter = Counter()
         for job_id in ids:
             w = max(self.workers.workers.values(), key=lambda w: w.credit - planned[w.hello.worker_id])
+            reason[job_id] = "credit"
             if w.credit - planned[w.hello.worker_id] <= 0:
                 w = self.workers.cheapest_to_preempt()
+                reason[job_id] = "cheapest_preemption"
             by_worker.setdefault(w.hello.worker_id, []).append(job_id)
             planned[w.hello.worker_id] += 1
         for wid, job_ids in by_worker.items():
@@ -381,10 +398,12 @@ class Gateway:
             for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id, now_ms=_ms(now),
                                         lease_ms=_ms(self.config.lease_s)):
                 body = msgpack.unpackb(rec.payload)
+                ctx = self.spans.dispatched(rec, body.get("trace_context") or {}, wid, reason[rec.id],
+                                            int(now * 1e9))
                 self._send(self.worker_sock, w.identity, P.DispatchJob(
                     rec.id, rec.attempt, rec.tier.value, rec.tenant, body["prompt_token_ids"], body["max_tokens"],
                     body["temperature"], body["top_p"], body["top_k"], body["seed"], body["reply_to"],
-                    body.get("trace_context") or {}, bool(body.get("ignore_eos", False))))
+                    ctx, bool(body.get("ignore_eos", False))))
                 w.pending.add(rec.id)
                 self.counters["dispatched"] += 1
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.redis_server import RedisServer  # noqa: E402
 from common.sockets import free_port  # noqa: E402
+from common.tracing import SPANS_FILE_ENV  # noqa: E402
 
 DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
     "chat-co": (["P0", "P1", "P2", "P3"], 2.0, 4),
@@ -80,6 +81,11 @@ class Cluster:
         env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval),
                    TS_GATEWAY_LEASE_S=str(a.lease_s), TS_GATEWAY_TOKENIZER=str(model),
                    TS_WORKER_TORCH_THREADS=str(threads))
+        spans_file = None
+        if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_TRACES_EXPORTER")):
+            # No tracing backend configured: every process appends OTLP-JSON lines to one file.
+            spans_file = str(Path(a.spans_file or self.tmp / "spans.jsonl").resolve())
+            env[SPANS_FILE_ENV] = spans_file
         gateways = []
         for g in range(a.gateways):
             client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -98,7 +104,7 @@ class Cluster:
             self._spawn(cmd, env, self.tmp / f"worker-{i}.log")
             workers.append({"id": f"wk-{i}", "pid": self.procs[-1].pid})
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
-                 "key_prefix": "ts", "tenants": tenants, "spans_file": None, "logs": str(self.tmp),
+                 "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
                  "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]]}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
@@ -154,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from memory)")
     ap.add_argument("--aging-interval", type=float, default=60.0, help="seconds before a waiting job ages a tier")
     ap.add_argument("--ready-timeout", type=float, default=120.0)
+    ap.add_argument("--spans-file", type=Path, help="OTLP-JSON lines file for every process's spans (default: in the "
+                    "log folder); ignored when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set")
     args = ap.parse_args(argv)
     cluster = Cluster(args)
     stopping = {"now": False}

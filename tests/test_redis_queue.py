@@ -340,7 +340,8 @@ def test_stale_completion_from_an_expired_lease_changes_nothing(queue, client, k
     assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1300, fields={"text": "late"})
     assert snapshot(client, keys) == before
     assert queue.complete("a", attempt=2, state="done", now_ms=T0 + 1300, fields={"text": "ok"})
-    assert queue.get("a").result == {"text": b"ok"}
+    # The lost attempt is recorded for the trace of the next dispatch.
+    assert queue.get("a").result == {"text": b"ok", "requeued_at_ms": str(T0 + 1000).encode(), "lost_worker": b"w1"}
 
 
 def test_requeue_keeps_the_original_score_then_dead_letters(queue, client, keys):

@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from common.tracing import setup_tracing
+
     try:
+        setup_tracing("tiered-serve-worker")
         config = settings.load(WorkerConfig, args.config, ENV_PREFIX, worker_id=args.worker_id,
                                gateways=args.gateway, model=args.model, device=args.device,
                                max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)

@@ -36,7 +36,9 @@ for i = 9, #KEYS do
                 settled[#settled + 1] = 'dead'
             else
                 local rank = tonumber(string.sub(f[3], 2))
-                redis.call('HSET', job_key, 'state', 'queued')
+                -- requeued_at_ms and lost_worker let the next dispatch's trace show the lost attempt.
+                redis.call('HSET', job_key, 'state', 'queued', 'requeued_at_ms', now,
+                           'lost_worker', redis.call('HGET', job_key, 'worker') or '')
                 redis.call('HDEL', job_key, 'worker', 'gateway', 'dispatched_at_ms')
                 redis.call('ZADD', KEYS[rank + 1], f[4], job_id)
                 if rank >= 2 then

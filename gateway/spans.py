@@ -1,0 +1,82 @@
+"""The gateway's spans of a request: admission, queue wait and dispatch.
+
+They join the trace the SDK started (W3C context in SubmitRequest.trace_context). The
+admission span's context is stored with the job, so the queue and dispatch spans of
+every attempt, made by whichever gateway dispatches, and the worker's spans after them,
+stay in that one trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from common import tracing
+from common.protocol import SubmitRequest
+from common.tiers import ALL_TIERS, Tier
+
+TRACER_NAME = "tiered_serve.gateway"
+
+
+class GatewaySpans:
+    def __init__(self, tracer: trace.Tracer | None = None) -> None:
+        self.tracer = tracer or trace.get_tracer(TRACER_NAME)
+
+    @contextmanager
+    def admission(self, req: SubmitRequest) -> Iterator[trace.Span]:
+        with self.tracer.start_as_current_span("gateway.admit", context=tracing.context_from(req.trace_context),
+                                               kind=SpanKind.SERVER, record_exception=False) as span:
+            yield span
+
+    @staticmethod
+    def refused(span: trace.Span, code: str, message: str) -> None:
+        span.set_attributes({"admission.refused": code, "admission.quota": "refused" if code == "quota_exceeded"
+                             else "none"})
+        span.set_status(Status(StatusCode.ERROR, message))
+
+    @staticmethod
+    def admitted(span: trace.Span, job_id: str, tenant: str, tier_requested: Tier, tier: Tier,
+                 quota_applies: bool, estimated_wait_s: float, position: int | None,
+                 ahead: dict[Tier, int] | None) -> dict[str, str]:
+        """Record the admission; returns the context to store with the job (the parent of its later spans)."""
+        quota = "none" if not quota_applies else ("downgraded" if tier is not tier_requested else "ok")
+        span.set_attributes(tracing.request_attributes(job_id, tier.value, tenant) | {
+            "admission.tier_requested": tier_requested.value, "admission.tier_granted": tier.value,
+            "admission.quota": quota, "admission.estimated_wait_s": estimated_wait_s,
+        })
+        if position is not None:
+            span.set_attribute("queue.position", position)
+        for t in ALL_TIERS:
+            if ahead is not None:
+                span.set_attribute(f"queue.ahead.{t.value}", ahead.get(t, 0))
+        return tracing.carrier()
+
+    def dispatched(self, rec, parent: dict[str, str], worker: str, reason: str, now_ns: int) -> dict[str, str]:
+        """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join."""
+        ctx = tracing.context_from(parent)
+        attrs = tracing.request_attributes(rec.id, rec.tier.value, rec.tenant)
+        requeued = rec.result.get("requeued_at_ms")
+        start_ms = int(requeued) if rec.attempt > 1 and requeued else rec.enqueued_at_ms
+        queue = self.tracer.start_span("gateway.queue", context=ctx, start_time=start_ms * 1_000_000,
+                                       attributes=attrs | {"queue.tier": rec.tier.value,
+                                                           "queue.tier_granted": rec.tier_granted.value,
+                                                           "queue.attempt": rec.attempt})
+        tiers = [rec.tier_granted.value] + [t.value for t in sorted(ALL_TIERS, key=lambda t: -t.rank)
+                                            if t.rank < rec.tier_granted.rank]
+        for before, after in zip(tiers, tiers[1:]):
+            at = rec.result.get(f"aged_to_{after}")
+            if at is not None:
+                queue.add_event("aged", {"from_tier": before, "to_tier": after}, timestamp=int(at) * 1_000_000)
+        queue.end(end_time=now_ns)
+        span = self.tracer.start_span("gateway.dispatch", context=ctx, kind=SpanKind.PRODUCER, start_time=now_ns,
+                                      attributes=attrs | {"dispatch.worker": worker, "dispatch.reason": reason,
+                                                          "dispatch.attempt": rec.attempt})
+        lost = rec.result.get("lost_worker")
+        if rec.attempt > 1 and lost:
+            span.set_attribute("dispatch.lost_worker", lost.decode() if isinstance(lost, bytes) else str(lost))
+        carrier = tracing.carrier_of(span)
+        span.end()
+        return carrier
