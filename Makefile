@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 MODELS := .models
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test demo bench install clean
+.PHONY: test demo demo-engine bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,13 @@ test: $(STAMP)
 $(MODELS)/bench-llama-32m/config.json: models/configs/bench-llama-32m.json | $(STAMP)
 	$(PY) scripts/make_tiny_model.py --config $< --out $(MODELS)/bench-llama-32m
 
-demo: $(STAMP) $(MODELS)/bench-llama-32m/config.json
+# The main job: a local cluster (redis-server, gateway, two workers) under a mixed workload,
+# priority against FIFO, and the explanation of the slowest P0 request (builds the tiny model if missing).
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+# The engine alone: mixed requests through one in-process engine.
+demo-engine: $(STAMP) $(MODELS)/bench-llama-32m/config.json
 	$(PY) scripts/demo_engine.py --model $(MODELS)/bench-llama-32m
 
 bench: $(STAMP) $(MODELS)/bench-llama-32m/config.json
@@ -35,4 +41,4 @@ bench: $(STAMP) $(MODELS)/bench-llama-32m/config.json
 		--new-tokens 128 --json bench-engine.json
 
 clean:
-	rm -rf $(VENV) $(MODELS) .pytest_cache
+	rm -rf $(VENV) $(MODELS) .pytest_cache demo-output

@@ -55,6 +55,7 @@ class Gateway:
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...
         self._dirty = True  # something may be dispatchable
+        self._urgent_sent: set[str] = set()  # P0/P1 jobs dispatched by this gateway, not yet finished
         self._last_maintenance = 0.0
         self._measured_rates: dict[Tier, float] = {}  # measured jobs/s per tier, refreshed by maintenance()
         self.ctx = zmq.Context.instance()
@@ -287,6 +288,7 @@ class Gateway:
             rec = self.queue.get(job_id)
             if rec is None or rec.state != "dispatched" or rec.worker != msg.worker_id:
                 w.pending.discard(job_id)
+        self._urgent_sent &= set().union(*(x.pending for x in self.workers.workers.values()))
         if msg.job_ids:
             self.queue.extend_leases(msg.worker_id, msg.job_ids, _ms(now), _ms(self.config.lease_s))
         self._dirty = True
@@ -318,6 +320,7 @@ class Gateway:
             return  # a stale attempt (its lease expired and the job moved on)
         for w in self.workers.workers.values():
             w.pending.discard(msg.job_id)
+        self._urgent_sent.discard(msg.job_id)
         self._finish_stream(msg.job_id, msg.state, msg.finish_reason, msg.reason,
                             run_s=msg.run_s, preemptions=msg.preemptions)
         self._dirty = True
@@ -378,7 +381,9 @@ class Gateway:
             ids = self.queue.peek(list(ALL_TIERS), credit)
         else:
             # Everyone is full: P0/P1 may still go, one at a time per worker, to where preemption is cheapest.
-            idle = [w for w in self.workers.workers.values() if not w.pending]
+            # "One at a time" counts only urgent jobs still unconfirmed: credit-dispatched P2/P3 jobs
+            # awaiting the next load report must not hold a P0 back for a heartbeat interval.
+            idle = [w for w in self.workers.workers.values() if not w.pending & self._urgent_sent]
             ids = self.queue.peek([Tier.P0, Tier.P1], len(idle)) if idle else []
         if not ids:
             return
@@ -405,6 +410,8 @@ class Gateway:
                     body["temperature"], body["top_p"], body["top_k"], body["seed"], body["reply_to"],
                     ctx, bool(body.get("ignore_eos", False))))
                 w.pending.add(rec.id)
+                if rec.tier in (Tier.P0, Tier.P1):
+                    self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1
 
     def maintenance(self, now: float) -> None:

@@ -80,7 +80,7 @@ class Cluster:
         threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
         env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval),
                    TS_GATEWAY_LEASE_S=str(a.lease_s), TS_GATEWAY_TOKENIZER=str(model),
-                   TS_WORKER_TORCH_THREADS=str(threads))
+                   TS_WORKER_TORCH_THREADS=str(threads), TS_WORKER_POLICY=a.policy)
         spans_file = None
         if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_TRACES_EXPORTER")):
             # No tracing backend configured: every process appends OTLP-JSON lines to one file.
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from memory)")
     ap.add_argument("--aging-interval", type=float, default=60.0, help="seconds before a waiting job ages a tier")
     ap.add_argument("--ready-timeout", type=float, default=120.0)
+    ap.add_argument("--policy", choices=["priority", "fifo"], default="priority",
+                    help="the workers' scheduling policy (fifo: no tiers, no preemption; for comparisons)")
     ap.add_argument("--spans-file", type=Path, help="OTLP-JSON lines file for every process's spans (default: in the "
                     "log folder); ignored when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set")
     args = ap.parse_args(argv)
