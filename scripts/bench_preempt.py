@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed-p0-prefill", action="store_true",
+                    help="batch a new P0's prefill with running decodes (EngineConfig.isolate_p0_prefill=False)")
     ap.add_argument("--json", type=Path, help='write {"policies": {...}, "alone": {...}, "goals": {...}} here')
     args = ap.parse_args(argv)
     if not args.scenario.is_file():
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     eng_cfg = scenario.get("engine", {})
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=eng_cfg.get("max_running_sequences", 16),
                        block_size=eng_cfg.get("block_size", 16), num_kv_blocks=eng_cfg.get("num_kv_blocks"),
-                       swap_space_mb=eng_cfg.get("swap_space_mb", 256))
+                       swap_space_mb=eng_cfg.get("swap_space_mb", 256),
+                       isolate_p0_prefill=eng_cfg.get("isolate_p0_prefill", not args.mixed_p0_prefill))
     model_dir = ensure_model(scenario, args.model)
     runner = ModelRunner(load_model(model_dir, cfg), cfg)  # one model and KV pool for every run
     vocab = runner.info.vocab_size

@@ -183,7 +183,7 @@ def cases(draw) -> Case:
         swap_space_blocks=draw(st.sampled_from([0, 3, 50])), bytes_per_block=draw(st.sampled_from([1, 2**20])),
         recompute_tokens_per_s=draw(st.sampled_from([1.0, 1e9])))
     sched = SchedulerConfig(max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.sampled_from(
-        [4, 16, 64])), max_model_len=4096)
+        [4, 16, 64])), max_model_len=4096, isolate_p0_prefill=draw(st.booleans()))
     arrivals = []
     for i in range(draw(st.integers(1, 16))):
         tier = draw(st.sampled_from(list(Tier)))
@@ -218,3 +218,26 @@ def test_simulator_random_cases_are_clean():
     rng = random.Random(1234)
     for _ in range(200):
         assert run_case(random_case(rng)).violations == []
+
+
+def test_isolated_p0_prefill_runs_in_a_step_of_its_own():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096,
+                                  isolate_p0_prefill=True),
+                  BlockManager(64, 4), PriorityPolicy(), PreemptionConfig(bytes_per_block=1))
+    p3 = [req(f"p3-{i}", Tier.P3) for i in range(2)]
+    for r in p3:
+        s.add(r)
+    step(s)
+    p0 = req("p0", Tier.P0, prompt=12)
+    s.add(p0)
+    out = step(s)
+    assert [c.request for c in out.chunks] == [p0]  # the decodes wait this one step
+    out = step(s)
+    assert {c.request.request_id for c in out.chunks} == {"p0", "p3-0", "p3-1"}
+    # Without isolation the P0's prefill shares the step with the decodes.
+    s2 = sched(max_num_seqs=4)
+    for r in [req(f"q3-{i}", Tier.P3) for i in range(2)]:
+        s2.add(r)
+    step(s2)
+    s2.add(req("q0", Tier.P0, prompt=12))
+    assert len(step(s2).chunks) == 3

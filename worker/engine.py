@@ -43,6 +43,7 @@ class Engine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
                 eos_token_ids=info.eos_token_ids,
+                isolate_p0_prefill=config.isolate_p0_prefill,
             ),
             self.blocks,
             make_policy(config.policy),

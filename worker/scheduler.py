@@ -157,9 +157,13 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         if self.policy.preempts:
             self._make_room_for_waiting()
+        # A new P0 at the head that can start now gets a step to itself (running work waits one step).
+        urgent_only = (self.config.isolate_p0_prefill and self.waiting and self.waiting[0].tier is Tier.P0
+                       and not self.waiting[0].started and len(self.running) < self.config.max_num_seqs
+                       and self._missing(self.waiting[0], 1) <= self._usable_free(self.waiting[0]))
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while not urgent_only and i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._tokens_this_step(req, budget)
             if n and (self._allocate(req, n) or self._reclaim_for_growth(req, n)):
@@ -171,6 +175,8 @@ class Scheduler:
         while (self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if urgent_only and (req.tier is not Tier.P0 or req.started):
+                break
             if any(req is p for p in self._preempted):
                 # It gave way this step; resuming it at once would undo the decision and thrash.
                 # Strict order keeps everything behind it waiting too.

@@ -228,7 +228,8 @@ def random_case(rng: random.Random, policy: str = "priority") -> Case:
     chunked = rng.random() < 0.8
     max_len = 4096 if chunked else 256
     sched = SchedulerConfig(max_num_seqs=rng.randint(1, 8), enable_chunked_prefill=chunked, max_model_len=max_len,
-                            max_num_batched_tokens=rng.choice([8, 32, 128]) if chunked else max_len)
+                            max_num_batched_tokens=rng.choice([8, 32, 128]) if chunked else max_len,
+                            isolate_p0_prefill=rng.random() < 0.5)
     arrivals = []
     for a in random_trace(rng, rng.randint(2, 24), max_prompt=rng.choice([8, 64, 160]),
                           max_new=rng.choice([4, 32, 64]), span_s=rng.choice([0.05, 0.5, 2.0])):
