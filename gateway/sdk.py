@@ -132,8 +132,10 @@ class _Chunks:
         return None
 
 
-class Job:
-    def __init__(self, client: GatewayClient, reply: P.SubmitReply) -> None:
+class _JobBase:
+    """What admission said about a job: id, tier (after any downgrade), wait estimate."""
+
+    def __init__(self, client, reply: P.SubmitReply) -> None:
         self._client = client
         self.id = reply.job_id
         self.tier = reply.tier
@@ -141,6 +143,9 @@ class Job:
         self.duplicate = reply.duplicate
         self.downgraded = reply.downgraded
         self._done: P.JobDone | None = None
+
+
+class Job(_JobBase):
 
     def stream(self, from_index: int = 0, timeout: float | None = None) -> Iterator[Chunk]:
         """Yield the job's tokens from ``from_index`` until it ends (``timeout``: seconds between frames)."""
@@ -167,21 +172,29 @@ class Job:
         return _result(self._done)
 
 
-class GatewayClient:
-    def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
-                 tracer_provider: trace.TracerProvider | None = None) -> None:
-        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set)."""
+class _ClientBase:
+    def __init__(self, endpoint: str, api_key: str, timeout_s: float, tracer_provider, ctx) -> None:
         self.endpoint = endpoint
         self.api_key = api_key
         self.timeout_s = timeout_s
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
-        self._ctx = zmq.Context.instance()
+        self._ctx = ctx
         self._sock = self._new_socket()
 
-    def _new_socket(self) -> zmq.Socket:
+    def _new_socket(self):
         sock = make_socket(self._ctx, zmq.DEALER)
         sock.connect(self.endpoint)
         return sock
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class GatewayClient(_ClientBase):
+    def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
+        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set)."""
+        super().__init__(endpoint, api_key, timeout_s, tracer_provider, zmq.Context.instance())
 
     def _call(self, msg):
         self._sock.send(P.encode(msg))
@@ -214,9 +227,6 @@ class GatewayClient:
         """Gateway id, connected workers and queue depths per tier."""
         return self._call(P.InfoRequest(self.api_key))
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
     def __enter__(self) -> GatewayClient:
         return self
 
@@ -224,15 +234,7 @@ class GatewayClient:
         self.close()
 
 
-class AsyncJob:
-    def __init__(self, client: AsyncGatewayClient, reply: P.SubmitReply) -> None:
-        self._client = client
-        self.id = reply.job_id
-        self.tier = reply.tier
-        self.estimated_wait_s = reply.estimated_wait_s
-        self.duplicate = reply.duplicate
-        self.downgraded = reply.downgraded
-        self._done: P.JobDone | None = None
+class AsyncJob(_JobBase):
 
     async def stream(self, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[Chunk]:
         sock = self._client._new_socket()
@@ -256,20 +258,10 @@ class AsyncJob:
         return _result(self._done)
 
 
-class AsyncGatewayClient:
+class AsyncGatewayClient(_ClientBase):
     def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
                  tracer_provider: trace.TracerProvider | None = None) -> None:
-        self.endpoint = endpoint
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._new_socket()
-
-    def _new_socket(self):
-        sock = make_socket(self._ctx, zmq.DEALER)
-        sock.connect(self.endpoint)
-        return sock
+        super().__init__(endpoint, api_key, timeout_s, tracer_provider, zmq.asyncio.Context.instance())
 
     async def _call(self, msg):
         await self._sock.send(P.encode(msg))
@@ -297,6 +289,3 @@ class AsyncGatewayClient:
 
     async def cancel(self, job_id: str) -> bool:
         return (await self._call(P.CancelRequest(self.api_key, job_id))).cancelled
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
