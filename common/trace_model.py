@@ -1,33 +1,25 @@
-"""Read OTLP-JSON spans and explain why one request was slow.
+"""Explain why one request was slow, from its spans (parsed by ``common.otlp_json``).
 
-Pure parsing and analysis: no I/O beyond reading a spans file, no network, no plotting
-(``scripts/explain.py`` does the Jaeger HTTP calls and the PNG).
+Pure analysis: no I/O, no network, no plotting (``scripts/explain.py`` reads files, calls
+Jaeger and draws the PNG).
 
-Input: OTLP/JSON as the OpenTelemetry file exporter writes it (one ``{"resourceSpans": [...]}``
-object per line, lines from several processes and batches), a single (pretty-printed)
-OTLP/JSON document, or Jaeger api_v3 responses (``{"result": {"resourceSpans": [...]}}``).
-Ids may be hex (any case) or base64 (protobuf JSON); they are normalised to lowercase hex.
-
-Analysis (``explain_request``): the request's spans are those of every trace that holds a span
-with ``request.id`` == the id, plus the preemption decision spans of other traces that link to
-them (a decision lives in the beneficiary's trace and links to the victim's ``worker.request``)
-or that they link to (the victim's ``preempted_by`` link, a ``worker.suspended`` span's link).
-From them: total time split into queued / running / suspended (and the rest, "other"), the
-blame chain (each wait with its cause, in time order) and the phases for a Gantt chart.
+The request's spans are those of every trace that holds a span with ``request.id`` == the
+id, plus the preemption decision spans of other traces that link to them (a decision lives
+in the beneficiary's trace and links to the victim's ``worker.request``) or that they link
+to (the victim's ``preempted_by`` link, a ``worker.suspended`` span's link). From them: total
+time split into queued / running / suspended (and the rest, "other"), the blame chain (each
+wait with its cause, in time order) and the phases for a Gantt chart.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-REQUEST_ID = "request.id"
+from common.otlp_json import REQUEST_ID, Span, dedupe
+
+
 REQUEST_TIER = "request.tier"
 TENANT_ID = "tenant.id"
 TIERS = ("P0", "P1", "P2", "P3")
@@ -53,9 +45,6 @@ PHASES = {GATEWAY_QUEUE: "queue", GATEWAY_DISPATCH: "dispatch", WORKER_QUEUE: "w
           WORKER_PREFILL: "prefill", WORKER_DECODE: "decode", WORKER_SUSPENDED: "suspended"}
 
 
-class TraceFormatError(ValueError):
-    """The input is not OTLP/JSON (nothing at all could be read from it)."""
-
 
 class NoSchedulingSpans(LookupError):
     """No trace of the request, or its traces hold none of the scheduling spans."""
@@ -66,354 +55,6 @@ class NoSchedulingSpans(LookupError):
         where = f" (traces {', '.join(self.trace_ids)})" if self.trace_ids else " (no trace carries it)"
         super().__init__(f"no scheduling spans for request {request_id}{where}")
 
-
-# --------------------------------------------------------------------------------------------
-# Span model and OTLP/JSON parsing
-
-
-@dataclass(frozen=True)
-class SpanLink:
-    trace_id: str
-    span_id: str
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SpanEvent:
-    name: str
-    time_ns: int
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Span:
-    trace_id: str
-    span_id: str
-    parent_span_id: str | None
-    name: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any] = field(default_factory=dict)
-    events: list[SpanEvent] = field(default_factory=list)
-    links: list[SpanLink] = field(default_factory=list)
-    service: str | None = None
-    kind: int | str | None = None
-    status_code: int | str | None = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.trace_id, self.span_id)
-
-    @property
-    def duration_ns(self) -> int:
-        return max(0, self.end_ns - self.start_ns)
-
-    @property
-    def duration_s(self) -> float:
-        return self.duration_ns / 1e9
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = self.attributes.get(name, default)
-        return default if value is None else value
-
-
-@dataclass
-class SpanSet:
-    spans: list[Span]
-    warnings: list[str] = field(default_factory=list)
-
-
-_HEX = re.compile(r"[0-9a-fA-F]+")
-
-
-def normalise_id(value: Any, nbytes: int) -> str | None:
-    """A trace (16 bytes) or span (8 bytes) id as lowercase hex; hex or base64 in; None if empty/zero."""
-    if value is None:
-        return None
-    if isinstance(value, (bytes, bytearray)):
-        out = bytes(value).hex()
-    else:
-        text = str(value).strip()
-        if not text:
-            return None
-        if _HEX.fullmatch(text) and len(text) == 2 * nbytes:
-            out = text.lower()
-        else:
-            out = None
-            for decode in (base64.b64decode, base64.urlsafe_b64decode):
-                try:
-                    raw = decode(text + "=" * (-len(text) % 4))
-                except (binascii.Error, ValueError):
-                    continue
-                if len(raw) == nbytes:
-                    out = raw.hex()
-                    break
-            if out is None:
-                # Odd lengths (a producer that strips leading zeros): keep it usable, never crash.
-                out = text.lower().zfill(2 * nbytes) if _HEX.fullmatch(text) and len(text) < 2 * nbytes \
-                    else text.lower()
-    return None if set(out) == {"0"} else out
-
-
-def parse_nanos(value: Any) -> int:
-    """A ``*TimeUnixNano`` field: a string or an int (or absent: 0)."""
-    if value is None or value == "":
-        return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        try:
-            return int(float(value))
-        except (TypeError, ValueError, OverflowError):
-            return 0
-
-
-def _list(v: Any) -> list:
-    return v if isinstance(v, list) else []
-
-
-def _dict(v: Any) -> dict:
-    return v if isinstance(v, dict) else {}
-
-
-def _pick(obj: dict, camel: str, snake: str | None = None, default: Any = None) -> Any:
-    if not isinstance(obj, dict):
-        return default
-    if camel in obj:
-        return obj[camel]
-    if snake is not None and snake in obj:
-        return obj[snake]
-    return default
-
-
-def parse_any_value(value: Any) -> Any:
-    """An OTLP ``AnyValue`` as a Python value (protobuf JSON; camelCase or snake_case keys)."""
-    if not isinstance(value, dict):
-        return value
-    for camel, snake in (("stringValue", "string_value"),):
-        if camel in value or snake in value:
-            return _pick(value, camel, snake)
-    if "boolValue" in value or "bool_value" in value:
-        v = _pick(value, "boolValue", "bool_value")
-        return v if isinstance(v, bool) else str(v).lower() == "true"
-    if "intValue" in value or "int_value" in value:
-        v = _pick(value, "intValue", "int_value")
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            return v
-    if "doubleValue" in value or "double_value" in value:
-        v = _pick(value, "doubleValue", "double_value")
-        try:
-            return float(v)  # also "NaN", "Infinity", "-Infinity"
-        except (TypeError, ValueError):
-            return v
-    if "arrayValue" in value or "array_value" in value:
-        arr = _dict(_pick(value, "arrayValue", "array_value"))
-        return [parse_any_value(v) for v in _list(arr.get("values"))]
-    if "kvlistValue" in value or "kvlist_value" in value:
-        kv = _dict(_pick(value, "kvlistValue", "kvlist_value"))
-        return parse_attributes(_list(kv.get("values")))
-    if "bytesValue" in value or "bytes_value" in value:
-        v = _pick(value, "bytesValue", "bytes_value")
-        try:
-            return base64.b64decode(v).hex()
-        except (binascii.Error, ValueError, TypeError):
-            return v
-    return None
-
-
-def parse_attributes(items: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(items, dict):  # not OTLP, but a plain map: take it as is
-        return {str(k): parse_any_value(v) for k, v in items.items()}
-    for kv in _list(items):
-        if isinstance(kv, dict) and "key" in kv:
-            out[str(kv["key"])] = parse_any_value(kv.get("value"))
-    return out
-
-
-def _parse_span(raw: dict, service: str | None) -> Span | None:
-    trace_id = normalise_id(_pick(raw, "traceId", "trace_id"), 16)
-    span_id = normalise_id(_pick(raw, "spanId", "span_id"), 8)
-    if trace_id is None or span_id is None:
-        return None
-    links = []
-    for link in _list(raw.get("links")):
-        if not isinstance(link, dict):
-            continue
-        lt = normalise_id(_pick(link, "traceId", "trace_id"), 16)
-        ls = normalise_id(_pick(link, "spanId", "span_id"), 8)
-        if lt and ls:
-            links.append(SpanLink(lt, ls, parse_attributes(link.get("attributes"))))
-    events = [SpanEvent(str(e.get("name", "")), parse_nanos(_pick(e, "timeUnixNano", "time_unix_nano")),
-                        parse_attributes(e.get("attributes")))
-              for e in _list(raw.get("events")) if isinstance(e, dict)]
-    status = raw.get("status")
-    return Span(
-        trace_id=trace_id, span_id=span_id,
-        parent_span_id=normalise_id(_pick(raw, "parentSpanId", "parent_span_id"), 8),
-        name=str(raw.get("name") or ""),
-        start_ns=parse_nanos(_pick(raw, "startTimeUnixNano", "start_time_unix_nano")),
-        end_ns=parse_nanos(_pick(raw, "endTimeUnixNano", "end_time_unix_nano")),
-        attributes=parse_attributes(raw.get("attributes")),
-        events=events, links=links, service=service,
-        kind=raw.get("kind") if isinstance(raw.get("kind"), (int, str)) else None,
-        status_code=status.get("code") if isinstance(status, dict) else None,
-    )
-
-
-def _resource_spans(doc: Any) -> list[dict] | None:
-    """The ``resourceSpans`` list of an OTLP/JSON document or a Jaeger api_v3 answer, else None."""
-    if isinstance(doc, list):
-        out: list[dict] = []
-        found = False
-        for d in doc:
-            rs = _resource_spans(d)
-            if rs is not None:
-                found = True
-                out.extend(rs)
-        return out if found else None
-    if not isinstance(doc, dict):
-        return None
-    if "result" in doc and isinstance(doc["result"], (dict, list)):
-        return _resource_spans(doc["result"])
-    rs = _pick(doc, "resourceSpans", "resource_spans")
-    return [r for r in rs if isinstance(r, dict)] if isinstance(rs, list) else None
-
-
-def spans_from_document(doc: Any) -> list[Span]:
-    """Every span of one OTLP/JSON document (or api_v3 answer); [] when it holds none."""
-    out: list[Span] = []
-    for rs in _resource_spans(doc) or []:
-        resource = parse_attributes(_dict(rs.get("resource")).get("attributes"))
-        service = resource.get("service.name")
-        scopes = _list(_pick(rs, "scopeSpans", "scope_spans")) or _list(_pick(rs, "instrumentationLibrarySpans",
-                                                                              "instrumentation_library_spans"))
-        for ss in scopes:
-            for raw in _list(_dict(ss).get("spans")):
-                if isinstance(raw, dict):
-                    span = _parse_span(raw, None if service is None else str(service))
-                    if span is not None:
-                        out.append(span)
-    return out
-
-
-def is_otlp_document(doc: Any) -> bool:
-    return _resource_spans(doc) is not None
-
-
-def trace_ids_from_summaries(doc: Any) -> list[str]:
-    """Trace ids of a FindTraceSummaries answer (``{"summaries": [{"traceId": ...}]}``)."""
-    if isinstance(doc, dict) and isinstance(doc.get("result"), dict):
-        doc = doc["result"]
-    if not isinstance(doc, dict) or not isinstance(doc.get("summaries"), list):
-        return []
-    ids = []
-    for s in doc["summaries"]:
-        tid = normalise_id(_pick(s, "traceId", "trace_id"), 16) if isinstance(s, dict) else None
-        if tid and tid not in ids:
-            ids.append(tid)
-    return ids
-
-
-def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
-    """Every JSON value in ``text`` (one document, JSON lines, or values back to back).
-
-    Yields (value, None), or (None, error) for a stretch that is not JSON (skipped up to the
-    next line), so one truncated line does not lose the rest of the file.
-    """
-    decoder = json.JSONDecoder()
-    pos, n = 0, len(text)
-    while True:
-        while pos < n and text[pos] in " \t\r\n":
-            pos += 1
-        if pos >= n:
-            return
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            line = text.count("\n", 0, pos) + 1
-            yield None, f"line {line}: not JSON ({e.msg})"
-            nl = text.find("\n", pos)
-            if nl < 0:
-                return
-            pos = nl + 1
-            continue
-        yield value, None
-        pos = end
-
-
-def parse_spans_text(text: str) -> SpanSet:
-    """Spans of OTLP/JSON text: JSON lines or one document. Raises TraceFormatError if none is OTLP."""
-    spans: list[Span] = []
-    warnings: list[str] = []
-    docs = 0
-    for value, error in iter_json_values(text):
-        if error is not None:
-            warnings.append(error)
-            continue
-        if is_otlp_document(value):
-            docs += 1
-            spans.extend(spans_from_document(value))
-        else:
-            warnings.append("a JSON value that is not OTLP/JSON (no resourceSpans) was skipped")
-    if docs == 0 and text.strip():
-        raise TraceFormatError("no OTLP/JSON in the input (expected lines of {\"resourceSpans\": [...]}"
-                               + (f"; {warnings[0]}" if warnings else "") + ")")
-    return SpanSet(_dedupe(spans), warnings)
-
-
-def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
-    """Spans of an OTLP-JSON lines file (or a file holding one document).
-
-    With ``request_id``, a large file is read in two passes and only the lines that can matter
-    are parsed: those naming the request id, then those naming one of its traces or spans
-    (in hex or base64), which holds the decision spans of other traces that link to it.
-    Raises OSError when the file cannot be read, TraceFormatError when it holds no OTLP/JSON.
-    """
-    path = Path(path)
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if request_id is None or "\n" not in text.strip():
-        return parse_spans_text(text)
-    lines = text.splitlines()
-    needle = json.dumps(str(request_id))
-    first = [ln for ln in lines if needle in ln]
-    if not first:
-        # Nothing names the request (or the file is one pretty-printed document): parse it all.
-        return parse_spans_text(text)
-    try:
-        seed = parse_spans_text("\n".join(first))
-    except TraceFormatError:
-        return parse_spans_text(text)
-    tokens = {needle}
-    for s in seed.spans:
-        if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
-            tokens.update(_id_forms(s.trace_id))
-    for s in seed.spans:  # links out of the request's spans (the victim's preempted_by link)
-        if s.trace_id in {t for t in tokens if len(t) == 32}:
-            for link in s.links:
-                tokens.update(_id_forms(link.span_id))
-    wanted = [ln for ln in lines if any(t in ln for t in tokens)]
-    return parse_spans_text("\n".join(wanted))
-
-
-def _id_forms(hex_id: str) -> set[str]:
-    forms = {hex_id, hex_id.upper()}
-    try:
-        raw = bytes.fromhex(hex_id)
-        forms.add(base64.b64encode(raw).decode())
-        forms.add(base64.urlsafe_b64encode(raw).decode())
-    except ValueError:
-        pass
-    return forms
-
-
-def _dedupe(spans: Iterable[Span]) -> list[Span]:
-    seen: dict[tuple[str, str], Span] = {}
-    for s in spans:
-        seen.setdefault(s.key, s)
-    return list(seen.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,7 +249,7 @@ def select_request_spans(spans: Iterable[Span], request_id: str, *, fallback_all
     ``fallback_all``: when no span carries ``request.id`` == ``request_id``, take every trace given
     (a backend already searched by the id: Jaeger's answer).
     """
-    spans = _dedupe(spans)
+    spans = dedupe(spans)
     rid = str(request_id)
     trace_ids = {s.trace_id for s in spans if _str(s.get(REQUEST_ID)) == rid}
     if not trace_ids and fallback_all:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import protocol as P  # noqa: E402
-from common.redis_keys import KeySpace, load_scripts  # noqa: E402
+from common.redis_keys import load_scripts  # noqa: E402
 from common.redis_server import RedisServer  # noqa: E402
 from common.sockets import free_port, make_socket  # noqa: E402
 

@@ -35,19 +35,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.trace_model import (  # noqa: E402
+from common.otlp_json import (  # noqa: E402
     REQUEST_ID,
-    Explanation,
-    NoSchedulingSpans,
     Span,
     TraceFormatError,
-    explain_request,
     is_otlp_document,
     iter_json_values,
     read_spans_file,
     spans_from_document,
     trace_ids_from_summaries,
 )
+from common.trace_model import Explanation, NoSchedulingSpans, explain_request  # noqa: E402
 
 DEFAULT_SERVICE = "tiered-serve-gateway"
 DEFAULT_LOOKBACK = "24h"

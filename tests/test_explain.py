@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from common import otlp_json
 from common import trace_model as tm
 from scripts import explain
 
@@ -358,7 +359,7 @@ def as_json(capsys, *argv: str) -> dict:
 
 
 def test_golden_otlp_example_parses():
-    got = tm.parse_spans_text(GOLDEN_OTLP.read_text())
+    got = otlp_json.parse_spans_text(GOLDEN_OTLP.read_text())
     [s] = got.spans
     assert s.trace_id == "5b8efff798038103d269b633813fc60c"  # upper-case hex in, lower-case out
     assert s.span_id == "eee19b7ec3c1b174" and s.parent_span_id == "eee19b7ec3c1b173"
@@ -368,24 +369,24 @@ def test_golden_otlp_example_parses():
 
 
 def test_golden_jaeger_get_trace_parses():
-    [s] = tm.spans_from_document(json.loads(GOLDEN_GET_TRACE.read_text()))
+    [s] = otlp_json.spans_from_document(json.loads(GOLDEN_GET_TRACE.read_text()))
     assert (s.trace_id, s.span_id, s.parent_span_id, s.name) == \
         ("00000000000000000000000000000001", "0000000000000002", None, "foobar")
     assert s.start_ns == 0 and s.status_code == 2
-    assert tm.trace_ids_from_summaries(json.loads(GOLDEN_SUMMARIES.read_text())) == \
+    assert otlp_json.trace_ids_from_summaries(json.loads(GOLDEN_SUMMARIES.read_text())) == \
         ["00000000000000000000000000000001"]
 
 
 def test_ids_values_and_times_of_every_otlp_shape():
     tid = bytes(range(1, 17))
     sid = bytes(range(1, 9))
-    assert tm.normalise_id(base64.b64encode(tid).decode(), 16) == tid.hex()
-    assert tm.normalise_id(base64.b64encode(sid).decode(), 8) == sid.hex()
-    assert tm.normalise_id(tid.hex().upper(), 16) == tid.hex()
-    assert tm.normalise_id("", 8) is None and tm.normalise_id("0" * 16, 8) is None
-    assert tm.parse_nanos("1544712660000000000") == tm.parse_nanos(1544712660000000000) == 1544712660000000000
-    assert tm.parse_nanos(None) == 0
-    attrs = tm.parse_attributes([
+    assert otlp_json.normalise_id(base64.b64encode(tid).decode(), 16) == tid.hex()
+    assert otlp_json.normalise_id(base64.b64encode(sid).decode(), 8) == sid.hex()
+    assert otlp_json.normalise_id(tid.hex().upper(), 16) == tid.hex()
+    assert otlp_json.normalise_id("", 8) is None and otlp_json.normalise_id("0" * 16, 8) is None
+    assert otlp_json.parse_nanos("1544712660000000000") == otlp_json.parse_nanos(1544712660000000000) == 1544712660000000000
+    assert otlp_json.parse_nanos(None) == 0
+    attrs = otlp_json.parse_attributes([
         {"key": "s", "value": {"stringValue": "x"}}, {"key": "i", "value": {"intValue": "42"}},
         {"key": "i2", "value": {"intValue": 7}}, {"key": "d", "value": {"doubleValue": 0.5}},
         {"key": "inf", "value": {"doubleValue": "Infinity"}}, {"key": "b", "value": {"boolValue": True}},
@@ -402,7 +403,7 @@ def test_reads_the_sdk_file_exporter_lines(spans):
     path, ids = spans
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     assert len(lines) > 20  # one line per span (SimpleSpanProcessor), several processes
-    got = tm.read_spans_file(path)
+    got = otlp_json.read_spans_file(path)
     assert {s.trace_id for s in got.spans} >= set(ids.values())
     decision = next(s for s in got.spans
                     if s.name == "scheduler.preemption" and s.get("preemption.decision_id") == "pd-1")
@@ -574,7 +575,7 @@ def test_no_scheduling_spans(spans, capsys):
     assert rc == 1 and "no scheduling spans for request some-request" in err
     assert json.loads(out)["error"].startswith("no scheduling spans for request some-request")
     with pytest.raises(tm.NoSchedulingSpans):
-        tm.explain_request(tm.spans_from_document(json.loads(GOLDEN_GET_TRACE.read_text())), "x", fallback_all=True)
+        tm.explain_request(otlp_json.spans_from_document(json.loads(GOLDEN_GET_TRACE.read_text())), "x", fallback_all=True)
 
 
 def test_png_timeline(spans, tmp_path, capsys):
