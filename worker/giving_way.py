@@ -1,0 +1,182 @@
+"""How running and suspended requests give way: the preemption half of the Scheduler.
+
+A mixin so that ``scheduler.py`` keeps the step itself (phases 1 and 2, postprocess) and this
+module keeps phase 0 (preempting for waiting requests that outrank running ones), memory
+reclaim for a growing request, and the bookkeeping of every decision. It works on the
+Scheduler's own state (``running``, ``waiting``, ``blocks``, ``host_blocks``, ``stats``).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from common.tiers import ALL_TIERS
+from worker.preemption import DeclineReason, PreemptionDecision, PreemptMode, Trigger
+from worker.request import Request, RequestStatus
+from worker.scheduler_types import BlockCopy
+
+
+class GivingWay:
+    def _give_way(self, req: Request, mode: PreemptMode) -> tuple[int, int]:
+        """Move ``req`` (running or keep-suspended) to suspended in ``mode``; (blocks freed, bytes moved)."""
+        was_running = req.status is RequestStatus.RUNNING
+        if was_running:
+            self.running.remove(req)
+            req.num_preemptions += 1
+            req.suspended_since = self.clock()
+            self._preempted.append(req)
+            self.stats.preemptions[(req.tier, mode)] += 1
+        else:  # a keep-suspended request giving up its blocks too: a second event, counted in its mode
+            self.waiting.remove(req)
+            self.stats.demotions += 1
+            self.stats.preemptions[(req.tier, mode)] += 1
+        freed = moved = 0
+        if mode is PreemptMode.SWAP:
+            k = self.blocks.blocks_for(req.num_computed_tokens)
+            host = self.host_blocks.allocate(req.request_id, req.num_computed_tokens)
+            dev_ids = tuple(self.blocks.block_table(req.request_id)[:k])
+            self._copies.append(BlockCopy(True, dev_ids, host.block_table))
+            moved = k * self.preemption.config.bytes_per_block
+            self.stats.bytes_swapped += moved
+            freed = self.blocks.free(req.request_id)
+        elif mode is PreemptMode.RECOMPUTE:
+            self.stats.wasted_tokens += req.num_computed_tokens
+            req.discarded_tokens += req.num_computed_tokens
+            req.num_computed_tokens = 0
+            freed = self.blocks.free(req.request_id)
+        req.preempt_mode = mode.value
+        req.status = RequestStatus.SUSPENDED
+        bisect.insort(self.waiting, req, key=self.policy.key)
+        return freed, moved
+
+    def _start(self, req: Request) -> None:
+        self.waiting.pop(0)
+        if req.status is RequestStatus.SUSPENDED:
+            req.last_resume_step = self.step_index
+            if req.suspended_since is not None:
+                gap = self.clock() - req.suspended_since
+                req.suspended_total_s += gap
+                self.stats.suspended_s += gap
+                req.suspended_since = None
+            self.stats.recomputed_tokens += req.discarded_tokens
+            req.discarded_tokens = 0
+        req.preempt_mode = None
+        req.started = True
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self.policy.key)
+
+    def _decide(self, beneficiary: Request, trigger: Trigger, victim: Request | None,
+                mode: PreemptMode | None, declined: DeclineReason | None = None,
+                freed: int = 0, moved: int = 0, cost: float = 0.0, inputs: dict | None = None,
+                state: tuple[float, dict[str, int], dict[str, int]] | None = None) -> None:
+        if declined is not None:
+            seen = self._declined_once.setdefault(beneficiary.request_id, set())
+            if declined in seen:
+                return  # one span per waiting request and reason, not one per step
+            seen.add(declined)
+            self.stats.declined += 1
+        self._decisions += 1
+        utilisation, running, waiting = state or self._snapshot()
+        self._new_decisions.append(PreemptionDecision(
+            decision_id=f"pd-{self._decisions}", step=self.step_index, time=self.clock(), trigger=trigger,
+            beneficiary_id=beneficiary.request_id, beneficiary_tier=beneficiary.tier,
+            beneficiary_tenant=beneficiary.tenant, mode=mode, declined_reason=declined,
+            victim_id=victim.request_id if victim else None, victim_tier=victim.tier if victim else None,
+            victim_tenant=victim.tenant if victim else None,
+            victim_progress=(len(victim.output_token_ids) / victim.params.max_tokens) if victim else 0.0,
+            blocks_freed=freed, bytes_moved=moved, estimated_cost_s=cost, cost_inputs=inputs or {},
+            kv_utilisation=utilisation, running_per_tier=running, waiting_per_tier=waiting))
+
+    def _preempt(self, victim: Request, beneficiary: Request, trigger: Trigger, blocks_needed: bool) -> int:
+        host_free = self.host_blocks.num_free if self.host_blocks is not None else 0
+        nblocks = self.blocks.blocks_for(victim.num_computed_tokens)
+        choice = self.preemption.choose_mode(victim, blocks_needed, nblocks, host_free)
+        before = self._snapshot()  # the state the decision was taken in
+        freed, moved = self._give_way(victim, choice.mode)
+        self._decide(beneficiary, trigger, victim, choice.mode, freed=freed, moved=moved,
+                     cost=choice.estimated_cost_s, inputs=choice.inputs, state=before)
+        return freed
+
+    def _snapshot(self) -> tuple[float, dict[str, int], dict[str, int]]:
+        return self.blocks.usage().utilisation, _per_tier(self.running), _per_tier(self.waiting)
+
+    def _make_room_for_waiting(self) -> None:
+        """Phase 0: preempt for waiting requests that outrank running ones and cannot start."""
+        slots = self.config.max_num_seqs - len(self.running)
+        spare = 0  # blocks already promised to earlier waiting requests in this pass
+        for w in list(self.waiting):
+            if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:
+                continue
+            missing = self._missing(w, self._tokens_this_step(w, self.config.max_num_batched_tokens) or 1)
+            usable = self._usable_free(w) - spare
+            if slots >= 1 and missing <= usable:
+                slots -= 1
+                spare += missing
+                continue
+            if not any(self.preemption.config.may_preempt(w.tier, r.tier) for r in self.running):
+                if any(r.tier.rank > w.tier.rank for r in self.running):
+                    self._decide(w, Trigger.SLOT if slots < 1 else Trigger.KV_MEMORY, None, None,
+                                 DeclineReason.NO_LOWER_TIER)
+                return
+            trigger = (Trigger.SLOT if slots < 1 else
+                       Trigger.RESERVE if missing <= self.blocks.num_free - spare else Trigger.KV_MEMORY)
+            victims, why = self.preemption.candidates(w, self.running, self.step_index)
+            lacking = max(0, missing - usable)
+            donors = [d for d in self._keep_donors(w) if self.preemption.config.may_preempt(w.tier, d.tier)
+                      ] if lacking else []
+            can_free = sum(len(self.blocks.block_table(r.request_id)) for r in donors + victims)
+            if not victims and slots < 1 or lacking > can_free:
+                self._decide(w, trigger, None, None, why or DeclineReason.INSUFFICIENT)
+                return
+            for d in donors:
+                if lacking <= 0:
+                    break
+                lacking -= self._preempt(d, w, trigger, blocks_needed=True)
+            for v in victims:
+                if slots >= 1 and lacking <= 0:
+                    break
+                slots += 1
+                lacking -= self._preempt(v, w, trigger, blocks_needed=lacking > 0)
+            slots -= 1
+            spare += missing
+
+    def _keep_donors(self, beneficiary: Request) -> list[Request]:
+        """Suspended requests still holding blocks, which ``beneficiary`` outranks: cheapest to take from."""
+        key = self.policy.key(beneficiary)
+        return [r for r in reversed(self.waiting) if r.preempt_mode == PreemptMode.KEEP.value
+                and self.policy.key(r) > key and self.blocks.has_blocks(r.request_id)]
+
+    def _reclaim_from_suspended(self, req: Request, n: int) -> bool:
+        """Take blocks from suspended requests queued behind ``req``; True if ``req`` then fits."""
+        for d in self._keep_donors(req):
+            self._preempt(d, req, Trigger.KV_MEMORY, blocks_needed=True)
+            if self._allocate(req, n):
+                return True
+        return False
+
+    def _reclaim_for_growth(self, req: Request, n: int) -> bool:
+        """A running request needs blocks: take them from lower-priority work, else give way itself."""
+        if self._reclaim_from_suspended(req, n):
+            return True
+        key = self.policy.key(req)
+        while True:
+            victims = [r for r in self.running if r is not req and self.policy.key(r) > key
+                       and self.preemption.config.preemptible(r.tier)
+                       and self.preemption.guard(r, self.step_index) is not DeclineReason.RESIDENCY]
+            if not victims:
+                break
+            self._preempt(victims[-1], req, Trigger.KV_MEMORY, blocks_needed=True)
+            if self._allocate(req, n):
+                return True
+        if self.preemption.config.preemptible(req.tier) and self.preemption.guard(
+                req, self.step_index) is not DeclineReason.RESIDENCY:
+            self._preempt(req, req, Trigger.KV_MEMORY, blocks_needed=True)
+        return False
+
+
+
+def _per_tier(requests: list[Request]) -> dict[str, int]:
+    counts = {t.value: 0 for t in ALL_TIERS}
+    for r in requests:
+        counts[r.tier.value] += 1
+    return counts
