@@ -6,31 +6,23 @@ variables, then the command-line flags below. Every key is listed by --help.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import signal
 import sys
 
-from common import settings
+from common import process, settings
+from common.tracing import setup_tracing
 from gateway.config import ENV_PREFIX, GatewayConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m gateway", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="configuration keys (TOML file or TS_GATEWAY_<KEY>):\n" + settings.describe(GatewayConfig))
-    ap.add_argument("--config", help="TOML configuration file")
+    ap = process.parser("python -m gateway", __doc__, GatewayConfig, ENV_PREFIX)
     ap.add_argument("--client-bind", help="override client_bind")
     ap.add_argument("--worker-bind", help="override worker_bind")
     ap.add_argument("--redis-url", help="override redis_url")
     ap.add_argument("--tenants-file", help="override tenants_file")
     ap.add_argument("--gateway-id", help="override gateway_id")
-    ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from common.tracing import setup_tracing
-
+    process.setup_logging(args.log_level)
     try:
         setup_tracing("tiered-serve-gateway")
         config = settings.load(GatewayConfig, args.config, ENV_PREFIX, client_bind=args.client_bind,
@@ -40,21 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     except (settings.ConfigError, ValueError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
-    stop = {"now": False}
-
-    def on_signal(signum, frame):
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     gw.bind()
     logging.getLogger("gateway").info("gateway %s: clients on %s, workers on %s", config.gateway_id,
                                       config.client_bind, config.worker_bind)
-    try:
-        gw.serve(lambda: stop["now"])
-    finally:
-        gw.close()
-    return 0
+    return process.serve_until_signalled(gw.serve, gw.close)
 
 
 def build(config: GatewayConfig):

@@ -58,17 +58,18 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
         if state_file.exists():
             st = json.loads(state_file.read_text())
             for pid in [w["pid"] for w in st["workers"]] + st["gateway_pids"]:
-                assert not _alive(pid), f"process {pid} left behind"
+                assert not process_running(pid), f"process {pid} left behind"
 
 
-def _alive(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead child not yet reaped counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie of a dead child counts as gone.
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        # The state follows the command name, which may hold spaces and parentheses.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 

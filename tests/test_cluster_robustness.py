@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import protocol as P
 from common.sockets import free_port, make_socket
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import job_hash, local_cluster, wait_for
+from tests.cluster_helpers import job_hash, local_cluster, process_running, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 512  # models/configs/tiny-llama.json
@@ -117,17 +117,6 @@ def _runs(indices: list[int]) -> str:
         prev = i
     out.append(f"{start}-{prev}")
     return ",".join(out)
-
-
-def _process_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _redis_tokens(state: dict, job_id: str) -> list[int]:
@@ -259,7 +248,7 @@ def test_kill_9_of_a_worker_mid_generation_loses_and_duplicates_nothing(tmp_path
             victims = wait_for(in_flight_on_victim, 60, f"{victim_worker['id']} to be generating")
             os.kill(victim_worker["pid"], signal.SIGKILL)
             before = {j: job_hash(state, j) for j in victims}
-            wait_for(lambda: not _process_running(victim_worker["pid"]), 10, "the killed worker to be gone")
+            wait_for(lambda: not process_running(victim_worker["pid"]), 10, "the killed worker to be gone")
 
             _join_all(streams, 120)
             for (prompt, n, temp, seed), job, s, ref in zip(specs, jobs, streams, want):
@@ -277,8 +266,8 @@ def test_kill_9_of_a_worker_mid_generation_loses_and_duplicates_nothing(tmp_path
             assert r.zcard(f"{prefix}:inflight") == 0 and r.zcard(f"{prefix}:dead") == 0
             assert int(r.hget(f"{prefix}:drain", "completed:P3")) == len(specs)
             # The survivors are still up and the cluster still serves.
-            assert all(_process_running(p) for p in state["gateway_pids"])
-            assert _process_running(state["workers"][1]["pid"])
+            assert all(process_running(p) for p in state["gateway_pids"])
+            assert process_running(state["workers"][1]["pid"])
             assert len(client.submit(prompt_token_ids=[5, 6], max_tokens=4, ignore_eos=True)
                        .result(timeout=30).token_ids) == 4
         finally:
@@ -622,7 +611,7 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
 
             # -- afterwards: every process is up, and the cluster serves a normal job end to end --
             pids = state["gateway_pids"] + [w["pid"] for w in state["workers"]] + [fuzz_worker.pid]
-            assert all(_process_running(p) for p in pids), {p: _process_running(p) for p in pids}
+            assert all(process_running(p) for p in pids), {p: process_running(p) for p in pids}
             lab = GatewayClient(gw["endpoint"], key, timeout_s=30)
             try:
                 assert lab.info().workers == [w["id"] for w in state["workers"]]  # no phantom registered

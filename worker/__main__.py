@@ -6,33 +6,26 @@ variables, then the command-line flags below. Every key is listed by --help.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
 import sys
 
-from common import settings
+from common import process, settings
+from common.tracing import setup_tracing
 from worker.service_config import ENV_PREFIX, WorkerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m worker", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="configuration keys (TOML file or TS_WORKER_<KEY>):\n" + settings.describe(WorkerConfig))
-    ap.add_argument("--config", help="TOML configuration file")
+    ap = process.parser("python -m worker", __doc__, WorkerConfig, ENV_PREFIX)
     ap.add_argument("--worker-id")
     ap.add_argument("--gateway", action="append", help="gateway worker endpoint (repeat for several)")
     ap.add_argument("--model", help="model directory or hub name")
     ap.add_argument("--device")
     ap.add_argument("--max-num-seqs", type=int)
     ap.add_argument("--num-kv-blocks", type=int)
-    ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from common.tracing import setup_tracing
-
+    process.setup_logging(args.log_level)
     try:
         setup_tracing("tiered-serve-worker")
         config = settings.load(WorkerConfig, args.config, ENV_PREFIX, worker_id=args.worker_id,
@@ -44,18 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     except (settings.ConfigError, ValueError) as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGUSR1, lambda *_: service.log_state())  # operators: `kill -USR1 <pid>`
     service.connect()
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
                                      config.device, json.dumps(config.gateways))
-    try:
-        service.serve(lambda: stop["now"])
-    finally:
-        service.close()
-    return 0
+    return process.serve_until_signalled(service.serve, service.close)
 
 
 def build(config: WorkerConfig):

@@ -1,0 +1,40 @@
+"""What every long-running process of the cluster shares: its command line and its stop signal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from collections.abc import Callable
+
+from common import settings
+
+
+def parser(prog: str, doc: str, config_cls: type, env_prefix: str) -> argparse.ArgumentParser:
+    """--config and --log-level, with every configuration key listed in --help."""
+    ap = argparse.ArgumentParser(
+        prog=prog, description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"configuration keys (TOML file or {env_prefix}<KEY>):\n" + settings.describe(config_cls))
+    ap.add_argument("--config", help="TOML configuration file")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def serve_until_signalled(serve: Callable[[Callable[[], bool]], None], close: Callable[[], None]) -> int:
+    """Run ``serve(should_stop)`` until SIGTERM or SIGINT, then ``close()``; the exit status (0)."""
+    stop = {"now": False}
+
+    def on_signal(signum, frame) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        serve(lambda: stop["now"])
+    finally:
+        close()
+    return 0
