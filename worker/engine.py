@@ -23,10 +23,6 @@ from worker.sampler import Sampler
 from worker.scheduler import Scheduler
 
 
-def _refuse_bool() -> bool:
-    raise TypeError("bool is not a token id")
-
-
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, tracer: EngineTracer | None = None) -> None:
         self.config = config
@@ -103,9 +99,12 @@ class Engine:
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         try:
             if isinstance(prompt_token_ids, (str, bytes)):
-                raise TypeError
-            # operator.index takes ints (and numpy ints) but refuses floats and strings; bools are refused too.
-            prompt = [operator.index(t) for t in prompt_token_ids if not isinstance(t, bool) or _refuse_bool()]
+                raise TypeError("text, not token ids")
+            items = list(prompt_token_ids)
+            if any(isinstance(t, bool) for t in items):
+                raise TypeError("bool is not a token id")
+            # operator.index takes ints (and numpy ints) but refuses floats and strings.
+            prompt = [operator.index(t) for t in items]
         except (TypeError, ValueError):
             raise InvalidRequest("prompt_token_ids must be a sequence of integers",
                                  field="prompt_token_ids") from None

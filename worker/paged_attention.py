@@ -58,7 +58,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v_pool.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v_new)
 
     q = query[0]  # [heads, T, d]
-    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, heads, d]
+    out = None  # [T, heads, d]; not needed when every token is a decode
 
     if meta.decode_q_index is not None:
         bd, max_blocks = meta.decode_block_ids.shape
@@ -72,7 +72,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             return od.transpose(1, 2).reshape(1, bd, q.shape[0], q.shape[2]), None
         qd = q.index_select(1, meta.decode_q_index).transpose(0, 1).unsqueeze(2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
+        out = _empty_out(q)
         out[meta.decode_q_index] = od[:, :, 0]
+
+    if out is None:
+        out = _empty_out(q)
 
     for span in meta.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)
@@ -89,6 +93,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         out[sl] = op[0].transpose(0, 1)
 
     return out.unsqueeze(0), None
+
+
+def _empty_out(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
 
 
 def no_mask(*args, **kwargs):

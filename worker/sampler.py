@@ -43,9 +43,9 @@ class Sampler:
             row = row.masked_fill(row < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_logits, order = torch.sort(row, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
+            sorted_probs = sorted_logits.softmax(-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             row = row.masked_fill(drop, float("-inf"))
         probs = row.softmax(-1)
