@@ -125,15 +125,9 @@ def prefill_seconds_per_token(engine, vocab: int) -> float:
 
 
 def ensure_model(scenario: dict, model: Path | None) -> Path:
-    if model is not None:
-        return model
-    from scripts.make_tiny_model import build
+    from scripts.make_tiny_model import ensure
 
-    name = Path(scenario["model"]).stem
-    out = ROOT / ".models" / name
-    if not (out / "config.json").exists():
-        build(ROOT / "models" / "configs" / scenario["model"], out)
-    return out
+    return model if model is not None else ensure(scenario["model"])
 
 
 def main(argv: list[str] | None = None) -> int:

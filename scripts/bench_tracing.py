@@ -67,10 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if not (args.model / "config.json").exists():
-        from scripts.make_tiny_model import build
+    from scripts.make_tiny_model import ensure
 
-        build(ROOT / "models" / "configs" / "bench-llama-32m.json", args.model)
+    ensure("bench-llama-32m.json", args.model)
     cfg = EngineConfig(max_num_seqs=16)
     runner = ModelRunner(load_model(args.model, cfg), cfg)
     jobs = workload(runner.info.vocab_size, args.seed)

@@ -85,6 +85,19 @@ def build(config_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
+MODELS = Path(__file__).resolve().parent.parent / ".models"
+
+
+def ensure(config_name: str, out: Path | None = None) -> Path:
+    """The model built from ``models/configs/<config_name>`` (into ``.models/<stem>`` by default),
+    building it only when it is missing."""
+    out = out or MODELS / Path(config_name).stem
+    if not (out / "config.json").exists():
+        build(CONFIGS / config_name, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path, help="model configuration JSON (models/configs/*.json)")

@@ -37,13 +37,9 @@ DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
 def resolve_model(spec: str) -> Path:
     """tiny | bench | a directory; the named test models are built into .models/ when missing."""
     if spec in ("tiny", "bench"):
-        name = {"tiny": "tiny-llama", "bench": "bench-llama-32m"}[spec]
-        out = ROOT / ".models" / name
-        if not (out / "config.json").exists():
-            from scripts.make_tiny_model import build
+        from scripts.make_tiny_model import ensure
 
-            build(ROOT / "models" / "configs" / f"{name}.json", out)
-        return out
+        return ensure({"tiny": "tiny-llama.json", "bench": "bench-llama-32m.json"}[spec])
     path = Path(spec)
     if not path.exists():
         raise SystemExit(f"up.py: model directory {spec} not found")

@@ -47,18 +47,24 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
         state["redis_client"] = redis.Redis.from_url(state["redis"])
         yield state
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, timeout=30)
         log.close()
         if state_file.exists():
             st = json.loads(state_file.read_text())
             for pid in [w["pid"] for w in st["workers"]] + st["gateway_pids"]:
                 assert not process_running(pid), f"process {pid} left behind"
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``; always reaped. Its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def process_running(pid: int) -> bool:

@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import protocol as P
 from common.sockets import free_port, make_socket
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import job_hash, local_cluster, process_running, wait_for
+from tests.cluster_helpers import job_hash, local_cluster, process_running, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 512  # models/configs/tiny-llama.json
@@ -626,13 +626,7 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
                 lab.close()
             assert not internal, f"the gateway's handlers raised on {len(internal)} worker frames: {internal[:3]}"
     finally:
-        if fuzz_worker.poll() is None:
-            fuzz_worker.terminate()
-            try:
-                fuzz_worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                fuzz_worker.kill()
-                fuzz_worker.wait()
+        stop_process(fuzz_worker, timeout=10)
         wlog.close()
         fake_gw.close(linger=0)
     assert fuzz_s < 60, f"the fuzzing itself took {fuzz_s:.1f}s"

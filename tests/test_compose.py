@@ -32,6 +32,7 @@ from common import settings
 from common.redis_server import RedisServer, RedisServerError, find_redis_server
 from common.sockets import free_port
 from gateway.config import ENV_PREFIX as GATEWAY_PREFIX
+from tests.cluster_helpers import stop_process
 from gateway.config import GatewayConfig
 from worker.service_config import ENV_PREFIX as WORKER_PREFIX
 from worker.service_config import WorkerConfig
@@ -631,12 +632,7 @@ def test_gateway_healthcheck_against_a_real_gateway(compose, env_example, tmp_pa
                     info = client.info()
                 assert info.gateway_id and set(info.queue_depths) >= {"P0", "P1", "P2", "P3"}
         finally:
-            proc.terminate()
-            try:
-                rc = proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
+            rc = stop_process(proc, timeout=15)
             log.close()
         assert rc == 0, (tmp_path / "gateway.log").read_text()
 
