@@ -1,0 +1,121 @@
+"""Client requests: submit (admission into Redis), status, info and cancel.
+
+A mixin of gateway.server.Gateway: it uses the gateway's queue, tenants, sockets and counters.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import msgpack
+
+from common import protocol as P
+from common import tracing
+from common.errors import Forbidden, InvalidRequest, Unauthorized
+from common.tiers import Tier
+from gateway import admission
+from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec
+from gateway.spans import GatewaySpans
+from gateway.timeutil import ms as _ms
+
+
+class ClientApi:
+    """Handlers of SubmitRequest, StatusRequest, InfoRequest and CancelRequest."""
+
+    def on_submit(self, ident: bytes, req: P.SubmitRequest) -> None:
+        with self.spans.admission(req) as span:
+            reply = self._admit(req, span)
+            if isinstance(reply, P.ErrorReply):
+                GatewaySpans.refused(span, reply.code, reply.message)
+        self._send(self.clients, ident, reply)
+
+    def _admit(self, req: P.SubmitRequest, span) -> P.SubmitReply | P.ErrorReply:
+        tokenize = (lambda text: self.tokenizer(text).input_ids) if self.tokenizer is not None else None
+        try:
+            adm = admission.check(req, self.tenants, tokenize=tokenize, vocab_size=self.workers.vocab_size(),
+                                  max_model_len=self.workers.max_model_len() or self.config.max_model_len,
+                                  max_tokens_limit=self.config.max_tokens_limit)
+        except (Unauthorized, Forbidden, InvalidRequest) as e:
+            return self._error_for(e)
+        now = self.clock()
+        job_id = uuid.uuid4().hex
+        t = adm.tenant
+        span.set_attributes(tracing.request_attributes(job_id, adm.tier_requested.value, t.name))
+        quota = (QuotaSpec(t.p0_rate_per_s, t.p0_burst, t.on_quota_exhausted)
+                 if adm.tier_requested is Tier.P0 and t.p0_rate_per_s else None)
+        # The job's later spans (queue, dispatch, worker) are children of this admission span.
+        parent = tracing.carrier()
+        payload = msgpack.packb({
+            "prompt_token_ids": adm.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": req.temperature,
+            "top_p": req.top_p, "top_k": req.top_k,
+            "seed": req.seed if req.seed is not None else random.getrandbits(63),
+            "reply_to": self.config.gateway_id, "trace_context": parent, "ignore_eos": req.ignore_eos,
+        })
+        result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
+                                  tier=adm.tier_requested, payload=payload, now_ms=_ms(now),
+                                  idempotency_key=req.idempotency_key, quota=quota,
+                                  drain_rate_per_s=self.drain_rates(now))
+        if isinstance(result, QuotaRefused):
+            self.counters["refused_quota"] += 1
+            return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
+                                retry_after_s=result.retry_after_s)
+        if isinstance(result, Overloaded):
+            self.counters["refused_overloaded"] += 1
+            return P.ErrorReply("overloaded", f"estimated wait {result.estimated_wait_s:.1f}s exceeds the "
+                                f"{adm.tier_requested.value} queue timeout", estimated_wait_s=result.estimated_wait_s)
+        assert isinstance(result, Admitted)
+        GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
+                              result.estimated_wait_s, result.position, result.ahead_by_tier)
+        if not result.duplicate:
+            self.enqueued_at[result.job_id] = now
+            self.streams.get_or_create(result.job_id).tenant = t.name
+            self._dirty = True
+        return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
+                             result.tier is not adm.tier_requested)
+
+    def _own_job(self, ident: bytes, api_key: str, job_id: str):
+        """The job record if the caller's tenant owns it; else replies with an error and returns None."""
+        tenant = self.tenants.lookup(api_key)
+        if tenant is None:
+            self._reply_error(ident, Unauthorized("unknown API key"), job_id)
+            return None
+        rec = self.queue.get(job_id) if isinstance(job_id, str) and job_id else None
+        if rec is None or rec.tenant != tenant.name:
+            self.counters["refused_not_found"] += 1
+            self._send(self.clients, ident, P.ErrorReply("not_found", f"no job {job_id!r}", in_reply_to=job_id))
+            return None
+        return rec
+
+    def on_status(self, ident: bytes, req: P.StatusRequest) -> None:
+        rec = self._own_job(ident, req.api_key, req.job_id)
+        if rec is None:
+            return
+        estimate = rec.estimate_s
+        if rec.state == "queued":  # kept current: the work ahead now, at the rates measured now
+            rates = self.drain_rates(self.clock())
+            estimate = sum(n / rates[t] for t, n in self.queue.jobs_ahead(rec).items())
+        else:
+            estimate = 0.0
+        self._send(self.clients, ident, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value, rec.attempt,
+                                                      estimate, rec.reason))
+
+    def on_info(self, ident: bytes, req: P.InfoRequest) -> None:
+        if self.tenants.lookup(req.api_key) is None:
+            self._reply_error(ident, Unauthorized("unknown API key"))
+            return
+        depths = {t.value: n for t, n in self.queue.depths().items()}
+        self._send(self.clients, ident, P.InfoReply(self.config.gateway_id, sorted(self.workers.workers), depths))
+
+    def on_cancel(self, ident: bytes, req: P.CancelRequest) -> None:
+        rec = self._own_job(ident, req.api_key, req.job_id)
+        if rec is None:
+            return
+        before = self.queue.cancel(req.job_id)
+        if before is not None and before.state == "dispatched":
+            w = self.workers.workers.get(before.worker)
+            if w is not None:
+                self._send(self.worker_sock, w.identity, P.CancelJob(req.job_id))
+        self._send(self.clients, ident, P.CancelReply(req.job_id, before is not None))
+        if before is not None:
+            self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client")
