@@ -48,6 +48,15 @@ class Overloaded(ServingError):
         self.estimated_wait_s = estimated_wait_s
 
 
+class Unavailable(ServingError):
+    """The service cannot take the request right now (its Redis is unreachable); nothing was stored.
+    Retryable: the same request (same idempotency key) may be sent again. Wire code ``unavailable``."""
+
+
+class IncompleteResult(ServingError):
+    """A job was about to be stored as done without all of its tokens; it was not."""
+
+
 class NotFound(ServingError):
     """No such job (for this tenant)."""
 

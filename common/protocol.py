@@ -131,6 +131,7 @@ class InfoReply:
 @dataclass(frozen=True)
 class ErrorReply:
     code: str  # unauthorized | forbidden | invalid_request | quota_exceeded | overloaded | not_found | protocol
+    #            | unavailable (Redis unreachable: nothing stored, retry) | internal
     message: str
     field: str | None = None
     retry_after_s: float | None = None
@@ -170,13 +171,15 @@ class WorkerLoad:
     job_ids: list[str]  # jobs this worker holds (running, waiting or suspended)
     # Cheapest preemption here for a P0/P1 job, in estimated seconds (0: a slot is free or keep will do).
     preemption_cost_s: float
+    # Per tier: running jobs a new job of that tier may preempt here (the worker's preemption matrix).
+    victims: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class DispatchJob:
     job_id: str
     attempt: int
-    tier: str
+    tier: str  # the tier the job was admitted at: what it preempts by (aging changes queue order only)
     tenant: str
     prompt_token_ids: list[int]
     max_tokens: int
@@ -184,7 +187,7 @@ class DispatchJob:
     top_p: float
     top_k: int | None
     seed: int  # fixed at admission, so a re-dispatch reproduces the same tokens
-    reply_to: str  # gateway id that streams this job to its client
+    reply_to: str  # gateway that dispatched this attempt: it receives the tokens and writes them to Redis
     trace_context: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = False
 
@@ -192,6 +195,9 @@ class DispatchJob:
 @dataclass(frozen=True)
 class CancelJob:
     job_id: str
+    # Cancel only this attempt or an earlier one (None: whatever runs): a late CancelJob for a
+    # requeued lease must not stop the job's next attempt on the same worker.
+    attempt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,9 @@ class JobFinished:
     run_s: float
     preemptions: int
     reason: str | None = None
+    # Every output token, in order (len == num_tokens): the result stays whole even when a JobTokens
+    # frame was dropped or went to a gateway that has since restarted.
+    token_ids: list[int] | None = None
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

@@ -18,6 +18,11 @@ key                     type         contents and lifetime
                                      the idempotency window still finds it) and its payload is
                                      dropped. Dead-lettered jobs keep payload, no TTL: an
                                      operator inspects and removes them.
+``tok:<id>``            stream       the tokens of a running job, appended in batches by the gateway
+                                     holding its lease (entry fields ``i`` = index of the first
+                                     token, ``t`` = msgpack list), read by gateways streaming it to
+                                     clients. Capped, TTL 1 h; deleted when the job completes or is
+                                     cancelled (the result is then in the job hash).
 ``inflight``            sorted set   dispatched job id -> lease expiry in ms. Member while
                                      dispatched; heartbeats move the expiry forward.
 ``dead``                sorted set   dead-lettered job id -> time of dead-lettering in ms.
@@ -99,6 +104,9 @@ class KeySpace:
     def job(self, job_id: str) -> str:
         return f"{self.base}:job:{job_id}"
 
+    def tokens(self, job_id: str) -> str:
+        return f"{self.base}:tok:{job_id}"
+
     @property
     def inflight(self) -> str:
         return f"{self.base}:inflight"
@@ -138,11 +146,13 @@ _LOADED: weakref.WeakKeyDictionary[redis.Redis, dict[str, Script]] = weakref.Wea
 
 
 def load_scripts(client: redis.Redis) -> dict[str, Script]:
-    """``{name: Script}`` for every ``common/lua/<name>.lua``, registered once per client."""
+    """``{name: Script}`` for every ``common/lua/<name>.lua`` (each prefixed with the shared
+    ``lib/clock.lua``), registered once per client."""
     scripts = _LOADED.get(client)
     if scripts is None:
+        prelude = (LUA_DIR / "lib" / "clock.lua").read_text(encoding="utf-8")
         scripts = {
-            path.stem: client.register_script(path.read_text(encoding="utf-8"))
+            path.stem: client.register_script(prelude + path.read_text(encoding="utf-8"))
             for path in sorted(LUA_DIR.glob("*.lua"))
         }
         _LOADED[client] = scripts

@@ -47,7 +47,8 @@ def build(config: GatewayConfig):
     from gateway.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(config.tenants_file)
-    client = redis.Redis.from_url(config.redis_url)
+    # Bounded waits: while Redis is unreachable the gateway keeps answering ("unavailable") and retries.
+    client = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
     try:
         client.ping()
     except redis.RedisError as e:

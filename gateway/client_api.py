@@ -17,7 +17,6 @@ from common.tiers import Tier
 from gateway import admission
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec
 from gateway.spans import GatewaySpans
-from gateway.timeutil import ms as _ms
 
 
 class ClientApi:
@@ -50,10 +49,10 @@ class ClientApi:
             "prompt_token_ids": adm.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "top_k": req.top_k,
             "seed": req.seed if req.seed is not None else random.getrandbits(63),
-            "reply_to": self.config.gateway_id, "trace_context": parent, "ignore_eos": req.ignore_eos,
+            "trace_context": parent, "ignore_eos": req.ignore_eos,
         })
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
-                                  tier=adm.tier_requested, payload=payload, now_ms=_ms(now),
+                                  tier=adm.tier_requested, payload=payload,
                                   idempotency_key=req.idempotency_key, quota=quota,
                                   drain_rate_per_s=self.drain_rates(now))
         if isinstance(result, QuotaRefused):
@@ -69,7 +68,8 @@ class ClientApi:
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
             self.enqueued_at[result.job_id] = now
-            self.streams.get_or_create(result.job_id).tenant = t.name
+            s = self.streams.get_or_create(result.job_id)  # its owner, so a stream request needs no Redis read
+            s.tenant, s.touched = t.name, now
             self._dirty = True
         return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
                              result.tier is not adm.tier_requested)
@@ -115,7 +115,8 @@ class ClientApi:
         if before is not None and before.state == "dispatched":
             w = self.workers.workers.get(before.worker)
             if w is not None:
-                self._send(self.worker_sock, w.identity, P.CancelJob(req.job_id))
+                self._send(self.worker_sock, w.identity, P.CancelJob(req.job_id, before.attempt))
+        self.leases.pop(req.job_id, None)
         self._send(self.clients, ident, P.CancelReply(req.job_id, before is not None))
         if before is not None:
             self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client")

@@ -16,7 +16,7 @@ class GatewayConfig:
     client_bind: str = "tcp://127.0.0.1:5555"
     # Where workers connect (ZeroMQ ROUTER).
     worker_bind: str = "tcp://127.0.0.1:5556"
-    # Unique per gateway process; workers route a job's tokens back to the gateway that admitted it.
+    # Unique per gateway process; workers send a job's tokens to the gateway that dispatched it.
     gateway_id: str = field(default_factory=lambda: f"gw-{socket.gethostname()}-{os.getpid()}")
     # Redis holding all queue state, shared by every gateway of the cluster.
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -45,5 +45,8 @@ class GatewayConfig:
     default_drain_rate_per_s: float = 1.0
     # How often aging, expiry and lease recovery run.
     maintenance_interval_s: float = 0.2
+    # How often running jobs' new tokens are appended to their Redis streams (and watched ones read back),
+    # so that any gateway can stream any job.
+    stream_flush_interval_s: float = 0.05
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400

@@ -1,4 +1,5 @@
-"""Dispatch: queued jobs from Redis to workers with credit (P0/P1 also to full workers, which preempt).
+"""Dispatch: queued jobs from Redis to workers with credit; P0/P1 also to a full worker, but only one
+that reports a job it may preempt for them.
 
 A mixin of gateway.server.Gateway.
 """
@@ -25,40 +26,59 @@ class Dispatcher:
     def dispatch(self, now: float) -> None:
         if not self.workers.workers:
             return
-        credit = self.workers.total_credit()
-        if credit > 0:
-            ids = self.queue.peek(list(ALL_TIERS), credit)
+        if self.workers.total_credit() > 0:
+            by_worker, reason = self._plan_by_credit()
         else:
-            # Everyone is full: P0/P1 may still go, one at a time per worker, to where preemption is cheapest.
-            # "One at a time" counts only urgent jobs still unconfirmed: credit-dispatched P2/P3 jobs
-            # awaiting the next load report must not hold a P0 back for a heartbeat interval.
-            idle = [w for w in self.workers.workers.values() if not w.pending & self._urgent_sent]
-            ids = self.queue.peek([Tier.P0, Tier.P1], len(idle)) if idle else []
-        if not ids:
-            return
-        by_worker: dict[str, list[str]] = {}
-        reason: dict[str, str] = {}  # why each job goes where it goes, for its dispatch span
-        planned: Counter = Counter()
-        for job_id in ids:
-            w = max(self.workers.workers.values(), key=lambda w: w.credit - planned[w.hello.worker_id])
-            reason[job_id] = "credit"
-            if w.credit - planned[w.hello.worker_id] <= 0:
-                w = self.workers.cheapest_to_preempt()
-                reason[job_id] = "cheapest_preemption"
-            by_worker.setdefault(w.hello.worker_id, []).append(job_id)
-            planned[w.hello.worker_id] += 1
+            by_worker, reason = self._plan_preemptions()
         for wid, job_ids in by_worker.items():
             w = self.workers.workers[wid]
-            for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id, now_ms=_ms(now),
+            for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
                                         lease_ms=_ms(self.config.lease_s)):
                 body = msgpack.unpackb(rec.payload)
                 ctx = self.spans.dispatched(rec, body.get("trace_context") or {}, wid, reason[rec.id],
                                             int(now * 1e9))
+                # The worker preempts by the tier the job was admitted at: aging only moved it up the queue.
+                # Its tokens come back here (reply_to): this gateway holds the lease and writes the token log.
                 self._send(self.worker_sock, w.identity, P.DispatchJob(
-                    rec.id, rec.attempt, rec.tier.value, rec.tenant, body["prompt_token_ids"], body["max_tokens"],
-                    body["temperature"], body["top_p"], body["top_k"], body["seed"], body["reply_to"],
-                    ctx, bool(body.get("ignore_eos", False))))
+                    rec.id, rec.attempt, rec.tier_granted.value, rec.tenant, body["prompt_token_ids"],
+                    body["max_tokens"], body["temperature"], body["top_p"], body["top_k"], body["seed"],
+                    self.config.gateway_id, ctx, bool(body.get("ignore_eos", False))))
+                self.leases[rec.id] = (wid, rec.attempt)
+                self.streams.get_or_create(rec.id).tenant = rec.tenant
+                self.streams.streams[rec.id].touched = now
                 w.pending.add(rec.id)
-                if rec.tier in (Tier.P0, Tier.P1):
+                if rec.tier_granted in (Tier.P0, Tier.P1):
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1
+
+    def _plan_by_credit(self) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """As many jobs as there are free slots, each to the worker with the most credit left."""
+        ids = self.queue.peek(list(ALL_TIERS), self.workers.total_credit())
+        by_worker: dict[str, list[str]] = {}
+        planned: Counter = Counter()
+        for job_id in ids:
+            w = max(self.workers.workers.values(), key=lambda w: w.credit - planned[w.hello.worker_id])
+            by_worker.setdefault(w.hello.worker_id, []).append(job_id)
+            planned[w.hello.worker_id] += 1
+        return by_worker, dict.fromkeys(ids, "credit")
+
+    def _plan_preemptions(self) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Every worker is full: a P0/P1 job goes only to a worker with a running job it may preempt
+        (as reported, less the urgent jobs already sent there and not yet reported), spread over the
+        workers; a job with no such victim anywhere stays in Redis, where aging, queue timeouts and
+        wait estimates still apply to it."""
+        room = {wid: w.victims_left(self._urgent_sent) for wid, w in self.workers.workers.items()}
+        most = sum(max(0, n) for v in room.values() for n in v.values())
+        ids = self.queue.peek([Tier.P0, Tier.P1], most) if most else []
+        by_worker: dict[str, list[str]] = {}
+        for job_id, tier in zip(ids, self.queue.granted_tiers(ids)):
+            if tier not in (Tier.P0, Tier.P1):
+                continue  # aged up from P2/P3: it waits for a free slot like the tier it was admitted at
+            fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0]
+            if not fits:
+                continue
+            wid = max(fits, key=lambda wid: (room[wid][tier], -len(by_worker.get(wid, ()))))
+            by_worker.setdefault(wid, []).append(job_id)
+            for t in room[wid]:  # one victim is gone, whoever would have taken it
+                room[wid][t] -= 1
+        return by_worker, {j: "preemption" for js in by_worker.values() for j in js}

@@ -1,15 +1,17 @@
 """Periodic maintenance: worker timeouts, expired leases, aging, queue timeouts, drain rates.
 
-A mixin of gateway.server.Gateway; any number of gateways may run it at once (the scripts make it safe).
+A mixin of gateway.server.Gateway; any number of gateways may run it at once (the scripts make it
+safe). Every time it compares is Redis's own clock (one clock for all gateways).
 """
 
 from __future__ import annotations
 
 import logging
 
-from gateway.timeutil import ms as _ms
+from common import protocol as P
 
 log = logging.getLogger("gateway")
+ADMISSION_MEMORY_S = 3600.0  # admission times kept for TTFT; a job finished by another gateway is forgotten after
 
 
 class Maintenance:
@@ -18,14 +20,22 @@ class Maintenance:
     def maintenance(self, now: float) -> None:
         for wid in self.workers.expire(now):
             log.warning("worker %s timed out; its leases will expire", wid)
-        now_ms = _ms(now)
-        for job_id, state in self.queue.requeue_expired(now_ms, self.config.max_attempts):
+        now_ms = self.queue.server_ms()
+        for settled in self.queue.requeue_expired(now_ms, self.config.max_attempts):
             self._dirty = True
-            if state == "dead":
-                self._finish_stream(job_id, "dead", None, "lease expired too many times")
-        if self.queue.age(now_ms, _ms(self.config.aging_interval_s)):
+            self.leases.pop(settled.job_id, None)
+            # The lost attempt may still be running (a worker cut off, not dead): stop it, so it cannot
+            # stitch its output into the next attempt's.
+            w = self.workers.workers.get(settled.worker)
+            if w is not None:
+                self._send(self.worker_sock, w.identity, P.CancelJob(settled.job_id, settled.attempt))
+            if settled.state == "dead":
+                self._finish_stream(settled.job_id, "dead", None, "lease expired too many times")
+        if self.queue.age(now_ms, int(self.config.aging_interval_s * 1000)):
             self._dirty = True
         for job_id in self.queue.expire(now_ms):
             self._finish_stream(job_id, "expired", None, "queue timeout exceeded")
         self._measured_rates = {t: st.rate_per_s for t, st in self.queue.drain_stats(now_ms).items()}
+        for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:
+            del self.enqueued_at[job_id]
         self._dirty = True  # jobs admitted by other gateways, or capacity reported meanwhile

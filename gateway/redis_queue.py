@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import enum
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 import redis
 
-from common.errors import DuplicateRequest
+from common.errors import DuplicateRequest, IncompleteResult
 from common.redis_keys import KeySpace, load_scripts
 from common.tiers import ALL_TIERS, Tier
 
@@ -147,6 +146,20 @@ class DrainStat:
     rate_per_s: float  # decayed completion rate at the time asked
 
 
+class Settled(NamedTuple):
+    """A job whose lease expired: back in its queue or dead-lettered, and who held it."""
+
+    job_id: str
+    state: str  # queued | dead
+    worker: str  # the holder of the lost lease ("" if unknown)
+    attempt: int  # the lost attempt
+
+
+def _now(now_ms: int | None) -> str:
+    """A script's "now" argument: empty means the script reads Redis TIME (one clock for all gateways)."""
+    return "" if now_ms is None else str(int(now_ms))
+
+
 def _ms(seconds: float | None) -> str:
     return "-1" if seconds is None else str(int(round(seconds * 1000)))
 
@@ -181,7 +194,7 @@ class RedisQueue:
 
     # --- admission -------------------------------------------------------------------------
     def admit(
-        self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int,
+        self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int | None = None,
         idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
     ) -> AdmitResult:  # fmt: skip
         """Admit a job with one script call (see common/lua/admit.lua for the rules)."""
@@ -195,7 +208,7 @@ class RedisQueue:
         if idempotency_key is not None:
             keys.append(self.keys.idem(tenant, idempotency_key))
         args = [
-            job_id, tenant, Tier(tier_requested).value, Tier(tier).value, payload, str(now_ms),
+            job_id, tenant, Tier(tier_requested).value, Tier(tier).value, payload, _now(now_ms),
             str(self.idempotency_ttl_s * 1000), *(_ms(self.tier_timeouts_s[t]) for t in ALL_TIERS),
             *(repr(r) for r in rates), repr(quota.rate_per_s) if quota else "0",
             repr(quota.burst) if quota else "0", quota.on_exhausted if quota else "refuse",
@@ -245,7 +258,7 @@ class RedisQueue:
         return [i.decode() for i in ids]
 
     def claim(
-        self, job_ids: Sequence[str], *, worker: str, gateway: str, now_ms: int, lease_ms: int
+        self, job_ids: Sequence[str], *, worker: str, gateway: str, lease_ms: int, now_ms: int | None = None
     ) -> list[JobRecord]:
         """Lease the still-queued jobs among ``job_ids`` to ``worker``; returns those claimed."""
         if lease_ms <= 0:
@@ -255,21 +268,24 @@ class RedisQueue:
             return []
         keys = [*self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
                 *(self.keys.job(i) for i in ids)]  # fmt: skip
-        rows = self._scripts["claim"](keys=keys, args=[worker, gateway, str(now_ms), str(lease_ms), *ids])
+        rows = self._scripts["claim"](keys=keys, args=[worker, gateway, _now(now_ms), str(lease_ms), *ids])
         return [JobRecord.from_redis(row) for row in rows]
 
-    def extend_leases(self, worker: str, job_ids: Sequence[str], now_ms: int, lease_ms: int) -> int:
+    def extend_leases(self, worker: str, job_ids: Sequence[str], now_ms: int | None, lease_ms: int) -> int:
         """Set the lease of each of ``job_ids`` dispatched to ``worker`` to now + lease; returns how many."""
         ids = list(dict.fromkeys(job_ids))
         if not ids:
             return 0
         keys = [self.keys.inflight, *(self.keys.job(i) for i in ids)]
-        return int(self._scripts["extend"](keys=keys, args=[worker, str(now_ms + lease_ms), *ids]))
+        return int(self._scripts["extend"](keys=keys, args=[worker, _now(now_ms), str(lease_ms), *ids]))
 
     def complete(
-        self, job_id: str, *, attempt: int, state: str, now_ms: int, fields: Mapping[str, str | int | float | bytes]
+        self, job_id: str, *, attempt: int, state: str, fields: Mapping[str, str | int | float | bytes],
+        worker: str, now_ms: int | None = None,
     ) -> bool:
-        """Finish a dispatched job as done or failed; False (nothing changed) if the attempt is stale."""
+        """Finish a dispatched job as done or failed; False (nothing changed) if the attempt is stale or
+        ``worker`` does not hold its lease. A done job needs ``num_tokens`` and ``token_ids`` (msgpack)
+        of that many tokens: anything else raises IncompleteResult and changes nothing."""
         final = JobState(state)
         if final not in (JobState.DONE, JobState.FAILED):
             raise ValueError(f"complete() takes state 'done' or 'failed', got {state!r}")
@@ -281,13 +297,23 @@ class RedisQueue:
             if isinstance(value, bool) or not isinstance(value, (str, bytes, int, float)):
                 raise TypeError(f"result field {name!r} must be str, bytes, int or float, got {type(value).__name__}")
             flat += [name, value if isinstance(value, (str, bytes)) else repr(value)]
-        keys = [self.keys.job(job_id), self.keys.inflight, self.keys.drain]
-        args = [job_id, str(attempt), final.value, str(now_ms), self._retention_ms,
-                str(int(self.drain_tau_s * 1000)), *flat]  # fmt: skip
-        return bool(self._scripts["complete"](keys=keys, args=args))
+        keys = [self.keys.job(job_id), self.keys.inflight, self.keys.drain, self.keys.tokens(job_id)]
+        args = [job_id, str(attempt), final.value, _now(now_ms), self._retention_ms,
+                str(int(self.drain_tau_s * 1000)), worker, *flat]  # fmt: skip
+        try:
+            return bool(self._scripts["complete"](keys=keys, args=args))
+        except redis.ResponseError as e:
+            if "incomplete result" in str(e):
+                raise IncompleteResult(str(e)) from None
+            raise
 
     # --- sweeps (any gateway may run them; the scripts make concurrent runs safe) ----------
-    def requeue_expired(self, now_ms: int, max_attempts: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, str]]:
+    def server_ms(self) -> int:
+        """Redis's clock, in ms: the one clock the sweeps and statistics use."""
+        sec, usec = self.client.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    def requeue_expired(self, now_ms: int, max_attempts: int, *, limit: int = SWEEP_LIMIT) -> list[Settled]:
         """Settle expired leases: back to the queue (original score) or, after max_attempts, dead."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -297,7 +323,8 @@ class RedisQueue:
         keys = [*self.keys.queues(), self.keys.inflight, self.keys.dead, self.keys.aging, self.keys.deadlines,
                 *(self.keys.job(i) for i in ids)]  # fmt: skip
         flat = self._scripts["requeue"](keys=keys, args=[str(now_ms), str(max_attempts), *ids])
-        return [(flat[i].decode(), flat[i + 1].decode()) for i in range(0, len(flat), 2)]
+        return [Settled(flat[i].decode(), flat[i + 1].decode(), flat[i + 2].decode(), int(flat[i + 3]))
+                for i in range(0, len(flat), 4)]
 
     def age(self, now_ms: int, interval_ms: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, Tier, Tier]]:
         """Move jobs that waited ``interval_ms`` in P2/P3 up one tier; returns (id, from, to)."""
@@ -326,14 +353,30 @@ class RedisQueue:
     # --- cancel and reads ------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
         """Cancel a queued or dispatched job; returns it as it was, or None if unknown or final."""
-        now = int(time.time() * 1000) if now_ms is None else now_ms
-        keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines]
-        raw = self._scripts["cancel"](keys=keys, args=[job_id, str(now), self._retention_ms, reason])
+        keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
+                self.keys.tokens(job_id)]  # fmt: skip
+        raw = self._scripts["cancel"](keys=keys, args=[job_id, _now(now_ms), self._retention_ms, reason])
         return JobRecord.from_redis(raw) if raw else None
 
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.client.hgetall(self.keys.job(job_id))
         return JobRecord.from_redis(raw) if raw else None
+
+    def granted_tiers(self, job_ids: Sequence[str]) -> list[Tier | None]:
+        """The tier each job was admitted at (None if gone), one round trip."""
+        if not job_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for i in job_ids:
+            pipe.hget(self.keys.job(i), "tier_granted")
+        return [Tier(t.decode()) if t else None for t in pipe.execute()]
+
+    def lease_views(self, job_ids: Sequence[str]) -> list[tuple[str | None, str | None, int]]:
+        """(state, worker, attempt) of each job, one round trip; state None for an unknown job."""
+        pipe = self.client.pipeline(transaction=False)
+        for i in job_ids:
+            pipe.hmget(self.keys.job(i), "state", "worker", "attempt")
+        return [(st.decode() if st else None, w.decode() if w else None, int(a or 0)) for st, w, a in pipe.execute()]
 
     def jobs_ahead(self, job: JobRecord) -> dict[Tier, int]:
         """Queued jobs that will be served before ``job``: all of higher tiers, the earlier ones of its own."""

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import redis
 import zmq
 
 from common import protocol as P
@@ -29,8 +30,9 @@ from gateway.redis_queue import RedisQueue
 from gateway.spans import GatewaySpans
 from gateway.streaming import Streaming
 from gateway.streams import StreamTable
+from gateway.token_log import TokenLog
 from gateway.tenants import TenantDirectory
-from gateway.worker_link import WorkerLink
+from gateway.worker_link import WorkerLink, new_stale_memory
 from gateway.workers import WorkerRegistry
 
 log = logging.getLogger("gateway")
@@ -55,6 +57,13 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._urgent_sent: set[str] = set()  # P0/P1 jobs dispatched by this gateway, not yet finished
         self._last_maintenance = 0.0
         self._measured_rates: dict[Tier, float] = {}  # measured jobs/s per tier, refreshed by maintenance()
+        self.token_log = TokenLog(queue.client, queue.keys)
+        self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds
+        self._stale_seen = new_stale_memory()
+        self._unstored: list = []  # (worker, JobFinished) that arrived while Redis was unreachable
+        self._last_tokens_io = 0.0
+        self._redis_backoff_s = 0.0  # > 0 while Redis is unreachable: wait this long between tries
+        self._redis_retry_at = 0.0
         self.ctx = zmq.Context.instance()
         self.clients = make_socket(self.ctx, zmq.ROUTER)
         self.worker_sock = make_socket(self.ctx, zmq.ROUTER)
@@ -88,12 +97,42 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             if self.clients in events:
                 self._drain(self.clients, self._client_handlers)
             now = self.clock()
-            if now - self._last_maintenance >= self.config.maintenance_interval_s:
-                self._last_maintenance = now
-                self.maintenance(now)
-            if self._dirty:
-                self._dirty = False
-                self.dispatch(now)
+            if now < self._redis_retry_at:
+                continue
+            try:
+                self._background(now)
+            except redis.RedisError as e:
+                self._redis_failed(e)
+            else:
+                self._redis_ok()
+
+    def _background(self, now: float) -> None:
+        """Everything besides answering frames; all of it needs Redis."""
+        self.retry_unstored()
+        if now - self._last_tokens_io >= self.config.stream_flush_interval_s:
+            self._last_tokens_io = now
+            self.flush_token_log()
+            self.follow_token_log(now)
+        if now - self._last_maintenance >= self.config.maintenance_interval_s:
+            self._last_maintenance = now
+            self.maintenance(now)
+        if self._dirty:
+            self._dirty = False
+            self.dispatch(now)
+
+    def _redis_failed(self, e: Exception) -> None:
+        """Redis is unreachable: back off (0.1 s doubling to 2 s) and keep serving what needs no Redis."""
+        self.counters["redis_errors"] += 1
+        if not self._redis_backoff_s:
+            log.warning("Redis unreachable (%s); admission answers 'unavailable' until it is back", e)
+        self._redis_backoff_s = min(2.0, max(0.1, self._redis_backoff_s * 2))
+        self._redis_retry_at = self.clock() + self._redis_backoff_s
+        self._dirty = True
+
+    def _redis_ok(self) -> None:
+        if self._redis_backoff_s:
+            log.warning("Redis reachable again")
+            self._redis_backoff_s = 0.0
 
     def _drain(self, sock: zmq.Socket, handlers: dict) -> None:
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
@@ -114,8 +153,15 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                 self.counters["malformed"] += 1
                 self._send(sock, ident, P.ErrorReply("protocol", str(e)))
                 continue
+            if sock is self.clients and self.clock() < self._redis_retry_at:
+                self._send(sock, ident, self._unavailable())
+                continue
             try:
                 handler(ident, msg)
+            except redis.RedisError as e:
+                self._redis_failed(e)
+                if sock is self.clients:
+                    self._send(sock, ident, self._unavailable())
             except Exception:  # a handler bug must not take the gateway down with it
                 self.counters["handler_errors"] += 1
                 log.exception("handler for %s failed", type(msg).__name__)
@@ -126,6 +172,11 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             self.counters["unroutable"] += 1  # peer gone or its queue full; it can re-subscribe
+
+    def _unavailable(self) -> P.ErrorReply:
+        self.counters["refused_unavailable"] += 1
+        return P.ErrorReply("unavailable", "the queue (Redis) is unreachable; nothing was stored, retry",
+                            retry_after_s=max(0.1, self._redis_retry_at - self.clock()))
 
     def _error_for(self, e: Exception, job_id: str | None = None) -> P.ErrorReply:
         code = {Unauthorized: "unauthorized", Forbidden: "forbidden", InvalidRequest: "invalid_request"}.get(

@@ -1,4 +1,10 @@
-"""Streaming a job's tokens to its subscribers: live from memory, or the final result from Redis.
+"""Streaming a job's tokens to its subscribers, from any gateway.
+
+The gateway holding a job's lease receives its tokens from the worker, forwards them to its own
+subscribers at once and appends them to the job's Redis stream (gateway/token_log.py) every
+``stream_flush_interval_s``. A gateway whose clients watch a job it does not hold follows that
+stream (one XREAD for all such jobs per tick) and notices the job's end from its hash, then sends
+the rest from the stored result. So any gateway streams, resumes (from_index) and ends any job.
 
 A mixin of gateway.server.Gateway; the per-job token buffers are gateway.streams.StreamTable.
 """
@@ -8,37 +14,84 @@ from __future__ import annotations
 import msgpack
 
 from common import protocol as P
+from gateway.streams import JobStream
 from gateway.timeutil import FINAL_STATES
+
+IDLE_CHECK_S = 1.0  # a held stream with no tokens for this long gets its job's state checked
 
 
 class Streaming:
-    """Handler of StreamRequest and the sending of TokenChunk / JobDone frames."""
+    """Handler of StreamRequest, the Redis token log (write and follow), TokenChunk / JobDone frames."""
 
     def on_stream(self, ident: bytes, req: P.StreamRequest) -> None:
         live = self.streams.streams.get(req.job_id)
         tenant = self.tenants.lookup(req.api_key)
         if live is not None and tenant is not None and live.tenant == tenant.name:
-            # A job this gateway admitted and is still streaming: no Redis read needed.
+            # A job this gateway already streams: no Redis read needed.
             live.subscribers[ident] = max(0, req.from_index)
             self._flush(req.job_id)
             return
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
             return
-        s = self.streams.streams.get(req.job_id)
-        if s is None:
-            if rec.state in FINAL_STATES:
-                self._send_final(ident, rec, max(0, req.from_index))
-                return
-            if rec.gateway and rec.gateway != self.config.gateway_id and rec.state == "dispatched":
-                self._send(self.clients, ident, P.ErrorReply(
-                    "not_found", f"job {req.job_id} streams from gateway {rec.gateway}", in_reply_to=req.job_id))
-                return
-            s = self.streams.get_or_create(req.job_id)
+        if rec.state in FINAL_STATES:
+            self._send_final(ident, rec, max(0, req.from_index))
+            return
+        s = self.streams.streams.get(req.job_id) or self._open_stream(req.job_id, rec.tenant)
+        s.follow = rec.state == "dispatched" and req.job_id not in self.leases
         s.subscribers[ident] = max(0, req.from_index)
         self._flush(req.job_id)
-        if rec.state in FINAL_STATES:
-            self._send_final(ident, rec, None)
+
+    def _open_stream(self, job_id: str, tenant: str) -> JobStream:
+        """A buffer for a job whose tokens may already be in Redis (written by whichever gateway held it)."""
+        s = self.streams.get_or_create(job_id)
+        s.tenant = tenant
+        s.touched = self.clock()
+        for entry_id, index, tokens in self.token_log.read({job_id: "0-0"}).get(job_id, []):
+            self.streams.add_tokens(job_id, index, tokens, s.touched)
+            s.redis_pos = entry_id
+        s.flushed = len(s.tokens)
+        return s
+
+    def flush_token_log(self) -> None:
+        """Append every held job's new tokens to its Redis stream (one round trip)."""
+        batch = [(j, s.flushed, s.tokens[s.flushed:]) for j, s in self.streams.streams.items()
+                 if j in self.leases and s.flushed < len(s.tokens)]
+        if batch:
+            self.token_log.append(batch)
+            for job_id, _, _ in batch:
+                s = self.streams.streams[job_id]
+                s.flushed = len(s.tokens)
+
+    def follow_token_log(self, now: float) -> None:
+        """Bring watched jobs held elsewhere up to date; end streams whose job has ended."""
+        followed = {j: s.redis_pos for j, s in self.streams.streams.items()
+                    if s.follow and s.subscribers and j not in self.leases}
+        for job_id, entries in self.token_log.read(followed).items():
+            s = self.streams.streams[job_id]
+            for entry_id, index, tokens in entries:
+                self.streams.add_tokens(job_id, index, tokens, now)
+                s.redis_pos = entry_id
+            self._flush(job_id)
+        idle = [j for j, s in self.streams.streams.items() if now - s.touched >= IDLE_CHECK_S]
+        if not idle:
+            return
+        for job_id, (state, worker, attempt) in zip(idle, self.queue.lease_views(idle)):
+            s = self.streams.streams[job_id]
+            s.touched = now
+            if state in FINAL_STATES:
+                self.leases.pop(job_id, None)
+                rec = self.queue.get(job_id)
+                self.streams.streams.pop(job_id, None)
+                for sub, nxt in s.subscribers.items():
+                    if rec is not None:
+                        self._send_final(sub, rec, nxt)
+                continue
+            if job_id in self.leases and self.leases[job_id] != (worker, attempt):
+                self.leases.pop(job_id)  # requeued or re-claimed meanwhile: another holder writes the log
+            if job_id not in self.leases and not s.subscribers:
+                self.streams.streams.pop(job_id, None)  # nobody here needs it; its tokens are in Redis
+            s.follow = state == "dispatched" and job_id not in self.leases
 
     def _flush(self, job_id: str) -> None:
         s = self.streams.streams[job_id]

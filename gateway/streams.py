@@ -1,9 +1,10 @@
-"""Per-job token streams held by the gateway that admitted the job.
+"""Per-job token buffers held by a gateway: for the jobs whose lease it holds (fed by worker frames)
+and for the jobs its clients watch (followed from the job's Redis stream, see gateway/streaming.py).
 
 Invariant: each token index reaches each subscriber exactly once, in order.
 Tokens are appended only at the next index; a re-dispatched job restarts at
 index 0 on another worker and, with its seed fixed at admission, reproduces the
-same tokens, so indices already forwarded are simply skipped.
+same tokens, so indices already held are simply skipped.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from dataclasses import dataclass, field
 @dataclass
 class JobStream:
     job_id: str
-    tenant: str | None = None  # owner, known to the admitting gateway without a Redis read
+    tenant: str | None = None  # owner, so a stream request is checked without a Redis read
     tokens: list[int] = field(default_factory=list)
     subscribers: dict[bytes, int] = field(default_factory=dict)  # client routing id -> next index to send
     first_token_at: float | None = None
-    done: bool = False
+    flushed: int = 0  # tokens written to the job's Redis stream by this gateway
+    redis_pos: str = "0-0"  # last Redis stream entry read (followers)
+    follow: bool = False  # held by another gateway: read its tokens from Redis
+    touched: float = 0.0  # last time tokens arrived, by the gateway's clock
 
 
 class StreamTable:
@@ -42,6 +46,7 @@ class StreamTable:
         if new and s.first_token_at is None:
             s.first_token_at = now
         s.tokens.extend(new)
+        s.touched = now
         return True
 
     def pending_chunks(self, job_id: str) -> list[tuple[bytes, int, list[int]]]:

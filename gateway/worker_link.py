@@ -1,14 +1,26 @@
 """Worker frames: hello, load reports (which extend leases), token frames and job completions.
 
+Fencing: a JobTokens / JobFinished frame counts only if it comes from the worker holding the
+job's current lease, for the current attempt (known from this gateway's own claims, else read
+from Redis once). Anything else is dropped and counted as ``stale_frames``. A completion is
+stored as done only with every token (``JobFinished.token_ids``, counted against num_tokens);
+one that Redis cannot take right now is kept and retried, never dropped.
+
 A mixin of gateway.server.Gateway.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
+
 import msgpack
+import redis
 
 from common import protocol as P
-from gateway.timeutil import ms as _ms
+
+log = logging.getLogger("gateway")
+STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a flood costs no Redis reads
 
 
 class WorkerLink:
@@ -26,23 +38,52 @@ class WorkerLink:
         now = self.clock()
         if ident != msg.worker_id.encode() or not self.workers.load(msg, now):
             return
+        self._dirty = True
         w = self.workers.workers[msg.worker_id]
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
-        # another gateway (its reply_to) or that was cancelled or requeued, would hold credit here forever.
+        # another gateway or that was cancelled or requeued, would hold credit here forever.
         for job_id in list(w.pending):
             rec = self.queue.get(job_id)
             if rec is None or rec.state != "dispatched" or rec.worker != msg.worker_id:
                 w.pending.discard(job_id)
         self._urgent_sent &= set().union(*(x.pending for x in self.workers.workers.values()))
         if msg.job_ids:
-            self.queue.extend_leases(msg.worker_id, msg.job_ids, _ms(now), _ms(self.config.lease_s))
-        self._dirty = True
+            self.queue.extend_leases(msg.worker_id, msg.job_ids, None, int(self.config.lease_s * 1000))
+
+    def _holds_lease(self, ident: bytes, job_id: str, attempt: int) -> bool:
+        """True if ``ident`` is the worker holding ``job_id``'s current lease for ``attempt``."""
+        worker = ident.decode(errors="replace")
+        lease = self.leases.get(job_id)
+        if lease is not None and lease == (worker, attempt):
+            return True
+        if (job_id, attempt, worker) in self._stale_seen:
+            return False
+        if lease is None or attempt > lease[1]:  # unknown here (e.g. this gateway restarted) or moved on
+            rec = self.queue.get(job_id)
+            if rec is not None and rec.state == "dispatched" and rec.worker:
+                lease = self.leases[job_id] = (rec.worker, rec.attempt)
+                s = self.streams.streams.get(job_id)
+                if s is None:
+                    s = self._open_stream(job_id, rec.tenant)
+                if lease == (worker, attempt):
+                    return True
+        self._stale_seen[(job_id, attempt, worker)] = None
+        while len(self._stale_seen) > STALE_MEMORY:
+            self._stale_seen.popitem(last=False)
+        return False
+
+    def _stale(self, msg) -> None:
+        self.counters["stale_frames"] += 1
+        log.debug("dropped a stale %s for job %s attempt %d", type(msg).__name__, msg.job_id, msg.attempt)
 
     def on_tokens(self, ident: bytes, msg: P.JobTokens) -> None:
-        if msg.job_id not in self.streams.streams:
-            return  # not ours (or long finished): nothing to forward
+        if not self._holds_lease(ident, msg.job_id, msg.attempt):
+            self._stale(msg)
+            return
         if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, self.clock()):
             self._flush(msg.job_id)
+        else:
+            self.counters["token_gaps"] += 1  # JobFinished carries them all; the stream waits for it
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
         if msg.state not in ("done", "failed"):  # a malformed frame, not a handler error
@@ -50,22 +91,54 @@ class WorkerLink:
             self._send(self.worker_sock, ident, P.ErrorReply("protocol", f"JobFinished.state {msg.state!r} is not "
                                                              "done or failed", field="state"))
             return
-        now = self.clock()
+        if not self._holds_lease(ident, msg.job_id, msg.attempt):
+            self._stale(msg)
+            return
+        self._store_finished(ident.decode(), msg)
+
+    def _store_finished(self, worker: str, msg: P.JobFinished) -> None:
         s = self.streams.streams.get(msg.job_id)
-        tokens = s.tokens if s is not None else []
-        fields = {"finish_reason": msg.finish_reason or "", "num_tokens": msg.num_tokens,
-                  "token_ids": msgpack.packb(tokens), "run_s": msg.run_s, "preemptions": msg.preemptions,
-                  "ttft_s": -1.0 if msg.ttft_s is None else msg.ttft_s}
-        if msg.reason:
-            fields["reason"] = msg.reason
+        streamed = s.tokens if s is not None else []
+        tokens = list(msg.token_ids) if msg.token_ids is not None else list(streamed)
+        state, reason = msg.state, msg.reason
+        if state == "done" and len(tokens) != msg.num_tokens:
+            state, reason = "failed", f"incomplete result: {len(tokens)} of {msg.num_tokens} tokens arrived"
+        elif state == "done" and tokens[:len(streamed)] != streamed:
+            state, reason = "failed", "the streamed tokens disagree with the worker's result"
+        if state != msg.state:
+            self.counters["incomplete_results"] += 1
+            log.error("job %s attempt %d: %s", msg.job_id, msg.attempt, reason)
+        fields = {"finish_reason": msg.finish_reason or "", "num_tokens": len(tokens) if state == "done" else
+                  msg.num_tokens, "token_ids": msgpack.packb(tokens if state == "done" else []), "run_s": msg.run_s,
+                  "preemptions": msg.preemptions, "ttft_s": -1.0 if msg.ttft_s is None else msg.ttft_s}
+        if reason:
+            fields["reason"] = reason
         if s is not None and s.first_token_at is not None and msg.job_id in self.enqueued_at:
             fields["ttft_s"] = s.first_token_at - self.enqueued_at[msg.job_id]
-        if not self.queue.complete(msg.job_id, attempt=msg.attempt, state=msg.state, now_ms=_ms(now),
-                                   fields=fields):
-            return  # a stale attempt (its lease expired and the job moved on)
+        try:
+            stored = self.queue.complete(msg.job_id, attempt=msg.attempt, state=state, fields=fields, worker=worker)
+        except redis.RedisError:
+            self._unstored.append((worker, msg))  # Redis is down: keep it, retry when it is back
+            raise
+        self.leases.pop(msg.job_id, None)
+        if not stored:
+            self._stale(msg)  # its lease expired (or it was cancelled) meanwhile
+            return
         for w in self.workers.workers.values():
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
-        self._finish_stream(msg.job_id, msg.state, msg.finish_reason, msg.reason,
+        if s is not None and state == "done":
+            s.tokens = tokens
+        self._finish_stream(msg.job_id, state, msg.finish_reason, reason,
                             run_s=msg.run_s, preemptions=msg.preemptions)
         self._dirty = True
+
+    def retry_unstored(self) -> None:
+        """Store the completions that arrived while Redis was unreachable (raises while it still is)."""
+        while self._unstored:
+            worker, msg = self._unstored.pop(0)
+            self._store_finished(worker, msg)
+
+
+def new_stale_memory() -> OrderedDict:
+    return OrderedDict()

@@ -3,7 +3,7 @@
 Credit-based: a worker's credit is its free batch slots, less jobs sent since its
 last load report. Low tiers only go where there is credit, so ordering and aging
 stay in Redis instead of in worker backlogs; P0 and P1 may also go to a full
-worker, the one whose reported preemption cost is lowest, which then preempts.
+worker that reports a running job they may preempt (WorkerLoad.victims).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.protocol import WorkerHello, WorkerLoad
+from common.tiers import Tier
 
 
 @dataclass
@@ -26,6 +27,13 @@ class WorkerState:
     def credit(self) -> int:
         free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
         return max(0, free - len(self.pending))
+
+    def victims_left(self, urgent_sent: set[str]) -> dict[Tier, int]:
+        """Per P0/P1: running jobs here it may preempt, less the urgent jobs sent since the last report."""
+        if self.load is None:
+            return {}
+        unreported = len(self.pending & urgent_sent)
+        return {Tier(t): n - unreported for t, n in self.load.victims.items() if t in ("P0", "P1")}
 
     @property
     def preemption_cost_s(self) -> float:
@@ -63,9 +71,6 @@ class WorkerRegistry:
         """The worker with the most credit (spreads load), or None."""
         best = max(self.workers.values(), key=lambda w: w.credit, default=None)
         return best if best is not None and best.credit > 0 else None
-
-    def cheapest_to_preempt(self) -> WorkerState | None:
-        return min(self.workers.values(), key=lambda w: (w.preemption_cost_s, -w.credit), default=None)
 
     def max_model_len(self) -> int | None:
         lens = [w.hello.max_model_len for w in self.workers.values()]

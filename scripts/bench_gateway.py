@@ -56,7 +56,8 @@ class InstantWorker(threading.Thread):
                 msg = P.decode(sock.recv())
                 if isinstance(msg, P.DispatchJob):
                     sock.send(P.encode(P.JobTokens(msg.job_id, msg.attempt, 0, [7])))
-                    sock.send(P.encode(P.JobFinished(msg.job_id, msg.attempt, "done", "length", 1, 0.0, 0.0, 0)))
+                    sock.send(P.encode(P.JobFinished(msg.job_id, msg.attempt, "done", "length", 1, 0.0, 0.0, 0,
+                                                      token_ids=[7])))
             now = time.monotonic()
             if now - last > 0.5:
                 last = now

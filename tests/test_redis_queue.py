@@ -14,6 +14,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -21,7 +22,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from common import redis_server as redis_server_mod
-from common.errors import DuplicateRequest
+from common.errors import DuplicateRequest, IncompleteResult
 from common.redis_keys import LUA_DIR, KeySpace, load_scripts
 from common.redis_server import RedisServer, RedisServerError, find_redis_server
 from common.tiers import ALL_TIERS, Tier
@@ -34,9 +35,11 @@ from gateway.redis_queue import (
     QuotaRefused,
     QuotaSpec,
     RedisQueue,
+    Settled,
 )
 
 T0 = 1_700_000_000_000  # injected "now" in ms
+WHOLE = {"num_tokens": 2, "token_ids": msgpack.packb([7, 8])}  # a done result with all its tokens
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 ALL = list(ALL_TIERS)
 NO_RETRY = Retry(NoBackoff(), 0)  # redis-py retries failed connections by default, with backoff
@@ -305,43 +308,83 @@ def test_complete_records_the_outcome_and_drain_stats(queue, client, keys):
     for j in ("a", "b", "c"):
         admit(queue, j, P0)
     queue.claim(["a", "b", "c"], worker="w", gateway="g", now_ms=T0, lease_ms=10_000)
-    assert queue.complete("a", attempt=1, state="done", now_ms=T0 + 1000,
-                          fields={"text": "hi", "tokens": 7, "latency_s": 0.25, "blob": b"\x00\xff"})  # fmt: skip
+    assert queue.complete("a", attempt=1, state="done", now_ms=T0 + 1000, worker="w",
+                          fields={**WHOLE, "text": "hi", "tokens": 7, "latency_s": 0.25, "blob": b"\x00\xff"})  # fmt: skip
     job = queue.get("a")
     assert (job.state, job.finished_at_ms, job.payload) == (JobState.DONE, T0 + 1000, None)
-    assert job.result == {"text": b"hi", "tokens": b"7", "latency_s": b"0.25", "blob": b"\x00\xff"}
+    assert job.result == {"num_tokens": b"2", "token_ids": msgpack.packb([7, 8]), "text": b"hi", "tokens": b"7", "latency_s": b"0.25", "blob": b"\x00\xff"}
     assert client.zscore(keys.inflight, "a") is None
     assert 0 < client.pttl(keys.job("a")) <= 86_400_000
-    assert queue.complete("b", attempt=1, state="failed", now_ms=T0 + 2000, fields={"reason": "oom", "n": 0})
+    assert queue.complete("b", attempt=1, state="failed", now_ms=T0 + 2000, worker="w", fields={"reason": "oom", "n": 0})
     job = queue.get("b")
     assert (job.state, job.reason, job.result) == (JobState.FAILED, "oom", {"n": b"0"})
-    assert not queue.complete("b", attempt=1, state="done", now_ms=T0 + 2001, fields={})  # already final
+    assert not queue.complete("b", attempt=1, state="done", now_ms=T0 + 2001, worker="w", fields=WHOLE)  # already final
     stats = queue.drain_stats(T0 + 2000)
     tau = 30.0
     assert stats[P0].completed == 2 and stats[P1].completed == 0
     assert stats[P0].rate_per_s == pytest.approx(math.exp(-1 / tau) / tau + 1 / tau)
     assert queue.drain_stats(T0 + 32_000)[P0].rate_per_s == pytest.approx(stats[P0].rate_per_s * math.exp(-1))
     with pytest.raises(ValueError):
-        queue.complete("c", attempt=1, state="expired", now_ms=T0, fields={})
+        queue.complete("c", attempt=1, state="expired", now_ms=T0, worker="w", fields={})
     with pytest.raises(ValueError):
-        queue.complete("c", attempt=1, state="done", now_ms=T0, fields={"state": "x"})
+        queue.complete("c", attempt=1, state="done", now_ms=T0, worker="w", fields={"state": "x"})
 
 
 def test_stale_completion_from_an_expired_lease_changes_nothing(queue, client, keys):
     admit(queue, "a", P2)
     queue.claim(["a"], worker="w1", gateway="g", now_ms=T0, lease_ms=1000)
-    assert queue.requeue_expired(T0 + 1000, max_attempts=3) == [("a", "queued")]
+    assert [s[:2] for s in queue.requeue_expired(T0 + 1000, max_attempts=3)] == [("a", "queued")]
     before = snapshot(client, keys)
-    assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1100, fields={"text": "late"})
+    late = {**WHOLE, "text": "late"}
+    assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1100, worker="w1", fields=late)
     assert snapshot(client, keys) == before
     [again] = queue.claim(["a"], worker="w2", gateway="g", now_ms=T0 + 1200, lease_ms=1000)
     assert again.attempt == 2
     before = snapshot(client, keys)
-    assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1300, fields={"text": "late"})
+    assert not queue.complete("a", attempt=1, state="done", now_ms=T0 + 1300, worker="w1", fields=late)
+    # Fencing: the right attempt number from a worker that does not hold the lease changes nothing either.
+    assert not queue.complete("a", attempt=2, state="done", now_ms=T0 + 1300, worker="w1", fields=late)
     assert snapshot(client, keys) == before
-    assert queue.complete("a", attempt=2, state="done", now_ms=T0 + 1300, fields={"text": "ok"})
+    assert queue.complete("a", attempt=2, state="done", now_ms=T0 + 1300, worker="w2", fields={**WHOLE, "text": "ok"})
     # The lost attempt is recorded for the trace of the next dispatch.
-    assert queue.get("a").result == {"text": b"ok", "requeued_at_ms": str(T0 + 1000).encode(), "lost_worker": b"w1"}
+    assert queue.get("a").result == {**{k: str(v).encode() if isinstance(v, int) else v for k, v in WHOLE.items()},
+                                     "text": b"ok", "requeued_at_ms": str(T0 + 1000).encode(), "lost_worker": b"w1"}
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"num_tokens": 3}, {"num_tokens": 3, "token_ids": msgpack.packb([])},
+    {"num_tokens": 3, "token_ids": msgpack.packb([1, 2])}, {"num_tokens": 1, "token_ids": b"\xc1not-msgpack"},
+    {"num_tokens": 0, "token_ids": msgpack.packb([5])},
+])
+def test_done_without_all_its_tokens_is_refused_and_changes_nothing(queue, client, keys, fields):
+    """Issue 9, defects 1 and 2 at the store: a short, empty or missing token list is never a done."""
+    admit(queue, "a", P1)
+    queue.claim(["a"], worker="w", gateway="g", now_ms=T0, lease_ms=60_000)
+    before = snapshot(client, keys)
+    with pytest.raises(IncompleteResult):
+        queue.complete("a", attempt=1, state="done", now_ms=T0 + 1, worker="w", fields=fields)
+    assert snapshot(client, keys) == before
+    # failed needs no tokens: that is how the gateway reports an incomplete result
+    assert queue.complete("a", attempt=1, state="failed", now_ms=T0 + 1, worker="w", fields={"reason": "short"})
+
+
+def test_without_an_injected_now_every_script_uses_the_redis_clock(queue, client, keys):
+    """Issue 9, defect 6: scores, leases, quotas and finish times come from Redis TIME, not the caller."""
+    sec, usec = client.time()
+    server_now = int(sec) * 1000 + int(usec) // 1000
+    assert queue.admit(job_id="a", tenant="t", tier_requested=P0, tier=P0, payload=b"x", idempotency_key=None,
+                       quota=QuotaSpec(1.0, 2), drain_rate_per_s={}).tier is P0
+    score = client.zscore(keys.queue(P0), "a")
+    assert abs(score - server_now) < 5_000
+    assert abs(int(client.hget(keys.quota("t"), "ts_ms")) - server_now) < 5_000
+    assert abs(int(client.hget(keys.job("a"), "deadline_ms")) - (server_now + 30_000)) < 5_000
+    [job] = queue.claim(["a"], worker="w", gateway="g", lease_ms=60_000)
+    assert abs(client.zscore(keys.inflight, "a") - (server_now + 60_000)) < 5_000
+    assert queue.extend_leases("w", ["a"], None, 120_000) == 1
+    assert abs(client.zscore(keys.inflight, "a") - (server_now + 120_000)) < 5_000
+    assert queue.complete("a", attempt=1, state="done", worker="w", fields=WHOLE)
+    assert abs(queue.get("a").finished_at_ms - server_now) < 5_000
+    assert abs(queue.server_ms() - server_now) < 5_000
 
 
 def test_requeue_keeps_the_original_score_then_dead_letters(queue, client, keys):
@@ -351,13 +394,13 @@ def test_requeue_keeps_the_original_score_then_dead_letters(queue, client, keys)
     queue.claim(["a"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=1000)
     queue.claim(["held"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=60_000)
     assert queue.requeue_expired(T0 + 1009, max_attempts=2) == []
-    assert queue.requeue_expired(T0 + 1010, max_attempts=2) == [("a", "queued")]
+    assert [s[:2] for s in queue.requeue_expired(T0 + 1010, max_attempts=2)] == [("a", "queued")]
     assert client.zscore(keys.queue(P3), "a") == T0 and queue.peek([P3], 10) == ["a", "b"]
     job = queue.get("a")
     assert (job.state, job.attempt, job.worker, job.gateway) == (JobState.QUEUED, 1, None, None)
     assert client.zscore(keys.aging, "a") == T0  # agable again, with its old tier_since
     queue.claim(["a"], worker="w", gateway="g", now_ms=T0 + 2000, lease_ms=1000)
-    assert queue.requeue_expired(T0 + 3000, max_attempts=2) == [("a", "dead")]
+    assert queue.requeue_expired(T0 + 3000, max_attempts=2) == [Settled("a", "dead", "w", 2)]
     job = queue.get("a")
     assert (job.state, job.attempt, job.reason) == (JobState.DEAD, 2, "lease expired 2 times")
     assert job.payload is not None and client.pttl(keys.job("a")) == -1  # kept for the operator
@@ -420,7 +463,7 @@ def test_cancel_queued_and_dispatched_jobs(queue, client, keys):
     before = queue.cancel("d", now_ms=T0 + 6, reason="client disconnected")
     assert (before.state, before.worker, before.attempt) == (JobState.DISPATCHED, "w7", 1)
     assert queue.get("d").state is JobState.CANCELLED and client.zcard(keys.inflight) == 0
-    assert not queue.complete("d", attempt=1, state="done", now_ms=T0 + 7, fields={})
+    assert not queue.complete("d", attempt=1, state="done", now_ms=T0 + 7, worker="w", fields=WHOLE)
     assert queue.requeue_expired(T0 + 10**6, max_attempts=1) == []
     assert queue.cancel("d") is None and queue.cancel("unknown") is None
     assert queue.get("unknown") is None
@@ -445,7 +488,8 @@ def test_a_job_lifecycle_costs_at_most_six_commands():
             admit(q, job_id, P0)
             [candidate] = q.peek(ALL, 1)
             [job] = q.claim([candidate], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
-            assert q.complete(job.id, attempt=job.attempt, state="done", now_ms=T0 + 1, fields={"text": "x"})
+            assert q.complete(job.id, attempt=job.attempt, state="done", now_ms=T0 + 1, worker="w",
+                              fields={**WHOLE, "text": "x"})
 
         lifecycle("warm-up")  # loads the scripts (NOSCRIPT + SCRIPT LOAD once per script)
         stats.ping()  # open its connection now, so its HELLO is not in the measured window
@@ -494,9 +538,9 @@ def test_scripts_touch_only_the_keys_passed_in_KEYS():
             assert len(q.peek(ALL, 10)) == 6
             q.claim(["a", "b", "e"], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
             assert q.extend_leases("w", ["a", "b"], T0, 1000) == 2
-            assert q.complete("a", attempt=1, state="done", now_ms=T0, fields={"text": "x"})
+            assert q.complete("a", attempt=1, state="done", now_ms=T0, worker="w", fields={**WHOLE, "text": "x"})
             assert q.cancel("e", now_ms=T0) is not None and q.cancel("d", now_ms=T0) is not None
-            assert q.requeue_expired(T0 + 5000, max_attempts=1) == [("b", "dead")]
+            assert [s[:2] for s in q.requeue_expired(T0 + 5000, max_attempts=1)] == [("b", "dead")]
             assert q.age(T0, 60_000) == [("c", P3, P2)]
             assert q.expire(T0 + 10**7) == ["f"]
             qc.echo("end-of-test")

@@ -1,17 +1,20 @@
 """The worker process: jobs in from gateways over ZeroMQ, the engine in between, tokens out.
 
 One loop: read every waiting frame (dispatches, cancels), run one engine step, send each
-job's new tokens to the gateway that streams it, and report load (which extends leases)
-every heartbeat interval. A frame that cannot be decoded is counted and dropped.
+job's new tokens to the gateway that dispatched it. Load reports (which extend leases) go out
+from a separate thread (worker/heartbeat.py), so a long step never loses a lease. A frame that
+cannot be decoded is counted and dropped. JobFinished carries every output token, and one that
+cannot be sent (the gateway's queue is full) is kept and retried, its job still reported as held.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -19,6 +22,7 @@ from common import protocol as P
 from common.errors import InvalidRequest
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS
+from worker.heartbeat import Heartbeat
 from worker.request import RequestStatus, SamplingParams
 from worker.service_config import WorkerConfig
 
@@ -33,7 +37,7 @@ class RunningJob:
     attempt: int
     reply: zmq.Socket  # the gateway that streams this job
     started: float
-    sent: int = 0  # tokens sent so far (the next JobTokens.index)
+    tokens: list[int] = field(default_factory=list)  # every output token so far (the next index is its length)
     first_token: float | None = None
 
 
@@ -48,8 +52,11 @@ class WorkerService:
         self.by_gateway: dict[str, zmq.Socket] = {}
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
-        self._last_beat = 0.0
-        self._last_hello = 0.0
+        self._lock = threading.Lock()  # every socket use, from the step loop and the heartbeat thread
+        self._unsent: list[tuple[zmq.Socket, P.JobFinished]] = []  # completions the gateway could not take yet
+        self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
+        self._snapshot_at = float("-inf")
+        self._heartbeat = Heartbeat(self._lock, self._beat, self._hello, config.heartbeat_interval_s, HELLO_EVERY_S)
 
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
@@ -57,14 +64,18 @@ class WorkerService:
         self._hello()
 
     def close(self) -> None:
-        for s in self.sockets:
-            s.close(linger=0)
+        self._heartbeat.stop()
+        with self._lock:
+            for s in self.sockets:
+                s.close(linger=0)
 
-    def _send(self, sock: zmq.Socket, msg) -> None:
+    def _send(self, sock: zmq.Socket, msg) -> bool:
         try:
             sock.send(P.encode(msg), zmq.NOBLOCK)
+            return True
         except zmq.Again:
             self.counters["send_dropped"] += 1  # gateway gone or slow; leases will sort it out
+            return False
 
     def _hello(self) -> None:
         e = self.engine
@@ -72,23 +83,25 @@ class WorkerService:
                               e.config.max_num_seqs, e.blocks.num_blocks)
         for s in self.sockets:
             self._send(s, hello)
-        self._last_hello = self.clock()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
+        self._refresh_snapshot(self.clock())
+        if not self._heartbeat.is_alive():
+            self._heartbeat.start()
         while not should_stop():
-            busy = self.engine.has_unfinished()
-            for sock, _ in poller.poll(timeout=0 if busy else 20):
-                self._drain(sock)
+            busy = self.engine.has_unfinished() or self._unsent
+            with self._lock:
+                for sock, _ in poller.poll(timeout=0 if busy else 20):
+                    self._drain(sock)
+                self._retry_unsent()
             if self.engine.has_unfinished():
                 self._step()
             now = self.clock()
-            if now - self._last_beat >= self.config.heartbeat_interval_s:
-                self._heartbeat(now)
-            if now - self._last_hello >= HELLO_EVERY_S:
-                self._hello()
+            if now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
+                self._refresh_snapshot(now)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):
@@ -105,7 +118,7 @@ class WorkerService:
             if isinstance(msg, P.DispatchJob):
                 self._dispatch(sock, msg)
             elif isinstance(msg, P.CancelJob):
-                self._cancel(msg.job_id)
+                self._cancel(msg.job_id, msg.attempt)
             elif isinstance(msg, P.GatewayWelcome):
                 self.by_gateway[msg.gateway_id] = sock
             elif isinstance(msg, P.ErrorReply):
@@ -125,31 +138,45 @@ class WorkerService:
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
                                     trace_context=msg.trace_context)
         except InvalidRequest as e:
-            self._send(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e)))
+            self._finish(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
 
-    def _cancel(self, job_id: str) -> None:
+    def _cancel(self, job_id: str, attempt: int | None) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None and attempt is not None and job.attempt > attempt:
+            self.counters["stale_cancels"] += 1  # meant for an earlier attempt; this one is current
+            return
         if self.engine.abort(job_id):
             self.jobs.pop(job_id, None)
+
+    def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
+        if not self._send(sock, msg):
+            self._unsent.append((sock, msg))
+
+    def _retry_unsent(self) -> None:
+        pending, self._unsent = self._unsent, []
+        for sock, msg in pending:
+            self._finish(sock, msg)
 
     def _step(self) -> None:
         outs = self.engine.step()
         now = self.clock()
-        for out in outs:
-            job = self.jobs.get(out.request_id)
-            if job is None:
-                continue
-            if job.first_token is None:
-                job.first_token = now
-            self._send(job.reply, P.JobTokens(job.job_id, job.attempt, job.sent, out.new_token_ids))
-            job.sent += len(out.new_token_ids)
-            if out.finished:
-                del self.jobs[job.job_id]
-                self._send(job.reply, P.JobFinished(
-                    job.job_id, job.attempt, "done", out.finish_reason.value if out.finish_reason else None,
-                    job.sent, None if job.first_token is None else job.first_token - job.started,
-                    now - job.started, out.num_preemptions))
+        with self._lock:
+            for out in outs:
+                job = self.jobs.get(out.request_id)
+                if job is None:
+                    continue
+                if job.first_token is None:
+                    job.first_token = now
+                self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids))
+                job.tokens.extend(out.new_token_ids)
+                if out.finished:
+                    del self.jobs[job.job_id]
+                    self._finish(job.reply, P.JobFinished(
+                        job.job_id, job.attempt, "done", out.finish_reason.value if out.finish_reason else None,
+                        len(job.tokens), None if job.first_token is None else job.first_token - job.started,
+                        now - job.started, out.num_preemptions, None, list(job.tokens)))
 
     def log_state(self) -> None:
         """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""
@@ -161,8 +188,15 @@ class WorkerService:
         log.info("jobs=%d kv=%s stats=%s counters=%s", len(self.jobs), self.engine.kv_usage(), s.stats,
                  dict(self.counters))
 
-    def _heartbeat(self, now: float) -> None:
-        self._last_beat = now
+    def _beat(self) -> None:
+        if self._snapshot is not None:
+            for s in self.sockets:
+                self._send(s, self._snapshot)
+
+    def _refresh_snapshot(self, now: float) -> None:
+        """The load report the heartbeat thread sends until the next refresh (built here: engine state
+        is only read on the step loop's thread)."""
+        self._snapshot_at = now
         e = self.engine
         running = {t.value: 0 for t in ALL_TIERS}
         waiting = {t.value: 0 for t in ALL_TIERS}
@@ -173,7 +207,9 @@ class WorkerService:
         free_slots = max(0, e.config.max_num_seqs - len(e.scheduler.running) - len(e.scheduler.waiting))
         low_running = any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING for r in e.scheduler.running)
         cost = 0.0 if free_slots or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
-        load = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
-                            list(self.jobs), cost)
-        for s in self.sockets:
-            self._send(s, load)
+        may_preempt = e.scheduler.preemption.config.may_preempt
+        victims = {t.value: sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
+                                for r in e.scheduler.running) for t in ALL_TIERS}
+        held = list(self.jobs) + [m.job_id for _, m in self._unsent]
+        self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
+                                      held, cost, victims)

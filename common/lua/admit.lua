@@ -12,7 +12,7 @@
 -- ARGV[3]     tier requested by the client (P0..P3)
 -- ARGV[4]     tier to admit at before quota (P0..P3)
 -- ARGV[5]     payload (opaque bytes)
--- ARGV[6]     now, ms
+-- ARGV[6]     now, ms; empty: Redis TIME
 -- ARGV[7]     idempotency key TTL, ms
 -- ARGV[8..11]  queue timeout of P0..P3 in ms; -1 = no timeout
 -- ARGV[12..15] drain rate of P0..P3 in jobs/s (> 0, already floored by the caller)
@@ -35,7 +35,7 @@
 
 local job_id, tenant, tier_requested = ARGV[1], ARGV[2], ARGV[3]
 local tier, payload = ARGV[4], ARGV[5]
-local now = tonumber(ARGV[6])
+local now = clock_ms(ARGV[6])
 local idem_ttl_ms = tonumber(ARGV[7])
 local quota_rate, quota_burst, on_exhausted = tonumber(ARGV[16]), tonumber(ARGV[17]), ARGV[18]
 

@@ -6,14 +6,16 @@
 -- KEYS[6]     inflight zset
 -- KEYS[7]     aging index zset
 -- KEYS[8]     deadlines index zset
+-- KEYS[9]     the job's token stream (deleted)
 -- ARGV[1]     job id
--- ARGV[2]     now, ms
+-- ARGV[2]     now, ms; empty: Redis TIME
 -- ARGV[3]     retention of the finished job hash, ms
 -- ARGV[4]     reason
 --
 -- Returns: the job's HGETALL as it was before cancelling, or nil if not cancelled.
 
 local job_id = ARGV[1]
+local now = clock_ms(ARGV[2])
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'queued' and state ~= 'dispatched' then
     return false
@@ -24,7 +26,8 @@ redis.call('ZREM', KEYS[tonumber(string.sub(tier, 2)) + 2], job_id)
 redis.call('ZREM', KEYS[6], job_id)
 redis.call('ZREM', KEYS[7], job_id)
 redis.call('ZREM', KEYS[8], job_id)
-redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at_ms', ARGV[2], 'reason', ARGV[4])
+redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at_ms', now, 'reason', ARGV[4])
+redis.call('DEL', KEYS[9])
 redis.call('HDEL', KEYS[1], 'payload')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return before

@@ -8,14 +8,14 @@
 -- KEYS[8..]   job hashes of the candidates
 -- ARGV[1]     worker id
 -- ARGV[2]     gateway id
--- ARGV[3]     now, ms
+-- ARGV[3]     now, ms; empty: Redis TIME
 -- ARGV[4]     lease, ms
 -- ARGV[5..]   the candidates' job ids, in the order of KEYS[8..]
 --
 -- Returns: one flat {field, value, ...} array (HGETALL) per claimed job, in candidate order.
 
 local worker, gateway = ARGV[1], ARGV[2]
-local now, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
+local now, lease_ms = clock_ms(ARGV[3]), tonumber(ARGV[4])
 local claimed = {}
 for i = 8, #KEYS do
     local job_key, job_id = KEYS[i], ARGV[i - 3]

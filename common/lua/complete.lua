@@ -1,17 +1,21 @@
--- complete.lua: record the outcome of a dispatched job. Only the current attempt may
--- complete it: a completion from an expired (requeued or re-claimed) lease, or for a
--- cancelled job, changes nothing.
+-- complete.lua: record the outcome of a dispatched job. Only the current attempt, run by
+-- the worker holding the lease, may complete it: a completion from an expired (requeued or
+-- re-claimed) lease, from another worker, or for a cancelled job, changes nothing. A "done"
+-- needs its whole output: result fields num_tokens and token_ids (msgpack list) of that
+-- length; anything else is refused with an error and changes nothing.
 --
 -- KEYS[1]     job hash
 -- KEYS[2]     inflight zset
 -- KEYS[3]     drain statistics hash
+-- KEYS[4]     the job's token stream (deleted: the result is in the hash)
 -- ARGV[1]     job id
 -- ARGV[2]     attempt the completion belongs to
 -- ARGV[3]     final state: "done" | "failed"
--- ARGV[4]     now, ms
+-- ARGV[4]     now, ms; empty: Redis TIME
 -- ARGV[5]     retention of the finished job hash, ms
 -- ARGV[6]     drain rate time constant tau, ms
--- ARGV[7..]   result fields: name, value, name, value, ...
+-- ARGV[7]     worker id of the sender
+-- ARGV[8..]   result fields: name, value, name, value, ...
 --
 -- Returns: 1 if recorded, 0 if stale.
 --
@@ -19,16 +23,29 @@
 --   completed:P += 1;  rate:P = rate:P * exp(-(now - ts:P) / tau) + 1 / tau (jobs/s);  ts:P = now
 
 local job_id, state = ARGV[1], ARGV[3]
-local now, retention_ms, tau_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local fields = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'tier')
-if fields[1] ~= 'dispatched' or fields[2] ~= ARGV[2] then
+local retention_ms, tau_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local fields = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'tier', 'worker')
+if fields[1] ~= 'dispatched' or fields[2] ~= ARGV[2] or fields[4] ~= ARGV[7] then
     return 0
 end
+if state == 'done' then
+    local result = {}
+    for i = 8, #ARGV - 1, 2 do
+        result[ARGV[i]] = ARGV[i + 1]
+    end
+    local expected = tonumber(result['num_tokens'])
+    local ok, tokens = pcall(cmsgpack.unpack, result['token_ids'] or '')
+    if not expected or not ok or type(tokens) ~= 'table' or #tokens ~= expected then
+        return redis.error_reply('incomplete result: a done job needs num_tokens and that many token_ids')
+    end
+end
+local now = clock_ms(ARGV[4])
 local tier = fields[3]
 redis.call('HSET', KEYS[1], 'state', state, 'finished_at_ms', now)
-if #ARGV >= 7 then
-    redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+if #ARGV >= 8 then
+    redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 end
+redis.call('DEL', KEYS[4])
 redis.call('HDEL', KEYS[1], 'payload')
 redis.call('PEXPIRE', KEYS[1], retention_ms)
 redis.call('ZREM', KEYS[2], job_id)

@@ -1,18 +1,19 @@
--- extend.lua: move the lease expiry of a worker's dispatched jobs to ARGV[2].
+-- extend.lua: move the lease expiry of a worker's dispatched jobs to now + ARGV[3].
 -- Jobs dispatched to another worker (or no longer dispatched) are left alone.
 --
 -- KEYS[1]     inflight zset
 -- KEYS[2..]   job hashes
 -- ARGV[1]     worker id
--- ARGV[2]     new lease expiry, ms
--- ARGV[3..]   job ids, in the order of KEYS[2..]
+-- ARGV[2]     now, ms; empty: Redis TIME
+-- ARGV[3]     lease, ms
+-- ARGV[4..]   job ids, in the order of KEYS[2..]
 --
 -- Returns: the number of leases extended.
 
-local worker, expiry = ARGV[1], tonumber(ARGV[2])
+local worker, expiry = ARGV[1], clock_ms(ARGV[2]) + tonumber(ARGV[3])
 local extended = 0
 for i = 2, #KEYS do
-    local job_id = ARGV[i + 1]
+    local job_id = ARGV[i + 2]
     local fields = redis.call('HMGET', KEYS[i], 'state', 'worker')
     if fields[1] == 'dispatched' and fields[2] == worker
         and redis.call('ZSCORE', KEYS[1], job_id) then

@@ -14,7 +14,8 @@
 -- ARGV[2]     max attempts
 -- ARGV[3..]   job ids, in the order of KEYS[9..]
 --
--- Returns: flat {job id, "queued" | "dead", ...} for the jobs settled.
+-- Returns: flat {job id, "queued" | "dead", worker that held it, its attempt, ...} for the jobs
+-- settled (the gateway tells that worker to stop the lost attempt).
 
 local now, max_attempts = tonumber(ARGV[1]), tonumber(ARGV[2])
 local settled = {}
@@ -23,7 +24,7 @@ for i = 9, #KEYS do
     local expiry = tonumber(redis.call('ZSCORE', KEYS[5], job_id))
     if expiry and expiry <= now then
         local f = redis.call('HMGET', job_key, 'state', 'attempt', 'tier', 'enqueued_at_ms',
-            'tier_since_ms', 'deadline_ms')
+            'tier_since_ms', 'deadline_ms', 'worker')
         redis.call('ZREM', KEYS[5], job_id)
         -- A non-dispatched job cannot hold a lease; such an entry is only dropped.
         if f[1] == 'dispatched' then
@@ -34,6 +35,8 @@ for i = 9, #KEYS do
                 redis.call('ZADD', KEYS[6], now, job_id)
                 settled[#settled + 1] = job_id
                 settled[#settled + 1] = 'dead'
+                settled[#settled + 1] = f[7] or ''
+                settled[#settled + 1] = f[2]
             else
                 local rank = tonumber(string.sub(f[3], 2))
                 -- requeued_at_ms and lost_worker let the next dispatch's trace show the lost attempt.
@@ -49,6 +52,8 @@ for i = 9, #KEYS do
                 end
                 settled[#settled + 1] = job_id
                 settled[#settled + 1] = 'queued'
+                settled[#settled + 1] = f[7] or ''
+                settled[#settled + 1] = f[2]
             end
         end
     end

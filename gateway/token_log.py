@@ -1,0 +1,48 @@
+"""Each running job's tokens in Redis (one Redis Stream per job), so any gateway can stream any job.
+
+The gateway that holds a job's lease receives its JobTokens and appends them here in batches
+(one XADD per job per flush, each entry ``i`` = index of its first token, ``t`` = msgpack list);
+gateways whose clients watch the job read the entries back. The stream is capped (MAXLEN) and
+has a TTL; completion and cancellation delete it, the result then lives in the job hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import msgpack
+import redis
+
+from common.redis_keys import KeySpace
+
+MAX_ENTRIES = 8192  # more than any job has tokens (max_tokens_limit), fewer than a runaway writer could add
+TTL_MS = 3_600_000  # an abandoned stream (its writer died, the job dead-lettered) goes after an hour
+
+
+class TokenLog:
+    def __init__(self, client: redis.Redis, keys: KeySpace) -> None:
+        self.client, self.keys = client, keys
+
+    def append(self, batch: Iterable[tuple[str, int, list[int]]]) -> None:
+        """Append (job id, index of the first token, tokens) entries, one round trip for the batch."""
+        pipe = self.client.pipeline(transaction=False)
+        n = 0
+        for job_id, index, tokens in batch:
+            key = self.keys.tokens(job_id)
+            pipe.xadd(key, {"i": index, "t": msgpack.packb(tokens)}, maxlen=MAX_ENTRIES, approximate=True)
+            pipe.pexpire(key, TTL_MS)
+            n += 1
+        if n:
+            pipe.execute()
+
+    def read(self, positions: Mapping[str, str]) -> dict[str, list[tuple[str, int, list[int]]]]:
+        """New entries after each job's position: job id -> [(entry id, index, tokens)]. One XREAD."""
+        if not positions:
+            return {}
+        streams = {self.keys.tokens(j): pos for j, pos in positions.items()}
+        by_key = {self.keys.tokens(j): j for j in positions}
+        out: dict[str, list[tuple[str, int, list[int]]]] = {}
+        for key, entries in self.client.xread(streams, count=MAX_ENTRIES) or []:
+            job_id = by_key[key.decode() if isinstance(key, bytes) else key]
+            out[job_id] = [(eid.decode(), int(f[b"i"]), msgpack.unpackb(f[b"t"])) for eid, f in entries]
+        return out
