@@ -1,0 +1,171 @@
+"""A real local cluster whose parts a test can kill -9 and restart with the same identity.
+
+redis-server (AOF, appendfsync everysec, fixed port and data directory), gateways and workers are
+separate processes on loopback ports; ``kill``/``restart`` act on one of them by name ("redis",
+"gw-0", "wk-1", ...). Used by the durability tests (issue 9), which need to restart what they kill
+whether or not a supervisor is running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import redis
+
+from common.redis_server import find_redis_server
+from common.sockets import free_port
+from gateway.sdk import GatewayClient
+from scripts.up import write_tenants
+from tests.cluster_helpers import stop_process, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class DurableCluster:
+    def __init__(self, tmp: Path, model_dir: Path, *, gateways: int = 2, workers: int = 2, max_running: int = 2,
+                 lease_s: float = 10.0, aging_interval_s: float = 60.0, gateway_env: dict | None = None,
+                 clock_skew_s: dict[str, float] | None = None) -> None:
+        self.tmp, self.model_dir = tmp, model_dir
+        self.redis_port, self.redis_dir = free_port(), tmp / "redis"
+        self.redis_dir.mkdir()
+        self.tenants = write_tenants(tmp / "tenants.toml")
+        self.gateways = {f"gw-{g}": (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+                         for g in range(gateways)}
+        self.worker_ids = [f"wk-{i}" for i in range(workers)]
+        self.max_running = max_running
+        self.clock_skew_s = clock_skew_s or {}
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_LEASE_S=str(lease_s),
+                        TS_GATEWAY_AGING_INTERVAL_S=str(aging_interval_s), TS_GATEWAY_TOKENIZER=str(model_dir),
+                        TS_WORKER_TORCH_THREADS="1", OTEL_TRACES_EXPORTER="none", **(gateway_env or {}))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.redis = redis.Redis(port=self.redis_port, socket_timeout=5)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def endpoint(self, gw: str = "gw-0") -> str:
+        return self.gateways[gw][0]
+
+    def client(self, tenant: str, gw: str = "gw-0", timeout_s: float = 120.0) -> GatewayClient:
+        return GatewayClient(self.endpoint(gw), self.tenants[tenant]["api_key"], timeout_s=timeout_s)
+
+    def key(self, tenant: str) -> str:
+        return self.tenants[tenant]["api_key"]
+
+    # -- processes ------------------------------------------------------------------------------------------------
+
+    def _cmd(self, name: str) -> list[str]:
+        if name == "redis":
+            return [find_redis_server(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir",
+                    str(self.redis_dir), "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+        if name in self.gateways:
+            client_ep, worker_ep = self.gateways[name]
+            args = ["--client-bind", client_ep, "--worker-bind", worker_ep, "--redis-url", self.redis_url,
+                    "--tenants-file", str(self.tmp / "tenants.toml"), "--gateway-id", name]
+            skew = self.clock_skew_s.get(name)
+            if skew:  # this gateway's wall clock runs `skew` seconds off; everything else is real
+                code = (f"import sys, time, runpy; _t = time.time; time.time = lambda: _t() + {skew!r}; "
+                        f"sys.argv = ['gateway'] + sys.argv[1:]; runpy.run_module('gateway', run_name='__main__')")
+                return [sys.executable, "-c", code, *args]
+            return [sys.executable, "-m", "gateway", *args]
+        cmd = [sys.executable, "-m", "worker", "--worker-id", name, "--model", str(self.model_dir),
+               "--max-num-seqs", str(self.max_running)]
+        for _, worker_ep in self.gateways.values():
+            cmd += ["--gateway", worker_ep]
+        return cmd
+
+    def start_process(self, name: str) -> None:
+        log = (self.tmp / f"{name}.log").open("a")
+        self.procs[name] = subprocess.Popen(self._cmd(name), cwd=ROOT, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        if name == "redis":
+            wait_for(self._redis_up, 30, "redis-server to answer")
+
+    def _redis_up(self) -> bool:
+        try:
+            return bool(self.redis.ping())
+        except redis.RedisError:
+            return False
+
+    def kill(self, name: str) -> None:
+        """kill -9, and reap."""
+        p = self.procs[name]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+
+    def restart(self, name: str) -> None:
+        self.start_process(name)
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def __enter__(self) -> DurableCluster:
+        try:
+            self.start_process("redis")
+            for name in [*self.gateways, *self.worker_ids]:
+                self.start_process(name)
+            for gw in self.gateways:
+                self.wait_workers(gw)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def wait_workers(self, gw: str, timeout: float = 120.0) -> None:
+        c = self.client("lab-co", gw, timeout_s=2.0)
+        try:
+            def ready() -> bool:
+                for name, p in self.procs.items():
+                    assert p.poll() is None, f"{name} exited {p.returncode}: {self.log_tail(name)}"
+                try:
+                    return len(c.info().workers) >= len(self.worker_ids)
+                except Exception:
+                    return False
+            wait_for(ready, timeout, f"{gw} to see every worker", interval=0.2)
+        finally:
+            c.close()
+
+    def __exit__(self, *exc) -> None:
+        for name, p in self.procs.items():
+            if name != "redis":
+                stop_process(p, timeout=15)
+        if "redis" in self.procs:
+            stop_process(self.procs["redis"], timeout=15)
+        self.redis.close()
+
+    def log_tail(self, name: str, n: int = 3000) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    # -- Redis views ----------------------------------------------------------------------------------------------
+
+    def job(self, job_id: str) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in self.redis.hgetall(f"ts:{{c}}:job:{job_id}").items()}
+
+    def state(self, job_id: str) -> str | None:
+        v = self.redis.hget(f"ts:{{c}}:job:{job_id}", "state")
+        return v.decode() if v else None
+
+    def stored_tokens(self, job_id: str) -> list[int]:
+        raw = self.redis.hget(f"ts:{{c}}:job:{job_id}", "token_ids")
+        return msgpack.unpackb(raw) if raw else []
+
+
+def wait_states(cluster: DurableCluster, job_ids: list[str], states: set[str], timeout: float) -> None:
+    wait_for(lambda: all(cluster.state(j) in states for j in job_ids), timeout,
+             f"jobs to reach {sorted(states)}: {[cluster.state(j) for j in job_ids]}", interval=0.2)
+
+
+def settle(deadline_s: float) -> None:
+    """Sleep in small steps (used only to let a fault last a while, never to wait for a result)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        time.sleep(0.05)

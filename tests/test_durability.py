@@ -1,0 +1,298 @@
+"""Issue 9, gateway and worker side: one test per numbered defect 1-8, on real processes.
+
+Each test starts its own cluster (tests/durable_cluster.py: redis-server with AOF, gateway and
+worker processes on loopback) and breaks it the way the issue describes: a gateway restarted
+with the same id, a dropped token frame, Redis killed, a stream or cancel through the other
+gateway, a stranger's frames, a gateway clock 12 s fast, full workers, an aged job. Where a
+defect needs a misbehaving worker, the test speaks the wire protocol from a raw ZeroMQ socket
+(the adversary); everything else is the real thing. Token contents are checked against the
+engine run in this process (the reference; see tests/test_cluster_robustness.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from common import protocol as P
+from common.sockets import make_socket
+from tests.cluster_helpers import wait_for
+from tests.durable_cluster import DurableCluster, settle, wait_states
+from tests.test_cluster_robustness import reference  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.faults  # real clusters, several each: `make test-faults` runs these alone
+
+
+def final_via(cluster: DurableCluster, gw: str, tenant: str, job_id: str, from_index: int = 0,
+              timeout_s: float = 120.0) -> tuple[list[tuple[int, list[int]]], P.JobDone]:
+    """Stream ``job_id`` through gateway ``gw`` with a raw socket: (chunks, JobDone)."""
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER)
+    sock.connect(cluster.endpoint(gw))
+    chunks = []
+    try:
+        sock.send(P.encode(P.StreamRequest(cluster.key(tenant), job_id, from_index)))
+        while True:
+            assert sock.poll(int(timeout_s * 1000)), f"no frame for job {job_id} from {gw} in {timeout_s}s"
+            msg = P.decode(sock.recv())
+            if isinstance(msg, P.TokenChunk):
+                chunks.append((msg.index, list(msg.token_ids)))
+            elif isinstance(msg, P.JobDone):
+                return chunks, msg
+            else:
+                raise AssertionError(f"{gw} answered {msg}")
+    finally:
+        sock.close(linger=0)
+
+
+def assert_whole(cluster: DurableCluster, tenant: str, job_id: str, want: list[int]) -> None:
+    """Done in Redis with exactly ``want``, and the same through every gateway, streamed once each."""
+    assert cluster.state(job_id) == "done", cluster.job(job_id)
+    assert cluster.stored_tokens(job_id) == want
+    for gw in cluster.gateways:
+        chunks, done = final_via(cluster, gw, tenant, job_id)
+        assert done.state == "done" and done.token_ids == want, (gw, done)
+        streamed = [i for start, ids in chunks for i in range(start, start + len(ids))]
+        assert streamed == list(range(len(want))), (gw, streamed)
+
+
+class Adversary:
+    """A peer on the gateway's worker socket that says hello and then sends whatever the test says."""
+
+    def __init__(self, endpoint: str, worker_id: str, slots: int = 1) -> None:
+        self.worker_id = worker_id
+        self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=worker_id.encode())
+        self.sock.connect(endpoint)
+        self.send(P.WorkerHello(worker_id, "adversary", 512, 2048, slots, 1024))
+
+    def send(self, msg) -> None:
+        self.sock.send(P.encode(msg))
+
+    def load(self, job_ids: list[str], free: int = 1) -> None:
+        self.send(P.WorkerLoad(self.worker_id, free, 1024, {}, {}, job_ids, 0.0))
+
+    def recv(self, kind: type, timeout_s: float = 60.0, beat: list[str] | None = None):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if beat is not None:
+                self.load(beat, free=0 if beat else 1)
+            if self.sock.poll(200):
+                msg = P.decode(self.sock.recv())
+                if isinstance(msg, kind):
+                    return msg
+        raise AssertionError(f"{self.worker_id}: no {kind.__name__} within {timeout_s}s")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+# -- 1. a gateway restarted with the same id ------------------------------------------------------------------------
+
+
+def test_1_gateway_restarted_with_the_same_id_loses_no_token(tmp_path, tiny_model_dir, reference):  # noqa: F811
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=2) as c:
+        lab = c.client("lab-co", "gw-0")
+        specs = [([3, i + 1], 160) for i in range(4)]
+        jobs = [lab.submit(prompt_token_ids=p, max_tokens=n, seed=11 + i, ignore_eos=True)
+                for i, (p, n) in enumerate(specs)]
+        lab.close()
+        wait_for(lambda: sum(len(c.redis.keys(f"ts:{{c}}:tok:{j.id}")) > 0 for j in jobs) >= 2, 120,
+                 "tokens of running jobs in Redis")
+        for gw in ("gw-0", "gw-1"):  # each gateway holds some of the leases: restart both, one after the other
+            c.kill(gw)
+            c.restart(gw)
+            c.wait_workers(gw)
+        wait_states(c, [j.id for j in jobs], {"done", "failed", "dead"}, 300)
+        want = reference([(p, n, 0.0, 11 + i) for i, (p, n) in enumerate(specs)])
+        for j, w in zip(jobs, want):
+            assert_whole(c, "lab-co", j.id, w)
+
+
+# -- 2. a lost token frame ------------------------------------------------------------------------------------------
+
+
+def test_2_a_gap_in_the_token_frames_never_becomes_a_short_done(tmp_path, tiny_model_dir):
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0) as c:
+        w = Adversary(c.gateways["gw-0"][1], "wk-gappy")
+        lab = c.client("lab-co")
+        short = lab.submit(prompt_token_ids=[1, 2], max_tokens=4, ignore_eos=True)
+        d = w.recv(P.DispatchJob, beat=[])
+        w.send(P.JobTokens(d.job_id, d.attempt, 0, [5, 6]))
+        w.send(P.JobTokens(d.job_id, d.attempt, 3, [8]))  # index 2 never arrives
+        w.send(P.JobFinished(d.job_id, d.attempt, "done", "length", 4, 0.0, 0.1, 0))  # and no token list
+        wait_states(c, [short.id], {"done", "failed"}, 30)
+        assert c.state(short.id) == "failed" and b"incomplete" in c.job(short.id)["reason"], c.job(short.id)
+        assert c.stored_tokens(short.id) == []
+        # The same gap, but the worker's JobFinished carries every token: the result is whole.
+        whole = lab.submit(prompt_token_ids=[1, 3], max_tokens=4, ignore_eos=True)
+        d = w.recv(P.DispatchJob, beat=[])
+        w.send(P.JobTokens(d.job_id, d.attempt, 0, [5, 6]))
+        w.send(P.JobTokens(d.job_id, d.attempt, 3, [8]))
+        w.send(P.JobFinished(d.job_id, d.attempt, "done", "length", 4, 0.0, 0.1, 0, None, [5, 6, 7, 8]))
+        assert whole.result(timeout=30).token_ids == [5, 6, 7, 8]
+        assert_whole(c, "lab-co", whole.id, [5, 6, 7, 8])
+        lab.close()
+        w.close()
+
+
+# -- 3. Redis down for a few seconds ----------------------------------------------------------------------------------
+
+
+def test_3_redis_killed_under_load_nothing_admitted_is_lost(tmp_path, tiny_model_dir, reference):  # noqa: F811
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=2) as c:
+        specs = [([4, i + 1], 48) for i in range(6)]
+        jobs = []
+        for i, (p, n) in enumerate(specs):
+            cl = c.client("lab-co", f"gw-{i % 2}")
+            jobs.append(cl.submit(prompt_token_ids=p, max_tokens=n, seed=21 + i, ignore_eos=True))
+            cl.close()
+        settle(1.5)  # AOF everysec: what was admitted more than a second ago is on disk
+        c.kill("redis")
+        raw = make_socket(zmq.Context.instance(), zmq.DEALER)
+        raw.connect(c.endpoint("gw-1"))
+        raw.send(P.encode(P.SubmitRequest(c.key("lab-co"), 4, prompt_token_ids=[1], ignore_eos=True)))
+        assert raw.poll(30_000), "no answer while Redis is down"
+        reply = P.decode(raw.recv())
+        assert isinstance(reply, P.ErrorReply) and reply.code == "unavailable", reply
+        raw.close(linger=0)
+        settle(3.0)
+        assert c.alive("gw-0") and c.alive("gw-1"), c.log_tail("gw-0") + c.log_tail("gw-1")
+        c.restart("redis")
+        wait_states(c, [j.id for j in jobs], {"done", "failed", "dead"}, 300)
+        want = reference([(p, n, 0.0, 21 + i) for i, (p, n) in enumerate(specs)])
+        for j, w in zip(jobs, want):
+            assert_whole(c, "lab-co", j.id, w)
+
+
+# -- 4. any gateway streams and cancels any job -----------------------------------------------------------------------
+
+
+def test_4_any_gateway_streams_resumes_and_cancels_any_job(tmp_path, tiny_model_dir, reference):  # noqa: F811
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1) as c:
+        lab = c.client("lab-co", "gw-0")
+        job = lab.submit(prompt_token_ids=[7, 7], max_tokens=120, seed=5, ignore_eos=True)
+        wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to run")
+        chunks, done = final_via(c, "gw-1", "lab-co", job.id)  # live, through the gateway that did not admit it
+        [want] = reference([([7, 7], 120, 0.0, 5)])
+        assert done.state == "done" and done.token_ids == want
+        assert [t for _, ids in chunks for t in ids] == want
+        chunks, done = final_via(c, "gw-1", "lab-co", job.id, from_index=100)  # resume
+        assert [t for _, ids in chunks for t in ids] == want[100:] and chunks[0][0] == 100
+        # Cancel through gw-1 a job that gw-0 admitted while gw-0's client streams it.
+        long = lab.submit(prompt_token_ids=[7, 8], max_tokens=1500, ignore_eos=True)
+        wait_for(lambda: c.state(long.id) == "dispatched", 60, "the long job to run")
+        seen: dict = {}
+        t = threading.Thread(target=lambda: seen.update(r=final_via(c, "gw-0", "lab-co", long.id)), daemon=True)
+        t.start()
+        other = c.client("lab-co", "gw-1")
+        assert other.cancel(long.id) is True
+        t.join(60)
+        assert not t.is_alive(), "gw-0's stream never ended after the cancel through gw-1"
+        assert seen["r"][1].state == "cancelled"
+        # The worker stopped it: its slot is free for the next job.
+        quick = other.submit(prompt_token_ids=[1], max_tokens=4, ignore_eos=True)
+        assert len(quick.result(timeout=120).token_ids) == 4
+        other.close()
+        lab.close()
+
+
+# -- 5. fencing -------------------------------------------------------------------------------------------------------
+
+
+def test_5_frames_from_a_worker_without_the_lease_are_dropped(tmp_path, tiny_model_dir, reference):  # noqa: F811
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1) as c:
+        evil = Adversary(c.gateways["gw-0"][1], "wk-evil", slots=0)
+        evil.load([], free=0)
+        lab = c.client("lab-co")
+        job = lab.submit(prompt_token_ids=[9, 1], max_tokens=80, seed=3, ignore_eos=True)
+        wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to run on the real worker")
+        assert c.job(job.id)["worker"] == b"wk-0"
+        for attempt in (1, 2, 0):
+            evil.send(P.JobTokens(job.id, attempt, 0, [1, 1, 1]))
+            evil.send(P.JobFinished(job.id, attempt, "done", "stop", 3, 0.0, 0.1, 0, None, [1, 1, 1]))
+        [want] = reference([([9, 1], 80, 0.0, 3)])
+        assert job.result(timeout=120).token_ids == want
+        assert_whole(c, "lab-co", job.id, want)
+        evil.close()
+        lab.close()
+
+
+def test_5_a_requeue_cancels_the_previous_holder(tmp_path, tiny_model_dir):
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=2.0) as c:
+        cut_off = Adversary(c.gateways["gw-0"][1], "wk-cut-off")
+        lab = c.client("lab-co")
+        job = lab.submit(prompt_token_ids=[1, 2], max_tokens=4, ignore_eos=True)
+        d = cut_off.recv(P.DispatchJob, beat=[])
+        # It keeps reporting, but not the job (as if its heartbeat had stalled): the lease expires.
+        cancel = cut_off.recv(P.CancelJob, timeout_s=60, beat=[])
+        assert (cancel.job_id, cancel.attempt) == (d.job_id, d.attempt)
+        again = cut_off.recv(P.DispatchJob, beat=[])
+        assert (again.job_id, again.attempt) == (d.job_id, d.attempt + 1)
+        # A frame from the lost attempt now counts for nothing; the current one completes the job.
+        cut_off.send(P.JobFinished(d.job_id, d.attempt, "done", "length", 1, 0.0, 0.1, 0, None, [9]))
+        cut_off.send(P.JobFinished(d.job_id, again.attempt, "done", "length", 4, 0.0, 0.1, 0, None, [4, 3, 2, 1]))
+        assert job.result(timeout=30).token_ids == [4, 3, 2, 1]
+        lab.close()
+        cut_off.close()
+
+
+# -- 6. one clock -----------------------------------------------------------------------------------------------------
+
+
+def test_6_a_gateway_with_a_fast_clock_requeues_no_healthy_job(tmp_path, tiny_model_dir, reference):  # noqa: F811
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, lease_s=10.0,
+                        clock_skew_s={"gw-1": 12.0}) as c:
+        lab = c.client("lab-co", "gw-0")
+        specs = [([6, i + 1], 64) for i in range(3)]
+        jobs = [lab.submit(prompt_token_ids=p, max_tokens=n, seed=31 + i, ignore_eos=True)
+                for i, (p, n) in enumerate(specs)]
+        want = reference([(p, n, 0.0, 31 + i) for i, (p, n) in enumerate(specs)])
+        for j, w in zip(jobs, want):
+            assert j.result(timeout=300).token_ids == w
+            assert c.job(j.id)["attempt"] == b"1", c.job(j.id)  # never requeued
+        lab.close()
+
+
+# -- 7. full workers ------------------------------------------------------------------------------------------------
+
+
+def test_7_with_no_victim_anywhere_urgent_jobs_stay_in_redis(tmp_path, tiny_model_dir):
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=2, max_running=1) as c:
+        api, chat = c.client("api-co"), c.client("chat-co")
+        # P1 jobs fill both workers; P0 may not preempt P1, so there is nothing to preempt anywhere.
+        p1 = [api.submit(prompt_token_ids=[2, i], max_tokens=150, ignore_eos=True, tier="P1") for i in range(2)]
+        wait_for(lambda: all(c.state(j.id) == "dispatched" for j in p1), 60, "both workers busy with P1")
+        p0 = [chat.submit(prompt_token_ids=[3, i], max_tokens=4, ignore_eos=True, tier="P0") for i in range(3)]
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(c.state(j.id) == "dispatched" for j in p1):
+            assert all(c.state(j.id) == "queued" for j in p0), [c.job(j.id) for j in p0]
+            time.sleep(0.1)
+        for j in p0 + p1:
+            j.result(timeout=300)
+        # Nothing piled up on one worker: each P0 went out once a slot was free.
+        assert all(c.job(j.id)["attempt"] == b"1" for j in p0)
+        api.close()
+        chat.close()
+
+
+# -- 8. aging changes queue order only --------------------------------------------------------------------------------
+
+
+def test_8_an_aged_job_preempts_by_its_admitted_tier(tmp_path, tiny_model_dir):
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1,
+                        aging_interval_s=0.5) as c:
+        lab = c.client("lab-co")
+        running = lab.submit(prompt_token_ids=[5, 1], max_tokens=300, ignore_eos=True)
+        wait_for(lambda: c.state(running.id) == "dispatched", 60, "the first P3 job to run")
+        waiting = lab.submit(prompt_token_ids=[5, 2], max_tokens=4, ignore_eos=True)
+        wait_for(lambda: c.job(waiting.id).get("tier") == b"P1", 30, "the second job to age up to P1")
+        # As a P1 it could preempt the running P3; admitted at P3 it must wait for the slot.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and c.state(running.id) == "dispatched":
+            assert c.state(waiting.id) == "queued", c.job(waiting.id)
+            time.sleep(0.1)
+        assert running.result(timeout=300).preemptions == 0
+        assert len(waiting.result(timeout=300).token_ids) == 4
+        lab.close()
