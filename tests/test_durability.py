@@ -211,7 +211,7 @@ def test_5_frames_from_a_worker_without_the_lease_are_dropped(tmp_path, tiny_mod
         assert c.job(job.id)["worker"] == b"wk-0"
         for attempt in (1, 2, 0):
             evil.send(P.JobTokens(job.id, attempt, 0, [1, 1, 1]))
-            evil.send(P.JobFinished(job.id, attempt, "done", "stop", 3, 0.0, 0.1, 0, None, [1, 1, 1]))
+            evil.send(P.JobFinished(job.id, attempt, "done", "stop", 3, 0.0, 0.1, 0))
         [want] = reference([([9, 1], 80, 0.0, 3)])
         assert job.result(timeout=120).token_ids == want
         assert_whole(c, "lab-co", job.id, want)
