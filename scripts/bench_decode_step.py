@@ -40,12 +40,12 @@ def build(model: str, prompts: list[list[int]], device: str, dtype: str):
     return engine
 
 
-def timed_steps(engine, n: int) -> list[float]:
+def timed_steps(engine, n: int, clock=time.perf_counter) -> list[float]:
     out = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()  # ends in the sampler's .tolist(): the device has finished the step
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     return out
 
 
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--hbm-gbps", type=float, default=4800.0,
                     help="device memory bandwidth for the bound printed on CUDA (H200: 4800 GB/s)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (steadier than wall time on a shared, oversubscribed CPU "
+                         "machine; meaningless on CUDA)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.threads:
@@ -92,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(args.rounds):
         for k, e in engines.items():
-            times[k] += timed_steps(e, args.steps)
+            times[k] += timed_steps(e, args.steps, time.process_time if args.clock == "cpu" else time.perf_counter)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["one-long"] / med["uniform"]
     print(f"{args.batch} decoding sequences at context {args.context}; one-long: one of them at "
-          f"{args.long_context}; {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
+          f"{args.long_context}; {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps, "
+          f"{args.clock} clock")
     bound = {k: bandwidth_bound_s(e, args.hbm_gbps * 1e9) for k, e in engines.items()}
     for k, v in times.items():
         extra = (f"; bandwidth bound {bound[k] * 1e3:.2f} ms = {bound[k] / med[k]:.0%} of it"

@@ -17,17 +17,19 @@ from dataclasses import dataclass
 
 
 class Allocation:
-    """Result of a successful ``allocate``: the blocks added and (copied only if asked) the full table."""
+    """Result of a successful ``allocate``: the blocks added and the full table as it was then (copied
+    only if asked: tables are only ever appended to, so a length marks the snapshot)."""
 
-    __slots__ = ("new_block_ids", "_table")
+    __slots__ = ("new_block_ids", "_table", "_len")
 
     def __init__(self, new_block_ids: tuple[int, ...], table: list[int] | tuple[int, ...]) -> None:
         self.new_block_ids = new_block_ids
         self._table = table
+        self._len = len(table)
 
     @property
     def block_table(self) -> tuple[int, ...]:
-        return tuple(self._table)
+        return tuple(self._table[:self._len])
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Allocation):
