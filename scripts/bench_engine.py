@@ -29,12 +29,13 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def engine_runner(model_dir: str, prompts, new_tokens: int, device: str, dtype: str) -> Callable[[], list[list[int]]]:
+def engine_runner(model_dir: str, prompts, new_tokens: int, device: str, dtype: str,
+                  gpu_memory_utilization: float = 0.9) -> Callable[[], list[list[int]]]:
     from worker import Engine, EngineConfig, SamplingParams
 
     batch = len(prompts)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * len(prompts[0])),
-                       device=device, dtype=dtype)
+                       device=device, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization)
     engine = Engine.from_pretrained(model_dir, cfg)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     _drain(engine, [("warmup", prompts[0][:8])], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds; the runners take turns each round and the median is reported")
     ap.add_argument("--skip-generate-batch", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                    help="the engine's share of GPU memory (CUDA only; leave room for the transformers runners)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -131,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{args.batch} requests x ({args.prompt_tokens} prompt + {args.new_tokens} new tokens), greedy, "
           f"{args.dtype} on {args.device}, {torch.get_num_threads()} threads, median of {args.repeats}", flush=True)
-    factories = {"engine": engine_runner, "hf_generate": hf_generate_runner}
+    factories = {"hf_generate": hf_generate_runner}
     if not args.skip_generate_batch:
         factories["hf_generate_batch"] = hf_generate_batch_runner
-    runners = {k: f(args.model, prompts, args.new_tokens, args.device, args.dtype) for k, f in factories.items()}
+    runners = {"engine": engine_runner(args.model, prompts, args.new_tokens, args.device, args.dtype,
+                                       args.gpu_memory_utilization)}
+    runners.update({k: f(args.model, prompts, args.new_tokens, args.device, args.dtype) for k, f in factories.items()})
     times: dict[str, list[float]] = {k: [] for k in runners}
     outputs: dict[str, list[list[int]]] = {}
     # Take turns each round so machine noise hits every runner alike.

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Preemption cost model on CPU (measured on the 2-core dev machine); CUDA measures its own at start-up.
+CPU_SWAP_BYTES_PER_S = 4e9
+CPU_RECOMPUTE_TOKENS_PER_S = 2000.0
 
 
 class ConfigError(ValueError):
@@ -45,8 +48,11 @@ class EngineConfig:
     block_size: int = 16
     # Blocks in the pool; None derives it from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
-    # KV pool size (all layers, K and V) when num_kv_blocks is None.
-    kv_cache_memory_mb: int = 512
+    # KV pool size (all layers, K and V) when num_kv_blocks is None. None: 512 on CPU; on CUDA
+    # whatever gpu_memory_utilization leaves after the weights and a profiled forward's activations.
+    kv_cache_memory_mb: int | None = None
+    # Fraction of the GPU's total memory this worker may use (weights + activations + KV pool), as vLLM's.
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
@@ -54,8 +60,8 @@ class EngineConfig:
     max_model_len: int | None = None
     # "cpu", "cuda" or "cuda:N".
     device: str = "cpu"
-    # Weights and KV dtype: float32, float16 or bfloat16.
-    dtype: str = "float32"
+    # Weights and KV dtype: float32, float16, bfloat16, or auto (bfloat16 on CUDA, float32 on CPU).
+    dtype: str = "auto"
     # Run a new P0 request's first prefill chunk in a step of its own (see SchedulerConfig): measured
     # on the seed benchmark, it brings P0 p99 time to first token under load from 1.75x to 1.35x of idle.
     isolate_p0_prefill: bool = True
@@ -76,9 +82,15 @@ class EngineConfig:
     # Host memory for swapped-out KV blocks; 0 disables swap (preemption then keeps or recomputes).
     swap_space_mb: int = 256
     # Cost model: host<->device bandwidth (bytes/s) and re-prefill speed (tokens/s) used to choose
-    # between swap and recompute for each preemption.
-    swap_bytes_per_s: float = 4e9
-    recompute_tokens_per_s: float = 2000.0
+    # between swap and recompute for each preemption. None: measured at start-up on CUDA (a short
+    # calibration), the CPU constants above on CPU.
+    swap_bytes_per_s: float | None = None
+    recompute_tokens_per_s: float | None = None
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     def preemption_config(self, bytes_per_block: int):
         """The scheduler's PreemptionConfig for a model whose KV block takes ``bytes_per_block``."""
@@ -89,7 +101,8 @@ class EngineConfig:
                       guard_max_generated=self.guard_max_generated, p0_reserve_blocks=self.p0_reserve_blocks,
                       low_tier_kv_share=self.low_tier_kv_share,
                       swap_space_blocks=self.swap_space_mb * 2**20 // max(1, bytes_per_block),
-                      swap_bytes_per_s=self.swap_bytes_per_s, recompute_tokens_per_s=self.recompute_tokens_per_s,
+                      swap_bytes_per_s=self.swap_bytes_per_s or CPU_SWAP_BYTES_PER_S,
+                      recompute_tokens_per_s=self.recompute_tokens_per_s or CPU_RECOMPUTE_TOKENS_PER_S,
                       bytes_per_block=bytes_per_block)
         if self.preemption_matrix is not None:
             try:
@@ -106,8 +119,13 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_mb < 1:
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ConfigError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("swap_bytes_per_s", "recompute_tokens_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 (or unset), got {getattr(self, name)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -43,7 +43,7 @@ class Engine:
             ),
             self.blocks,
             make_policy(config.policy),
-            config.preemption_config(runner.bytes_per_block),
+            runner.config.preemption_config(runner.bytes_per_block),  # cost rates measured on CUDA
         )
         host = self.scheduler.host_blocks
         runner.allocate_host_pool(host.num_blocks if host is not None else 0)
@@ -158,7 +158,7 @@ class Engine:
         if not sched.chunks:
             return []
         sampling = [c.request for c in sched.chunks if c.sample]
-        logits = self.runner.execute(sched.chunks, self.blocks.block_table)
+        logits = self.runner.execute(sched.chunks, self.blocks)
         tokens = self.sampler.sample(logits, sampling) if sampling else []
         outputs = self.scheduler.postprocess(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
         self.tracer.step_finished(sched)

@@ -5,9 +5,19 @@ The model runs on a packed batch: all scheduled tokens of all sequences in one
 row, each with its own position id. The HF attention module projects Q/K/V
 and applies RoPE as usual, then calls ``paged_attention_forward``, which
 writes this step's K/V into the pool at ``slot_mapping`` and attends each
-sequence to its own blocks. Decodes (one query each) are batched in one SDPA
-call; prefill chunks are attended one sequence at a time (their query lengths
-differ too much to pad them together cheaply).
+sequence to its own blocks, found through the runner's persistent device
+block table.
+
+Cost follows the tokens in the batch, not batch x longest context: decodes
+are grouped by context length (about two groups per doubling), and each group
+gathers only as many blocks as its longest member needs (under 1.5x any
+member's own), so one long sequence no longer pads every short one. Prefill chunks are attended one sequence at a
+time. On CUDA no call takes SDPA's math kernel: decodes fold the query heads
+that share a KV head into the query-length axis (plain multi-head attention,
+no ``enable_gqa``), masked only when a group's lengths differ (the efficient
+kernel takes that mask); a first prefill chunk is ``is_causal`` on its own
+K/V (flash, GQA); a later chunk uses a lower-right causal bias over KV heads
+expanded to the query heads (flash or efficient).
 """
 
 from __future__ import annotations
@@ -21,13 +31,26 @@ ATTN_IMPLEMENTATION = "paged_kv"
 
 
 @dataclass
+class DecodeGroup:
+    """Decode queries of similar context length, attended in one SDPA call."""
+
+    q_index: torch.Tensor  # [n] packed index of each query
+    rows: torch.Tensor  # [n] each sequence's row in the block table
+    width: int  # blocks gathered per sequence: the longest member's
+    ctx: int | None  # every member sees exactly ctx keys: no mask needed
+    mask: torch.Tensor | None  # [n, 1, 1, width * block_size] additive 0 / -inf, when ctx is None
+
+
+@dataclass
 class PrefillSpan:
     q_start: int  # offset of the chunk's first query in the packed batch
     q_len: int
     # None when the chunk starts at position 0: its K/V are all in this step's tensors.
-    block_ids: torch.Tensor | None  # [num_blocks] covering positions [0, ctx_len)
+    row: int | None
     ctx_len: int  # positions the chunk's last query sees (start + q_len)
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend
+    # Later chunks: query i sits at position ctx - q_len + i and sees keys at positions <= its own
+    # (a bool mask on CPU, torch's lower-right CausalBias on CUDA, which dispatches to flash/efficient).
+    mask: object = None
 
 
 @dataclass
@@ -35,13 +58,12 @@ class AttentionMetadata:
     """Everything one forward step's attention needs; shared by all layers."""
 
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K and V pools [blocks, block_size, kv_heads, dim]
+    block_tables: torch.Tensor  # [rows, max blocks per sequence] the runner's persistent device copy
     slot_mapping: torch.Tensor  # [T] flat pool slot of each packed token's new K/V
-    decode_q_index: torch.Tensor | None  # [Bd] packed index of each decode query
-    decode_block_ids: torch.Tensor | None  # [Bd, max_blocks] padded block tables
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] additive: 0 or -inf
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
-    # Every packed token is a decode, in order: attention output needs no scatter.
-    decode_only: bool = False
+    # Expand KV heads for masked prefill chunks (CUDA): SDPA's fast kernels take a mask or GQA, not both.
+    expand_kv: bool = False
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -50,64 +72,67 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise RuntimeError("paged_kv attention needs paged_metadata; run the model through worker.ModelRunner")
     meta = paged_metadata
     k_pool, v_pool = meta.kv_cache[module.layer_idx]
-    num_blocks, block_size, kv_heads, head_dim = k_pool.shape
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    heads, num_tokens = query.shape[1], query.shape[2]
+    group = heads // kv_heads
     # [1, kv_heads, T, d] -> [T, kv_heads, d], the pool's slot layout.
-    k_new = key[0].transpose(0, 1)
-    v_new = value[0].transpose(0, 1)
-    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k_new)
-    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v_new)
+    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
-    q = query[0]  # [heads, T, d]
-    out = None  # [T, heads, d]; not needed when every token is a decode
-
-    if meta.decode_q_index is not None:
-        bd, max_blocks = meta.decode_block_ids.shape
-        flat_ids = meta.decode_block_ids.view(-1)
-        # index_select copies whole blocks with memcpy; advanced indexing is several times slower on CPU.
-        kd = k_pool.index_select(0, flat_ids).view(bd, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-        vd = v_pool.index_select(0, flat_ids).view(bd, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-        if meta.decode_only:
-            qd = q.transpose(0, 1).unsqueeze(2)  # [Bd, heads, 1, d]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
-            return od.transpose(1, 2).reshape(1, bd, q.shape[0], q.shape[2]), None
-        qd = q.index_select(1, meta.decode_q_index).transpose(0, 1).unsqueeze(2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
-        out = _empty_out(q)
-        out[meta.decode_q_index] = od[:, :, 0]
-
-    if out is None:
-        out = _empty_out(q)
+    out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
+    q_tokens = query[0].transpose(0, 1)  # [T, heads, d]
+    for g in meta.decodes:
+        n = g.q_index.shape[0]
+        # Query heads sharing a KV head become that head's query "positions": plain MHA over KV heads.
+        qd = q_tokens.index_select(0, g.q_index).view(n, kv_heads, group, head_dim)
+        ids = meta.block_tables.index_select(0, g.rows)[:, :g.width].reshape(-1)
+        kd = _gather(k_pool, ids, n, g.width * block_size, g.ctx)
+        vd = _gather(v_pool, ids, n, g.width * block_size, g.ctx)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling)
+        out.index_copy_(0, g.q_index, od.reshape(n, heads, head_dim))
 
     for span in meta.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)
-        qp = q[:, sl].unsqueeze(0)
-        if span.block_ids is None:
-            kp, vp = key[:, :, sl], value[:, :, sl]
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=True)
+        qp = query[:, :, sl]
+        if span.row is None:
+            op = F.scaled_dot_product_attention(qp, key[:, :, sl], value[:, :, sl], is_causal=True, scale=scaling,
+                                                enable_gqa=True)
         else:
-            n = span.block_ids.shape[0]
-            kp = k_pool.index_select(0, span.block_ids).view(1, n * block_size, kv_heads, head_dim)
-            vp = v_pool.index_select(0, span.block_ids).view(1, n * block_size, kv_heads, head_dim)
-            kp, vp = kp[:, :span.ctx_len].transpose(1, 2), vp[:, :span.ctx_len].transpose(1, 2)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, scale=scaling, enable_gqa=True)
+            ids = meta.block_tables[span.row, :-(-span.ctx_len // block_size)]
+            n_slots = ids.shape[0] * block_size
+            kp = _gather(k_pool, ids, 1, n_slots, span.ctx_len)
+            vp = _gather(v_pool, ids, 1, n_slots, span.ctx_len)
+            if meta.expand_kv and group > 1:
+                kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, scale=scaling,
+                                                enable_gqa=not meta.expand_kv)
         out[sl] = op[0].transpose(0, 1)
-
     return out.unsqueeze(0), None
 
 
-def _empty_out(q: torch.Tensor) -> torch.Tensor:
-    return torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+def _gather(pool: torch.Tensor, ids: torch.Tensor, n: int, slots: int, ctx: int | None) -> torch.Tensor:
+    """Blocks ``ids`` of ``pool`` as [n, kv_heads, ctx or slots, d]."""
+    _, _, kv_heads, head_dim = pool.shape
+    # index_select copies whole blocks with memcpy; advanced indexing is several times slower on CPU.
+    x = pool.index_select(0, ids).view(n, slots, kv_heads, head_dim)
+    if ctx is not None:
+        x = x[:, :ctx]
+    return x.transpose(1, 2)
 
 
-def no_mask(*args, **kwargs):
-    """The paged path builds its own masks; skip the model's dense causal mask."""
-    return None
+def decode_group_key(num_blocks: int) -> int:
+    """Decodes whose block counts share a key are attended together: keys split each doubling in two
+    (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), so a group pads a member to less than 1.5x its own blocks."""
+    step = 1 << max(0, num_blocks.bit_length() - 2)
+    return -(-num_blocks // step) * step
 
 
 def register() -> None:
-    """Make ``attn_implementation="paged_kv"`` known to transformers (idempotent)."""
+    """Make ``attn_implementation="paged_kv"`` known to transformers (idempotent).
+
+    Only the attention function is registered, not a mask function: transformers then skips mask
+    preparation entirely for this implementation (no dense causal mask, and no packed-sequence
+    detection, which would read a device tensor back to the host in every forward)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
