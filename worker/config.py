@@ -63,7 +63,7 @@ class EngineConfig:
     policy: str = "priority"
     # Which tiers each tier may preempt, e.g. {"P0": ["P2", "P3"]}; None: the design's default matrix.
     preemption_matrix: dict[str, list[str]] | None = None
-    # A resumed request runs at least this many steps before it may be preempted again.
+    # A resumed request generates at least this many tokens (after any re-prefill) before it may be preempted again.
     min_residency_steps: int = 8
     # Leave alone a victim with at most this many tokens left to generate.
     guard_remaining_tokens: int = 4

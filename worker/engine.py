@@ -10,7 +10,7 @@ from pathlib import Path
 
 from common import tracing
 from common.errors import DuplicateRequest, InvalidRequest
-from common.tiers import parse_tier
+from common.tiers import ALL_TIERS, parse_tier
 from worker.block_manager import BlockManager, BlockUsage
 from worker.config import EngineConfig, SchedulerConfig
 from worker.model_runner import ModelRunner, load_model
@@ -88,6 +88,7 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise InvalidRequest(f"request needs {need} KV blocks but the pool holds only "
                                  f"{self.blocks.num_blocks}", field="max_tokens")
+        self.scheduler.check_fits(tier_, len(prompt), params.max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self._arrivals += 1
         req = Request(request_id, prompt, params, tier_, self._arrivals, seed, tenant=tenant,
@@ -137,6 +138,10 @@ class Engine:
     def stats(self) -> SchedulerStats:
         """Preemptions by tier and mode, wasted and recomputed tokens, bytes swapped, time suspended."""
         return self.scheduler.stats
+
+    def tier_limits(self) -> dict[str, int]:
+        """Largest prompt + max_tokens each tier may ask for here (what add_request accepts)."""
+        return {t.value: self.scheduler.tier_token_limit(t) for t in ALL_TIERS}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

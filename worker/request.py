@@ -88,9 +88,15 @@ class Request:
     preempt_mode: str | None = None
     # Scheduler step at which it last resumed after a preemption (the anti-ping-pong guard).
     last_resume_step: int | None = None
+    # Tokens it had generated when it last resumed: its residency is counted in tokens generated since
+    # (so a re-prefill, however long, is protected until the request has decoded again).
+    resume_output_tokens: int = 0
     num_preemptions: int = 0
     # KV tokens thrown away by a recompute preemption, to be computed again on resume.
     discarded_tokens: int = 0
+    # Over its life: recompute preemptions, and the tokens they threw away (the sunk cost of choosing it).
+    num_recomputes: int = 0
+    recomputed_total: int = 0
     suspended_since: float | None = None
     suspended_total_s: float = 0.0
     # Set once the request first holds a batch slot; a started request resumes before new work of its tier.

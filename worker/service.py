@@ -69,7 +69,7 @@ class WorkerService:
     def _hello(self) -> None:
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
-                              e.config.max_num_seqs, e.blocks.num_blocks)
+                              e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits())
         for s in self.sockets:
             self._send(s, hello)
         self._last_hello = self.clock()
