@@ -18,7 +18,7 @@ from common.tiers import Tier
 from gateway import admission
 from gateway.tenants import Tenant, TenantDirectory, key_digest
 from gateway.workers import WorkerRegistry
-from worker import Engine, EngineConfig, SamplingParams
+from worker import Engine, EngineConfig, FinishReason, SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
 from worker.policy import PriorityPolicy
@@ -254,3 +254,268 @@ def test_random_cases_with_the_hard_cases_are_clean():
         assert res.violations == []
         refused += len(res.refused)
     assert refused > 0  # the generator does produce requests over their tier's limit
+
+
+# -- 8. an exception in a step fails that step's requests; the engine and the worker keep serving ------------------
+
+
+def _fail_once(obj, name: str, at_call: int, error: BaseException) -> None:
+    """Make ``obj.name`` raise ``error`` on its ``at_call``-th call (fault injection into the real runner)."""
+    real, calls = getattr(obj, name), {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            raise error
+        return real(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+
+
+def _run(engine: Engine, max_steps: int = 2000):
+    tokens, outs = {}, {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                outs[o.request_id] = o
+        engine.blocks.check_invariants()
+    return tokens, outs
+
+
+def _prompt(i: int) -> list[int]:
+    return [(7 * i + j) % 500 + 3 for j in range(12 + i)]
+
+
+def test_out_of_memory_in_a_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir):
+    import torch
+
+    cfg = EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=2)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = Engine.from_pretrained(tiny_model_dir, cfg)
+    for i in range(4):
+        reference.add_request(f"r{i}", _prompt(i), params)
+    expected, _ = _run(reference)
+
+    engine = Engine.from_pretrained(tiny_model_dir, cfg)
+    for i in range(4):  # two slots: r0 and r1 run, r2 and r3 wait
+        engine.add_request(f"r{i}", _prompt(i), params)
+    _fail_once(engine.runner, "execute", 2, torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    tokens, outs = _run(engine)
+    for rid in ("r0", "r1"):
+        assert outs[rid].finish_reason is FinishReason.ERROR and "out of memory" in outs[rid].error
+        assert tokens[rid] == expected[rid][:1]  # the first step's token, nothing after the failure
+    for rid in ("r2", "r3"):
+        assert outs[rid].finish_reason is FinishReason.LENGTH and outs[rid].error is None
+        assert tokens[rid] == expected[rid]
+    assert engine.kv_usage().num_used == 0
+    engine.add_request("after", _prompt(0), params)  # and it keeps serving
+    assert _run(engine)[0]["after"] == expected["r0"]
+
+
+def test_a_failed_swap_out_makes_the_victim_recompute_instead(tiny_model_dir):
+    cfg = EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4, swap_space_mb=16)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = Engine.from_pretrained(tiny_model_dir, cfg)
+    for i in range(2):
+        reference.add_request(f"r{i}", _prompt(i), params)
+    expected, _ = _run(reference)
+
+    engine = Engine.from_pretrained(tiny_model_dir, cfg)
+    for i in range(2):
+        engine.add_request(f"r{i}", _prompt(i), params)
+    engine.step(), engine.step()
+    engine.suspend("r1", "swap")  # its copy to the host goes out with the next step, and fails
+    _fail_once(engine.runner, "copy_blocks", 1, RuntimeError("copy engine fault"))
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r0", FinishReason.ERROR)]
+    r1 = engine.get_request("r1")
+    assert r1.preempt_mode == "recompute" and r1.num_computed_tokens == 0
+    assert not engine.scheduler.host_blocks.has_blocks("r1")
+    tokens, outs = _run(engine)
+    assert tokens["r1"] == expected["r1"][2:] and outs["r1"].finish_reason is FinishReason.LENGTH
+    assert engine.kv_usage().num_used == 0 and engine.scheduler.host_blocks.num_free == \
+        engine.scheduler.host_blocks.num_blocks
+
+
+def test_the_worker_reports_a_failed_step_and_keeps_serving(tiny_model_dir):
+    import threading
+
+    import torch
+    import zmq
+
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    ctx = zmq.Context.instance()
+    gateway = ctx.socket(zmq.ROUTER)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4))
+    _fail_once(engine.runner, "execute", 1, torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    service = WorkerService(WorkerConfig(worker_id="wk-oom", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny"),
+                            engine)
+    service.connect()
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+
+    def receive(kind: type, job_id: str | None = None, timeout_ms: int = 60_000):
+        while gateway.poll(timeout_ms):
+            ident, frame = gateway.recv_multipart()
+            msg = P.decode(frame)
+            if isinstance(msg, kind) and (job_id is None or msg.job_id == job_id):
+                return ident, msg
+        raise AssertionError(f"no {kind.__name__} from the worker")
+
+    try:
+        ident, hello = receive(P.WorkerHello)
+        assert hello.tier_max_tokens == engine.tier_limits()
+        for job_id in ("doomed", "fine"):
+            gateway.send_multipart([ident, P.encode(P.DispatchJob(
+                job_id, 1, "P1", "t", _prompt(1), 5, 0.0, 1.0, None, 1, "gw", ignore_eos=True))])
+            _, done = receive(P.JobFinished, job_id)
+            if job_id == "doomed":
+                assert done.state == "failed" and "out of memory" in done.reason and done.finish_reason is None
+            else:
+                assert done.state == "done" and done.num_tokens == 5 and done.reason is None
+        assert thread.is_alive() and engine.kv_usage().num_used == 0
+    finally:
+        stop.set()
+        thread.join(30)
+        service.close()
+        gateway.close(linger=0)
+
+
+# -- 7. one source of truth for the worker's configuration ---------------------------------------------------------
+
+
+def _other_value(hint, default):
+    """A value of type ``hint`` that differs from ``default`` (so that a key that is not applied shows)."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if type(None) in typing.get_args(hint) and len(args) == 1 else hint
+    origin = typing.get_origin(base) or base
+    if origin is bool:
+        return not default
+    if origin is int:
+        return (default or 0) + 3
+    if origin is float:
+        return 0.5 if default != 0.5 else 0.25
+    if origin is str:
+        return f"{default}-x"
+    if origin is dict:
+        return {"P0": ["P3"]}
+    if origin in (list, tuple):
+        return origin([1, 2])
+    raise AssertionError(f"no test value for {hint!r}: teach _other_value this type")
+
+
+def _toml(value) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + " }"
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def _env(value) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def test_every_engine_key_is_settable_from_toml_environment_and_command_line(tmp_path):
+    import dataclasses
+    import typing
+
+    from common import settings
+    from worker.__main__ import parser
+    from worker.service_config import ENV_PREFIX, WorkerConfig
+
+    # WorkerConfig holds no copy of an engine key: the engine's fields are its keys.
+    engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert not engine_keys & {f.name for f in dataclasses.fields(WorkerConfig)} - {"engine"}
+    assert engine_keys <= set(settings.keys(WorkerConfig))
+    hints = typing.get_type_hints(EngineConfig)
+    defaults = WorkerConfig().engine
+    for f in dataclasses.fields(EngineConfig):
+        value = _other_value(hints[f.name], getattr(defaults, f.name))
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv = [flag if value else "--no-" + f.name.replace("_", "-")]
+        else:
+            argv = [flag, _env(value)]
+        (tmp_path / "w.toml").write_text(f"{f.name} = {_toml(value)}\n")
+        loaded = {
+            "toml": settings.load(WorkerConfig, tmp_path / "w.toml", ENV_PREFIX, environ={}),
+            "env": settings.load(WorkerConfig, None, ENV_PREFIX, environ={ENV_PREFIX + f.name.upper(): _env(value)}),
+            "cli": settings.load(WorkerConfig, None, ENV_PREFIX, environ={},
+                                 **settings.overrides(parser().parse_args(argv), WorkerConfig)),
+        }
+        for source, config in loaded.items():
+            assert getattr(config.engine, f.name) == value, (f.name, source)
+            assert getattr(config, f.name) == value  # read through the worker's config as before
+            others = [g.name for g in dataclasses.fields(EngineConfig) if g.name != f.name
+                      and getattr(config.engine, g.name) != getattr(defaults, g.name)]
+            assert not others, (f.name, source, others)
+    # Command line over environment over file.
+    (tmp_path / "w.toml").write_text("max_num_seqs = 3\np0_reserve_blocks = 1\n")
+    config = settings.load(WorkerConfig, tmp_path / "w.toml", ENV_PREFIX,
+                           environ={"TS_WORKER_MAX_NUM_SEQS": "5", "TS_WORKER_P0_RESERVE_BLOCKS": "2"},
+                           **settings.overrides(parser().parse_args(["--max-num-seqs", "7"]), WorkerConfig))
+    assert (config.engine.max_num_seqs, config.engine.p0_reserve_blocks) == (7, 2)
+
+
+@pytest.mark.parametrize("where, bad", [("toml", 'max_num_seqs = "many"'), ("toml", "no_such_key = 1"),
+                                        ("env", ("TS_WORKER_LOW_TIER_KV_SHARE", "half")),
+                                        ("env", ("TS_WORKER_PREEMPTION_MATRIX", "[1, 2]"))])
+def test_a_bad_engine_key_is_a_config_error_naming_it(tmp_path, where, bad):
+    from common import settings
+    from worker.service_config import ENV_PREFIX, WorkerConfig
+
+    if where == "toml":
+        (tmp_path / "w.toml").write_text(bad + "\n")
+        with pytest.raises(settings.ConfigError, match=bad.split()[0]):
+            settings.load(WorkerConfig, tmp_path / "w.toml", ENV_PREFIX, environ={})
+    else:
+        with pytest.raises(settings.ConfigError, match=bad[0]):
+            settings.load(WorkerConfig, None, ENV_PREFIX, environ=dict([bad]))
+
+
+def test_the_worker_process_refuses_an_out_of_range_engine_key(tiny_model_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--low-tier-kv-share", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "low_tier_kv_share" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--max-num-seqs", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--max-num-seqs" in done.stderr
+
+
+def test_the_gateway_refuses_a_job_over_the_workers_tier_limit(tiny_model_dir, tmp_path):
+    # The whole chain: an engine key set through TS_WORKER_*, the worker's limits in its hello, the
+    # gateway's admission refusing up front (nothing stored), and a job at the limit served.
+    from gateway.sdk import GatewayClient
+    from tests.cluster_helpers import local_cluster, snapshot
+
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=2, kv_blocks=8,
+                       env={"TS_WORKER_LOW_TIER_KV_SHARE": "0.5"}) as cluster:
+        lab = GatewayClient(cluster["gateway"], cluster["tenants"]["lab-co"]["api_key"], timeout_s=30)
+        before = snapshot(cluster)
+        with pytest.raises(InvalidRequest) as e:  # P3: half of 8 blocks of 16 tokens = 64
+            lab.submit(prompt_token_ids=[5] * 40, max_tokens=40, ignore_eos=True)
+        assert e.value.field == "max_tokens" and "64" in str(e.value)
+        assert snapshot(cluster) == before
+        job = lab.submit(prompt_token_ids=[5] * 32, max_tokens=32, ignore_eos=True)
+        assert job.tier == "P3" and len(job.result(timeout=120).token_ids) == 32

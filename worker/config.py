@@ -23,9 +23,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Token ids that end a request unless it asked for ignore_eos.
     eos_token_ids: tuple[int, ...] = ()
-    # A new P0 request's first prefill chunk runs in a step of its own (running work waits that one
+    # A new P0 request's first prefill chunk runs in a step with running P0s only (lower tiers wait that
     # step), as SGLang runs prefill batches: where a step's time grows with its tokens (CPUs, big
-    # batches) the urgent request's first token comes a step sooner.
+    # batches) the urgent request's first token comes sooner. Never two such steps in a row.
     isolate_p0_prefill: bool = False
 
     def validate(self) -> None:
@@ -43,12 +43,15 @@ class SchedulerConfig:
 class EngineConfig:
     # Tokens per KV block. Smaller wastes less memory at the tail, larger gathers faster.
     block_size: int = 16
-    # Blocks in the pool; None derives it from kv_cache_memory_mb.
+    # Blocks in the pool; None (or 0) derives it from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
     # KV pool size (all layers, K and V) when num_kv_blocks is None.
     kv_cache_memory_mb: int = 512
+    # Most sequences in one forward step (the batch "slots").
     max_num_seqs: int = 64
+    # Most tokens (prefill + decode) in one forward step; bounds step latency.
     max_num_batched_tokens: int = 1024
+    # Split long prompts across steps so running decodes keep flowing.
     enable_chunked_prefill: bool = True
     # None: the model's max_position_embeddings. Lower it to save KV memory per request.
     max_model_len: int | None = None
@@ -56,8 +59,8 @@ class EngineConfig:
     device: str = "cpu"
     # Weights and KV dtype: float32, float16 or bfloat16.
     dtype: str = "float32"
-    # Run a new P0 request's first prefill chunk in a step of its own (see SchedulerConfig): measured
-    # on the seed benchmark, it brings P0 p99 time to first token under load from 1.75x to 1.35x of idle.
+    # Run a new P0 request's first prefill chunk without the lower tiers' work (see SchedulerConfig);
+    # measured on the seed benchmark (BENCHMARKS.md), it brings P0 p99 time to first token under load closer to idle.
     isolate_p0_prefill: bool = True
     # "priority": tier order with preemption at step boundaries; "fifo": admission order, no preemption.
     policy: str = "priority"
@@ -104,8 +107,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 0:
+            raise ConfigError(f"num_kv_blocks must be >= 1 (or 0/None: from kv_cache_memory_mb), "
+                              f"got {self.num_kv_blocks}")
         if self.kv_cache_memory_mb < 1:
             raise ConfigError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

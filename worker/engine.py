@@ -21,6 +21,7 @@ from worker.tracing import EngineTracer
 from worker.request import FinishReason, Request, RequestOutput, SamplingParams
 from worker.sampler import Sampler
 from worker.scheduler import Scheduler
+from worker.step_failure import fail_step
 
 
 class Engine:
@@ -155,16 +156,25 @@ class Engine:
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward step over the scheduled batch; one output per request that got a token."""
+        """Run one forward step over the scheduled batch; one output per request that got a token.
+
+        If the step fails (device out of memory, any exception from the model or the sampler), the
+        requests in it end with FinishReason.ERROR and their blocks are freed; the engine keeps serving
+        the others."""
         sched = self.scheduler.schedule()
         self.tracer.step_scheduled(sched, self._requests)
-        if sched.copies:
-            self.runner.copy_blocks(sched.copies)
-        if not sched.chunks:
-            return []
-        sampling = [c.request for c in sched.chunks if c.sample]
-        logits = self.runner.execute(sched.chunks, self.blocks.block_table)
-        tokens = self.sampler.sample(logits, sampling) if sampling else []
+        copies_done = False
+        try:
+            if sched.copies:
+                self.runner.copy_blocks(sched.copies)
+            copies_done = True
+            if not sched.chunks:
+                return []
+            sampling = [c.request for c in sched.chunks if c.sample]
+            logits = self.runner.execute(sched.chunks, self.blocks.block_table)
+            tokens = self.sampler.sample(logits, sampling) if sampling else []
+        except Exception as e:  # noqa: BLE001 - whatever failed, the batch's requests end and the rest go on
+            return fail_step(self, sched, e, copies_done)
         outputs = self.scheduler.postprocess(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
         self.tracer.step_finished(sched)
         now = time.monotonic()

@@ -40,16 +40,26 @@ class GivingWay:
             self.stats.bytes_swapped += moved
             freed = self.blocks.free(req.request_id)
         elif mode is PreemptMode.RECOMPUTE:
-            self.stats.wasted_tokens += req.num_computed_tokens
-            req.discarded_tokens += req.num_computed_tokens
-            req.recomputed_total += req.num_computed_tokens
-            req.num_recomputes += 1
-            req.num_computed_tokens = 0
+            self._discard(req)
             freed = self.blocks.free(req.request_id)
         req.preempt_mode = mode.value
         req.status = RequestStatus.SUSPENDED
         bisect.insort(self.waiting, req, key=self.policy.key)
         return freed, moved
+
+    def swap_lost(self, req: Request) -> None:
+        """A swap-out whose copy failed: ``req``'s KV may not be on the host, so it resumes by recompute."""
+        if self.host_blocks is not None:
+            self.host_blocks.free(req.request_id)
+        self._discard(req)
+        req.preempt_mode = PreemptMode.RECOMPUTE.value
+
+    def _discard(self, req: Request) -> None:
+        self.stats.wasted_tokens += req.num_computed_tokens
+        req.discarded_tokens += req.num_computed_tokens
+        req.recomputed_total += req.num_computed_tokens
+        req.num_recomputes += 1
+        req.num_computed_tokens = 0
 
     def _start(self, req: Request) -> None:
         self.waiting.pop(0)

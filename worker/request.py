@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or one of the request's stop token ids
     LENGTH = "length"  # max_tokens reached, or the model's context is full
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # its step failed (e.g. device out of memory); RequestOutput.error says why
 
 
 class RequestStatus(enum.Enum):
@@ -143,3 +144,4 @@ class RequestOutput:
     finish_reason: FinishReason | None  # set exactly when finished
     num_output_tokens: int  # all tokens generated so far, including new_token_ids
     num_preemptions: int = 0  # times this request was preempted so far
+    error: str | None = None  # with FinishReason.ERROR: what failed

@@ -146,10 +146,12 @@ class WorkerService:
             job.sent += len(out.new_token_ids)
             if out.finished:
                 del self.jobs[job.job_id]
+                failed = out.error is not None  # its step failed (e.g. out of memory); the engine goes on
                 self._send(job.reply, P.JobFinished(
-                    job.job_id, job.attempt, "done", out.finish_reason.value if out.finish_reason else None,
+                    job.job_id, job.attempt, "failed" if failed else "done",
+                    out.finish_reason.value if out.finish_reason and not failed else None,
                     job.sent, None if job.first_token is None else job.first_token - job.started,
-                    now - job.started, out.num_preemptions))
+                    now - job.started, out.num_preemptions, out.error))
 
     def log_state(self) -> None:
         """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""
