@@ -14,6 +14,10 @@ A step has three phases:
 Invariants: a tier no other tier may preempt is never a victim, and it
 reserves its whole footprint (prompt + max_tokens) when it starts, so it
 never needs to take blocks later; blocks are conserved (BlockManager).
+Liveness: ``add`` refuses a request that could never fit its tier's share
+of the pool, so every queued request fits once the work ahead of it is done,
+and a step runs something whenever work is queued (checked by the simulator
+after every step of every random trace).
 """
 
 from __future__ import annotations
