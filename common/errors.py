@@ -24,6 +24,17 @@ class DuplicateRequest(InvalidRequest):
         self.request_id = request_id
 
 
+class TierLimitExceeded(InvalidRequest):
+    """The request fits the model but never its tier's share of the KV cache (the P0 reserve, the
+    low-tier share): it could never finish, so it is refused up front."""
+
+    def __init__(self, message: str, *, tier: str, limit_tokens: int) -> None:
+        super().__init__(message, field="max_tokens")
+        self.tier = tier
+        # Largest prompt + max_tokens a request of this tier may ask for.
+        self.limit_tokens = limit_tokens
+
+
 class Unauthorized(ServingError):
     """Unknown or missing API key."""
 

@@ -150,6 +150,9 @@ class WorkerHello:
     max_model_len: int
     max_num_seqs: int
     num_kv_blocks: int
+    # Largest prompt + max_tokens per tier ("P0".."P3") this worker accepts (its tier's share of the KV
+    # cache); None from workers that do not say.
+    tier_max_tokens: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ Everything here runs before anything is stored or charged; a refusal raises a ty
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.errors import Forbidden, InvalidRequest, Unauthorized
+from common.errors import Forbidden, InvalidRequest, TierLimitExceeded, Unauthorized
 from common.protocol import SubmitRequest
 from common.tiers import Tier, parse_tier
 from gateway.tenants import Tenant, TenantDirectory
@@ -22,7 +23,10 @@ class Admission:
 
 
 def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size: int | None,
-          max_model_len: int, max_tokens_limit: int) -> Admission:
+          max_model_len: int, max_tokens_limit: int,
+          tier_max_tokens: Callable[[str], int | None] = lambda tier: None) -> Admission:
+    """``tier_max_tokens(tier)``: the workers' limit on prompt + max_tokens for the tier (their share of the
+    KV cache), or None if unknown; a job over it could never finish and is refused."""
     tenant = tenants.lookup(req.api_key)
     if tenant is None:
         raise Unauthorized("unknown API key")
@@ -48,6 +52,11 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                              f"model's context of {max_model_len}", field="prompt" if len(ids) >= max_model_len
                              else "max_tokens")
+    limit = tier_max_tokens(tier.value)
+    if limit is not None and len(ids) + req.max_tokens > limit:
+        raise TierLimitExceeded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
+                                f"tokens a {tier.value} job may hold on this cluster's workers", tier=tier.value,
+                                limit_tokens=limit)
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidRequest("temperature must be finite and >= 0", field="temperature")
     if not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:

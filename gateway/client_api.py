@@ -34,7 +34,8 @@ class ClientApi:
         try:
             adm = admission.check(req, self.tenants, tokenize=tokenize, vocab_size=self.workers.vocab_size(),
                                   max_model_len=self.workers.max_model_len() or self.config.max_model_len,
-                                  max_tokens_limit=self.config.max_tokens_limit)
+                                  max_tokens_limit=self.config.max_tokens_limit,
+                                  tier_max_tokens=self.workers.tier_max_tokens)
         except (Unauthorized, Forbidden, InvalidRequest) as e:
             return self._error_for(e)
         now = self.clock()

@@ -79,3 +79,9 @@ class WorkerRegistry:
     def vocab_size(self) -> int | None:
         sizes = [w.hello.vocab_size for w in self.workers.values()]
         return min(sizes) if sizes else None
+
+    def tier_max_tokens(self, tier: str) -> int | None:
+        """Largest prompt + max_tokens every worker that says accepts for ``tier`` (None: none says)."""
+        limits = [w.hello.tier_max_tokens[tier] for w in self.workers.values()
+                  if w.hello.tier_max_tokens and tier in w.hello.tier_max_tokens]
+        return min(limits) if limits else None

@@ -1,11 +1,13 @@
 """python -m worker: run one worker process (one device, one model) connected to every gateway.
 
 Configuration: defaults, then --config FILE (TOML), then TS_WORKER_<KEY> environment
-variables, then the command-line flags below. Every key is listed by --help.
+variables, then the command-line flags below (--<key>, with dashes). Every key is listed by
+--help, the engine's own (EngineConfig: batch limits, KV pool, preemption, P0 isolation) included.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import signal
@@ -16,21 +18,20 @@ from common.tracing import setup_tracing
 from worker.service_config import ENV_PREFIX, WorkerConfig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = process.parser("python -m worker", __doc__, WorkerConfig, ENV_PREFIX)
-    ap.add_argument("--worker-id")
     ap.add_argument("--gateway", action="append", help="gateway worker endpoint (repeat for several)")
-    ap.add_argument("--model", help="model directory or hub name")
-    ap.add_argument("--device")
-    ap.add_argument("--max-num-seqs", type=int)
-    ap.add_argument("--num-kv-blocks", type=int)
-    args = ap.parse_args(argv)
+    settings.add_arguments(ap, WorkerConfig, skip=("gateways",))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     process.setup_logging(args.log_level)
     try:
         setup_tracing("tiered-serve-worker")
-        config = settings.load(WorkerConfig, args.config, ENV_PREFIX, worker_id=args.worker_id,
-                               gateways=args.gateway, model=args.model, device=args.device,
-                               max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
+        config = settings.load(WorkerConfig, args.config, ENV_PREFIX, gateways=args.gateway,
+                               **settings.overrides(args, WorkerConfig))
         if not config.model:
             raise settings.ConfigError("no model: set --model, TS_WORKER_MODEL or model in the config file")
         service = build(config)
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: service.log_state())  # operators: `kill -USR1 <pid>`
     service.connect()
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
-                                     config.device, json.dumps(config.gateways))
+                                     config.engine.device, json.dumps(config.gateways))
     return process.serve_until_signalled(service.serve, service.close)
 
 
@@ -49,15 +50,10 @@ def build(config: WorkerConfig):
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
-    from worker.config import EngineConfig
     from worker.engine import Engine
     from worker.service import WorkerService
 
-    engine = Engine.from_pretrained(config.model, EngineConfig(
-        device=config.device, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks or None,
-        kv_cache_memory_mb=config.kv_cache_memory_mb, swap_space_mb=config.swap_space_mb, policy=config.policy))
-    return WorkerService(config, engine)
+    return WorkerService(config, Engine.from_pretrained(config.model, config.engine))
 
 
 if __name__ == "__main__":

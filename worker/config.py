@@ -26,9 +26,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Token ids that end a request unless it asked for ignore_eos.
     eos_token_ids: tuple[int, ...] = ()
-    # A new P0 request's first prefill chunk runs in a step of its own (running work waits that one
+    # A new P0 request's first prefill chunk runs in a step with running P0s only (lower tiers wait that
     # step), as SGLang runs prefill batches: where a step's time grows with its tokens (CPUs, big
-    # batches) the urgent request's first token comes a step sooner.
+    # batches) the urgent request's first token comes sooner. Never two such steps in a row.
     isolate_p0_prefill: bool = False
 
     def validate(self) -> None:
@@ -46,15 +46,18 @@ class SchedulerConfig:
 class EngineConfig:
     # Tokens per KV block. Smaller wastes less memory at the tail, larger gathers faster.
     block_size: int = 16
-    # Blocks in the pool; None derives it from kv_cache_memory_mb.
+    # Blocks in the pool; None (or 0) derives it from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
     # KV pool size (all layers, K and V) when num_kv_blocks is None. None: 512 on CPU; on CUDA
     # whatever gpu_memory_utilization leaves after the weights and a profiled forward's activations.
     kv_cache_memory_mb: int | None = None
     # Fraction of the GPU's total memory this worker may use (weights + activations + KV pool), as vLLM's.
     gpu_memory_utilization: float = 0.9
+    # Most sequences in one forward step (the batch "slots").
     max_num_seqs: int = 64
+    # Most tokens (prefill + decode) in one forward step; bounds step latency.
     max_num_batched_tokens: int = 1024
+    # Split long prompts across steps so running decodes keep flowing.
     enable_chunked_prefill: bool = True
     # None: the model's max_position_embeddings. Lower it to save KV memory per request.
     max_model_len: int | None = None
@@ -62,14 +65,14 @@ class EngineConfig:
     device: str = "cpu"
     # Weights and KV dtype: float32, float16, bfloat16, or auto (bfloat16 on CUDA, float32 on CPU).
     dtype: str = "auto"
-    # Run a new P0 request's first prefill chunk in a step of its own (see SchedulerConfig): measured
-    # on the seed benchmark, it brings P0 p99 time to first token under load from 1.75x to 1.35x of idle.
+    # Run a new P0 request's first prefill chunk without the lower tiers' work (see SchedulerConfig);
+    # measured on the seed benchmark (BENCHMARKS.md), it brings P0 p99 time to first token under load closer to idle.
     isolate_p0_prefill: bool = True
     # "priority": tier order with preemption at step boundaries; "fifo": admission order, no preemption.
     policy: str = "priority"
     # Which tiers each tier may preempt, e.g. {"P0": ["P2", "P3"]}; None: the design's default matrix.
     preemption_matrix: dict[str, list[str]] | None = None
-    # A resumed request runs at least this many steps before it may be preempted again.
+    # A resumed request generates at least this many tokens (after any re-prefill) before it may be preempted again.
     min_residency_steps: int = 8
     # Leave alone a victim with at most this many tokens left to generate.
     guard_remaining_tokens: int = 4
@@ -117,8 +120,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 0:
+            raise ConfigError(f"num_kv_blocks must be >= 1 (or 0/None: from kv_cache_memory_mb), "
+                              f"got {self.num_kv_blocks}")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ConfigError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

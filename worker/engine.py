@@ -10,7 +10,7 @@ from pathlib import Path
 
 from common import tracing
 from common.errors import DuplicateRequest, InvalidRequest
-from common.tiers import parse_tier
+from common.tiers import ALL_TIERS, parse_tier
 from worker.block_manager import BlockManager, BlockUsage
 from worker.config import EngineConfig, SchedulerConfig
 from worker.model_runner import ModelRunner, load_model
@@ -21,6 +21,7 @@ from worker.tracing import EngineTracer
 from worker.request import FinishReason, Request, RequestOutput, SamplingParams
 from worker.sampler import Sampler
 from worker.scheduler import Scheduler
+from worker.step_failure import fail_step
 
 
 class Engine:
@@ -88,6 +89,7 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise InvalidRequest(f"request needs {need} KV blocks but the pool holds only "
                                  f"{self.blocks.num_blocks}", field="max_tokens")
+        self.scheduler.check_fits(tier_, len(prompt), params.max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self._arrivals += 1
         req = Request(request_id, prompt, params, tier_, self._arrivals, seed, tenant=tenant,
@@ -138,6 +140,10 @@ class Engine:
         """Preemptions by tier and mode, wasted and recomputed tokens, bytes swapped, time suspended."""
         return self.scheduler.stats
 
+    def tier_limits(self) -> dict[str, int]:
+        """Largest prompt + max_tokens each tier may ask for here (what add_request accepts)."""
+        return {t.value: self.scheduler.tier_token_limit(t) for t in ALL_TIERS}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -150,16 +156,25 @@ class Engine:
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward step over the scheduled batch; one output per request that got a token."""
+        """Run one forward step over the scheduled batch; one output per request that got a token.
+
+        If the step fails (device out of memory, any exception from the model or the sampler), the
+        requests in it end with FinishReason.ERROR and their blocks are freed; the engine keeps serving
+        the others."""
         sched = self.scheduler.schedule()
         self.tracer.step_scheduled(sched, self._requests)
-        if sched.copies:
-            self.runner.copy_blocks(sched.copies)
-        if not sched.chunks:
-            return []
-        sampling = [c.request for c in sched.chunks if c.sample]
-        logits = self.runner.execute(sched.chunks, self.blocks)
-        tokens = self.sampler.sample(logits, sampling) if sampling else []
+        copies_done = False
+        try:
+            if sched.copies:
+                self.runner.copy_blocks(sched.copies)
+            copies_done = True
+            if not sched.chunks:
+                return []
+            sampling = [c.request for c in sched.chunks if c.sample]
+            logits = self.runner.execute(sched.chunks, self.blocks)
+            tokens = self.sampler.sample(logits, sampling) if sampling else []
+        except Exception as e:  # noqa: BLE001 - whatever failed, the batch's requests end and the rest go on
+            return fail_step(self, sched, e, copies_done)
         outputs = self.scheduler.postprocess(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
         self.tracer.step_finished(sched)
         now = time.monotonic()

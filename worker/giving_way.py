@@ -40,19 +40,32 @@ class GivingWay:
             self.stats.bytes_swapped += moved
             freed = self.blocks.free(req.request_id)
         elif mode is PreemptMode.RECOMPUTE:
-            self.stats.wasted_tokens += req.num_computed_tokens
-            req.discarded_tokens += req.num_computed_tokens
-            req.num_computed_tokens = 0
+            self._discard(req)
             freed = self.blocks.free(req.request_id)
         req.preempt_mode = mode.value
         req.status = RequestStatus.SUSPENDED
         bisect.insort(self.waiting, req, key=self.policy.key)
         return freed, moved
 
+    def swap_lost(self, req: Request) -> None:
+        """A swap-out whose copy failed: ``req``'s KV may not be on the host, so it resumes by recompute."""
+        if self.host_blocks is not None:
+            self.host_blocks.free(req.request_id)
+        self._discard(req)
+        req.preempt_mode = PreemptMode.RECOMPUTE.value
+
+    def _discard(self, req: Request) -> None:
+        self.stats.wasted_tokens += req.num_computed_tokens
+        req.discarded_tokens += req.num_computed_tokens
+        req.recomputed_total += req.num_computed_tokens
+        req.num_recomputes += 1
+        req.num_computed_tokens = 0
+
     def _start(self, req: Request) -> None:
         self.waiting.pop(0)
         if req.status is RequestStatus.SUSPENDED:
             req.last_resume_step = self.step_index
+            req.resume_output_tokens = len(req.output_token_ids)
             if req.suspended_since is not None:
                 gap = self.clock() - req.suspended_since
                 req.suspended_total_s += gap
@@ -107,7 +120,8 @@ class GivingWay:
         for w in list(self.waiting):
             if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:
                 continue
-            missing = self._missing(w, self._tokens_this_step(w, self.config.max_num_batched_tokens) or 1)
+            missing = self._missing(w, self._tokens_this_step(w, self.config.max_num_batched_tokens) or 1,
+                                    starting=True)
             usable = self._usable_free(w) - spare
             if slots >= 1 and missing <= usable:
                 slots -= 1
@@ -146,33 +160,56 @@ class GivingWay:
         return [r for r in reversed(self.waiting) if r.preempt_mode == PreemptMode.KEEP.value
                 and self.policy.key(r) > key and self.blocks.has_blocks(r.request_id)]
 
+    def _held(self, req: Request) -> int:
+        return len(self.blocks.block_table(req.request_id))
+
+    def _lacking(self, req: Request, n: int, starting: bool = False) -> int:
+        """Blocks ``req`` still lacks for its next ``n`` tokens after taking every usable free one."""
+        return max(0, self._missing(req, n, starting) - self._usable_free(req))
+
+    def _may_evict(self, beneficiary: Request, victim: Request) -> bool:
+        """Whether running ``victim`` may give its blocks to ``beneficiary``'s growth: it is queued behind
+        it, preemptible, and (tiered policy) of the same tier or one the matrix lets the beneficiary preempt.
+        Within a tier the later arrival gives way, as in any continuous batcher; FIFO has no tiers."""
+        pc = self.preemption.config
+        if self.policy.key(victim) <= self.policy.key(beneficiary) or not pc.preemptible(victim.tier):
+            return False
+        return (not self.policy.preempts or victim.tier is beneficiary.tier
+                or pc.may_preempt(beneficiary.tier, victim.tier))
+
     def _reclaim_from_suspended(self, req: Request, n: int) -> bool:
-        """Take blocks from suspended requests queued behind ``req``; True if ``req`` then fits."""
-        for d in self._keep_donors(req):
+        """Take blocks from suspended requests queued behind ``req``; True if ``req`` then fits.
+
+        Nothing is evicted unless evicting the donors makes room: a demotion that does not let ``req``
+        start throws away (or moves) their KV for nothing. A donor was already preempted by a tier the
+        matrix allows, so demoting it is not a new preemption across tiers, and it must be possible:
+        a keep-suspended request behind the queue head cannot resume before it (strict order)."""
+        donors = self._keep_donors(req)
+        if self._lacking(req, n, starting=True) > sum(map(self._held, donors)):
+            return False
+        for d in donors:
             self._preempt(d, req, Trigger.KV_MEMORY, blocks_needed=True)
-            if self._allocate(req, n):
+            if self._can_start(req, n) and self._allocate(req, n):
                 return True
         return False
 
     def _reclaim_for_growth(self, req: Request, n: int) -> bool:
-        """A running request needs blocks: take them from lower-priority work, else give way itself."""
-        if self._reclaim_from_suspended(req, n):
-            return True
-        key = self.policy.key(req)
-        while True:
-            victims = [r for r in self.running if r is not req and self.policy.key(r) > key
-                       and self.preemption.config.preemptible(r.tier)
-                       and self.preemption.guard(r, self.step_index) is not DeclineReason.RESIDENCY]
-            if not victims:
-                break
-            self._preempt(victims[-1], req, Trigger.KV_MEMORY, blocks_needed=True)
-            if self._allocate(req, n):
-                return True
-        if self.preemption.config.preemptible(req.tier) and self.preemption.guard(
-                req, self.step_index) is not DeclineReason.RESIDENCY:
+        """A running request needs blocks: take them from work it may evict, else give way itself.
+
+        Victims are taken only when all of them together make room (else none is)."""
+        donors = self._keep_donors(req)
+        victims = [r for r in self.running if r is not req and self._may_evict(req, r)
+                   and self.preemption.guard(r, self.step_index) is not DeclineReason.RESIDENCY]
+        if self._lacking(req, n) <= sum(map(self._held, donors)) + sum(map(self._held, victims)):
+            for v in donors + victims[::-1]:  # suspended first (cheapest), then the last in policy order
+                self._preempt(v, req, Trigger.KV_MEMORY, blocks_needed=True)
+                if self._allocate(req, n):
+                    return True
+        if self.preemption.config.preemptible(req.tier):
+            # Its residency does not hold it here: it protects progress, and a request that cannot grow
+            # makes none; waiting in place would stall every request that needs what it holds.
             self._preempt(req, req, Trigger.KV_MEMORY, blocks_needed=True)
         return False
-
 
 
 def _per_tier(requests: list[Request]) -> dict[str, int]:

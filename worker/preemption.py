@@ -8,8 +8,8 @@ that the engine turns into trace spans.
 
 Invariants this policy keeps: a tier that no other tier may preempt is never
 chosen as a victim; a resumed request is not chosen again until it has run
-``min_residency_steps`` steps; victims come lowest tier first, then least
-progress.
+``min_residency_steps`` tokens (after its re-prefill); victims come lowest tier first, then
+least work lost, counting the work already lost to earlier preemptions.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def _default_matrix() -> dict[Tier, frozenset[Tier]]:
 class PreemptionConfig:
     # Which tiers each tier may preempt. Tiers that appear in no set are never preempted.
     matrix: dict[Tier, frozenset[Tier]] = field(default_factory=_default_matrix)
-    # A resumed request runs at least this many steps before it may be preempted again.
+    # A resumed request generates at least this many tokens (after any re-prefill) before another
+    # request may preempt it again.
     min_residency_steps: int = 8
     # Leave alone a victim with at most this many tokens left to generate.
     guard_remaining_tokens: int = 4
@@ -84,6 +85,14 @@ class PreemptionConfig:
     def may_preempt(self, attacker: Tier, victim: Tier) -> bool:
         return victim in self.matrix.get(attacker, frozenset())
 
+    def tier_block_limit(self, tier: Tier, num_blocks: int) -> int:
+        """Most KV blocks one request of ``tier`` can ever hold: the pool, less the P0 reserve for
+        every other tier, and within the low-tier share for P2 and P3."""
+        limit = num_blocks if tier is Tier.P0 else num_blocks - self.p0_reserve_blocks
+        if tier in (Tier.P2, Tier.P3):
+            limit = min(limit, int(self.low_tier_kv_share * num_blocks))
+        return max(0, limit)
+
 
 @dataclass(frozen=True)
 class ModeChoice:
@@ -101,7 +110,8 @@ class PreemptionPolicy:
     def guard(self, victim: Request, step: int) -> DeclineReason | None:
         """Why ``victim`` must be left alone now, or None if it may give way."""
         c = self.config
-        if victim.last_resume_step is not None and step - victim.last_resume_step < c.min_residency_steps:
+        if victim.last_resume_step is not None and (
+                len(victim.output_token_ids) - victim.resume_output_tokens < self.residency_tokens(victim)):
             return DeclineReason.RESIDENCY
         remaining = victim.params.max_tokens - len(victim.output_token_ids)
         if victim.num_computed_tokens >= victim.num_prompt_tokens and remaining <= c.guard_remaining_tokens:
@@ -109,6 +119,14 @@ class PreemptionPolicy:
         if c.guard_max_generated is not None and len(victim.output_token_ids) > c.guard_max_generated:
             return DeclineReason.PROGRESS
         return None
+
+    def residency_tokens(self, req: Request) -> int:
+        """Tokens ``req`` generates after resuming before another request may preempt it again.
+
+        ``min_residency_steps`` for each time it was recomputed (once if never): work already thrown away
+        on it counts against throwing more away, so a long victim under a stream of urgent requests gives
+        way a few times, not once per ``min_residency_steps`` tokens."""
+        return self.config.min_residency_steps * max(1, req.num_recomputes)
 
     def candidates(self, beneficiary: Request, running: list[Request], step: int
                    ) -> tuple[list[Request], DeclineReason | None]:
@@ -126,8 +144,9 @@ class PreemptionPolicy:
                 eligible.append(r)
             elif reason is None:
                 reason = why
-        # Lowest tier first, then least progress (fewest tokens computed: least work lost or moved).
-        eligible.sort(key=lambda r: (-r.tier.rank, r.num_computed_tokens, -r.arrival_seq))
+        # Lowest tier first, then least work lost or moved: tokens computed, plus the tokens earlier
+        # recompute preemptions already threw away (a victim chosen again loses them again, in effect).
+        eligible.sort(key=lambda r: (-r.tier.rank, r.num_computed_tokens + r.recomputed_total, -r.arrival_seq))
         return eligible, (None if eligible else reason or DeclineReason.NO_LOWER_TIER)
 
     def choose_mode(self, victim: Request, blocks_needed: bool, num_victim_blocks: int,

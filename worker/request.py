@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or one of the request's stop token ids
     LENGTH = "length"  # max_tokens reached, or the model's context is full
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # its step failed (e.g. device out of memory); RequestOutput.error says why
 
 
 class RequestStatus(enum.Enum):
@@ -88,9 +89,15 @@ class Request:
     preempt_mode: str | None = None
     # Scheduler step at which it last resumed after a preemption (the anti-ping-pong guard).
     last_resume_step: int | None = None
+    # Tokens it had generated when it last resumed: its residency is counted in tokens generated since
+    # (so a re-prefill, however long, is protected until the request has decoded again).
+    resume_output_tokens: int = 0
     num_preemptions: int = 0
     # KV tokens thrown away by a recompute preemption, to be computed again on resume.
     discarded_tokens: int = 0
+    # Over its life: recompute preemptions, and the tokens they threw away (the sunk cost of choosing it).
+    num_recomputes: int = 0
+    recomputed_total: int = 0
     suspended_since: float | None = None
     suspended_total_s: float = 0.0
     # Set once the request first holds a batch slot; a started request resumes before new work of its tier.
@@ -137,3 +144,4 @@ class RequestOutput:
     finish_reason: FinishReason | None  # set exactly when finished
     num_output_tokens: int  # all tokens generated so far, including new_token_ids
     num_preemptions: int = 0  # times this request was preempted so far
+    error: str | None = None  # with FinishReason.ERROR: what failed

@@ -14,6 +14,10 @@ A step has three phases:
 Invariants: a tier no other tier may preempt is never a victim, and it
 reserves its whole footprint (prompt + max_tokens) when it starts, so it
 never needs to take blocks later; blocks are conserved (BlockManager).
+Liveness: ``add`` refuses a request that could never fit its tier's share
+of the pool, so every queued request fits once the work ahead of it is done,
+and a step runs something whenever work is queued (checked by the simulator
+after every step of every random trace).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import bisect
 import time
 from collections.abc import Callable
 
+from common.errors import TierLimitExceeded
 from common.tiers import Tier
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
@@ -51,6 +56,7 @@ class Scheduler(GivingWay):
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.step_index = 0
+        self._last_isolated_step = -1  # the last step that ran a P0's prefill without the lower tiers
         self._decisions = 0
         # Declined decisions already recorded, per waiting request: one span per request and reason.
         self._declined_once: dict[str, set[DeclineReason]] = {}
@@ -65,7 +71,24 @@ class Scheduler(GivingWay):
 
     # -- membership ---------------------------------------------------------
 
+    def tier_token_limit(self, tier: Tier) -> int:
+        """Largest prompt + max_tokens a request of ``tier`` can ever hold: the context, and its tier's
+        share of the pool (the P0 reserve and the low-tier share hold the rest back from it forever)."""
+        blocks = self.preemption.config.tier_block_limit(tier, self.blocks.num_blocks)
+        return min(blocks * self.blocks.block_size, self.config.max_model_len)
+
+    def check_fits(self, tier: Tier, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise TierLimitExceeded for a request that could never finish in its tier's share."""
+        total, limit = num_prompt_tokens + max_tokens, self.tier_token_limit(tier)
+        # The context ends a request early (LENGTH), so it never holds more than max_model_len tokens.
+        if min(total, self.config.max_model_len) > limit:
+            raise TierLimitExceeded(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"{limit} tokens a {tier.value} request may hold in this worker's KV cache", tier=tier.value,
+                limit_tokens=limit)
+
     def add(self, request: Request) -> None:
+        self.check_fits(request.tier, request.num_prompt_tokens, request.params.max_tokens)
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=self.policy.key)
 
@@ -103,14 +126,16 @@ class Scheduler(GivingWay):
         chunks: list[ScheduledChunk] = []
         if self.policy.preempts:
             self._make_room_for_waiting()
-        # A new P0 at the head that can start now gets a step to itself (running work waits one step).
-        urgent_only = (self.config.isolate_p0_prefill and self.waiting and self.waiting[0].tier is Tier.P0
-                       and not self.waiting[0].started and len(self.running) < self.config.max_num_seqs
-                       and self._missing(self.waiting[0], 1) <= self._usable_free(self.waiting[0]))
+        urgent_only = self._isolate_p0_prefill()
+        if urgent_only:
+            self._last_isolated_step = self.step_index
 
         i = 0
-        while not urgent_only and i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if urgent_only and req.tier is not Tier.P0:
+                i += 1
+                continue
             n = self._tokens_this_step(req, budget)
             if n and (self._allocate(req, n) or self._reclaim_for_growth(req, n)):
                 chunks.append(self._chunk(req, n))
@@ -128,7 +153,8 @@ class Scheduler(GivingWay):
                 # Strict order keeps everything behind it waiting too.
                 break
             n = self._tokens_this_step(req, budget)
-            if n == 0 or not (self._allocate(req, n) or self._reclaim_from_suspended(req, n)):
+            if n == 0 or not (self._can_start(req, n) and self._allocate(req, n)
+                              or self._reclaim_from_suspended(req, n)):
                 break  # strict policy order: later requests do not overtake the head
             self._start(req)
             chunks.append(self._chunk(req, n))
@@ -137,6 +163,19 @@ class Scheduler(GivingWay):
         out = SchedulerOutput(chunks, self._preempted, self._copies, self._new_decisions)
         self._preempted, self._copies, self._new_decisions = [], [], []
         return out
+
+    def _isolate_p0_prefill(self) -> bool:
+        """Whether this step runs a new P0's prefill with running P0s only (lower tiers wait one step).
+
+        Only when that buys the P0 time: lower-tier work is running (else there is nothing to leave
+        out) and the P0 can start now. Never two steps in a row, so a flood of P0s arriving about once
+        per step cannot starve the running work: at worst it runs every other step."""
+        if not self.config.isolate_p0_prefill or not self.waiting or self._last_isolated_step == self.step_index - 1:
+            return False
+        head = self.waiting[0]
+        return (head.tier is Tier.P0 and not head.started and len(self.running) < self.config.max_num_seqs
+                and any(r.tier is not Tier.P0 for r in self.running)
+                and self._missing(head, 1) <= self._usable_free(head))
 
     def _tokens_this_step(self, req: Request, budget: int) -> int:
         n = min(req.num_uncomputed_tokens, budget)
@@ -173,8 +212,24 @@ class Scheduler(GivingWay):
         held += [r for r in self.waiting if r.preempt_mode == PreemptMode.KEEP.value and which(r)]
         return sum(len(self.blocks.block_table(r.request_id)) for r in held)
 
-    def _missing(self, req: Request, n: int) -> int:
-        return self.blocks.num_missing(req.request_id, self._target_tokens(req, n))
+    def _missing(self, req: Request, n: int, starting: bool = False) -> int:
+        """Blocks ``req`` lacks for its next ``n`` tokens; ``starting``: to (re)start now (see _resume_tokens)."""
+        target = self._target_tokens(req, n)
+        if starting:
+            target = max(target, self._resume_tokens(req))
+        return self.blocks.num_missing(req.request_id, target)
+
+    def _resume_tokens(self, req: Request) -> int:
+        """Tokens a recomputed request must have room for before it resumes: its whole re-prefill and its
+        residency's worth of decoding. Resuming on less would re-prefill part of it and give way again, the
+        churn that wastes more than the urgent work it makes room for."""
+        if req.preempt_mode != PreemptMode.RECOMPUTE.value:
+            return 0
+        decode = min(self.preemption.residency_tokens(req), req.params.max_tokens - len(req.output_token_ids))
+        return min(req.num_tokens + decode, self.config.max_model_len)
+
+    def _can_start(self, req: Request, n: int) -> bool:
+        return self._missing(req, n, starting=True) <= self._usable_free(req)
 
     def _allocate(self, req: Request, n: int) -> bool:
         """Grow ``req``'s table for its next ``n`` tokens (restoring swapped blocks first)."""

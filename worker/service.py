@@ -80,7 +80,7 @@ class WorkerService:
     def _hello(self) -> None:
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
-                              e.config.max_num_seqs, e.blocks.num_blocks)
+                              e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits())
         for s in self.sockets:
             self._send(s, hello)
 
@@ -173,10 +173,12 @@ class WorkerService:
                 job.tokens.extend(out.new_token_ids)
                 if out.finished:
                     del self.jobs[job.job_id]
+                    failed = out.error is not None  # its step failed (e.g. out of memory); the engine goes on
                     self._finish(job.reply, P.JobFinished(
-                        job.job_id, job.attempt, "done", out.finish_reason.value if out.finish_reason else None,
+                        job.job_id, job.attempt, "failed" if failed else "done",
+                        out.finish_reason.value if out.finish_reason and not failed else None,
                         len(job.tokens), None if job.first_token is None else job.first_token - job.started,
-                        now - job.started, out.num_preemptions, None, list(job.tokens)))
+                        now - job.started, out.num_preemptions, out.error, list(job.tokens)))
 
     def log_state(self) -> None:
         """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""

@@ -1,5 +1,11 @@
-"""Worker process configuration. Defaults here, overridden by a TOML file (--config) and then by
-environment variables TS_WORKER_<KEY> (e.g. TS_WORKER_MODEL, TS_WORKER_GATEWAYS='["tcp://gw:5556"]')."""
+"""Worker process configuration. Defaults here, overridden by a TOML file (--config), then by
+environment variables TS_WORKER_<KEY> (e.g. TS_WORKER_MODEL, TS_WORKER_GATEWAYS='["tcp://gw:5556"]'),
+then by command-line flags (--<key>).
+
+The engine's keys are not repeated here: every field of ``EngineConfig`` (worker/config.py) is a key
+at the top level too (e.g. ``max_num_seqs``, TS_WORKER_ISOLATE_P0_PREFILL, --p0-reserve-blocks), so a
+key added to the engine can be set on a deployed worker without touching this file.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,15 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from common.settings import FLATTEN
+from worker.config import EngineConfig
+
 ENV_PREFIX = "TS_WORKER_"
+
+
+def _engine_defaults() -> EngineConfig:
+    # A worker shares its host with others more often than a library user does: fewer batch slots.
+    return EngineConfig(max_num_seqs=16)
 
 
 @dataclass(frozen=True)
@@ -18,24 +32,16 @@ class WorkerConfig:
     gateways: list = field(default_factory=lambda: ["tcp://127.0.0.1:5556"])
     # Model directory or hub name (any Llama/Qwen/Mistral-family causal LM).
     model: str = ""
-    # "cpu", "cuda" or "cuda:N": one device per worker process.
-    device: str = "cpu"
-    # float32, float16 or bfloat16.
-    dtype: str = "float32"
-    # Batch slots: most sequences in one forward step.
-    max_num_seqs: int = 16
-    # Token budget of one step (prefill chunks + decodes).
-    max_num_batched_tokens: int = 1024
-    # KV pool in blocks of 16 tokens; 0 sizes it from kv_cache_memory_mb.
-    num_kv_blocks: int = 0
-    # KV pool size in MiB when num_kv_blocks is 0.
-    kv_cache_memory_mb: int = 512
-    # Host memory for swapped-out KV blocks.
-    swap_space_mb: int = 256
-    # "priority" (tiers, preemption) or "fifo".
-    policy: str = "priority"
     # torch intra-op threads; 0 keeps torch's default (all cores). Several workers on one host's CPUs
     # should split the cores between them, or their thread pools spin against each other.
     torch_threads: int = 0
     # Seconds between load reports; they also extend the leases of this worker's jobs.
     heartbeat_interval_s: float = 0.5
+    # The engine's configuration; its keys are this file's keys too (see the module docstring).
+    engine: EngineConfig = field(default_factory=_engine_defaults, metadata=FLATTEN)
+
+    def __getattr__(self, name: str):
+        # config.device, config.max_num_seqs, ...: the engine's keys read as the worker's own.
+        if name != "engine" and name in EngineConfig.__dataclass_fields__:
+            return getattr(self.engine, name)
+        raise AttributeError(name)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from common.errors import TierLimitExceeded
 from common.tiers import Tier
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
@@ -51,6 +52,7 @@ class StepTimeModel:
 @dataclass
 class SimResult:
     finished: dict[str, Request] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)  # over their tier's limit: refused at arrival
     violations: list[str] = field(default_factory=list)
     steps: int = 0
     sim_time_s: float = 0.0
@@ -82,7 +84,7 @@ def simulate(arrivals: list[Arrival], *, num_blocks: int = 64, block_size: int =
     res = SimResult(scheduler=s)
     pending = sorted(arrivals, key=lambda a: (a.time_s, a.request_id))
     seen: set[str] = set()
-    seq = 0
+    seq = idle = 0
     while pending or s.has_unfinished():
         if res.steps >= max_steps:
             res.violations.append(f"starvation: {len(s.waiting) + len(s.running)} requests unfinished "
@@ -91,16 +93,32 @@ def simulate(arrivals: list[Arrival], *, num_blocks: int = 64, block_size: int =
         while pending and pending[0].time_s <= clock.now:
             a = pending.pop(0)
             seq += 1
-            s.add(Request(a.request_id, [7] * a.prompt_tokens, SamplingParams(max_tokens=a.max_tokens), a.tier,
-                          seq, seed=seq, arrival_time=a.time_s))
-            seen.add(a.request_id)
+            fits = (min(a.prompt_tokens + a.max_tokens, sched.max_model_len)
+                    <= max_blocks_for_tier(a.tier, num_blocks, preemption) * block_size)
+            try:
+                s.add(Request(a.request_id, [7] * a.prompt_tokens, SamplingParams(max_tokens=a.max_tokens), a.tier,
+                              seq, seed=seq, arrival_time=a.time_s))
+                seen.add(a.request_id)
+            except TierLimitExceeded:
+                res.refused.add(a.request_id)
+            if check and fits != (a.request_id not in res.refused):
+                res.violations.append(f"{a.request_id} ({a.tier.value}, {a.prompt_tokens}+{a.max_tokens} tokens) "
+                                      f"{'refused although it fits' if fits else 'accepted beyond its tier limit'}")
         if not s.has_unfinished():
-            clock.now = pending[0].time_s
+            if pending:
+                clock.now = pending[0].time_s
             continue
         out = s.schedule()
         res.steps += 1
         if check:
             _check_step(s, out, res.violations)
+            idle = idle + 1 if out.is_empty else 0
+            if idle > 0:
+                # Liveness: a step with work pending must run something (or move KV for it). One empty step
+                # is tolerated: a request that gave way in it may resume in the next.
+                res.violations.append(f"stalled: steps {s.step_index - 1}-{s.step_index} ran nothing with "
+                                      f"{len(s.running)} running and {len(s.waiting)} waiting")
+                break
         clock.now += step_model(out)
         for r in s.postprocess(out, {c.request.request_id: 9 for c in out.chunks if c.sample}):
             if r.finished:
@@ -112,11 +130,12 @@ def simulate(arrivals: list[Arrival], *, num_blocks: int = 64, block_size: int =
     res.sim_time_s = clock.now
     if check:
         lost = seen - set(res.finished)
-        if lost and not any(v.startswith("starvation") for v in res.violations):
+        if lost and not any(v.startswith(("starvation", "stalled")) for v in res.violations):
             res.violations.append(f"lost requests: {sorted(lost)[:5]}")
         for rid, req in res.finished.items():
-            if len(req.output_token_ids) != req.params.max_tokens:
-                res.violations.append(f"{rid} produced {len(req.output_token_ids)} of {req.params.max_tokens}")
+            want = max(1, min(req.params.max_tokens, sched.max_model_len - req.num_prompt_tokens))
+            if len(req.output_token_ids) != want:
+                res.violations.append(f"{rid} produced {len(req.output_token_ids)} of {want}")
         if s.blocks.num_free != s.blocks.num_blocks:
             res.violations.append(f"{s.blocks.num_blocks - s.blocks.num_free} blocks still held at the end")
     return res
@@ -129,8 +148,10 @@ def _check_step(s: Scheduler, out: SchedulerOutput, violations: list[str]) -> No
             continue
         if not pc.preemptible(d.victim_tier):
             violations.append(f"step {s.step_index}: {d.victim_tier.value} request {d.victim_id} preempted")
+    gave_way_itself = {d.victim_id for d in out.decisions if d.victim_id == d.beneficiary_id}
     for r in out.preempted:
-        if r.last_resume_step is not None and s.step_index - r.last_resume_step < pc.min_residency_steps:
+        if (r.last_resume_step is not None and r.request_id not in gave_way_itself
+                and len(r.output_token_ids) - r.resume_output_tokens < pc.min_residency_steps):
             violations.append(f"step {s.step_index}: {r.request_id} preempted within its residency")
     try:
         s.blocks.check_invariants()
@@ -142,7 +163,7 @@ def _check_step(s: Scheduler, out: SchedulerOutput, violations: list[str]) -> No
         violations.append(f"step {s.step_index}: batch limits exceeded")
     if pc.p0_reserve_blocks:
         non_p0 = sum(len(s.blocks.block_table(r.request_id)) for r in s.running + s.waiting if r.tier is not Tier.P0)
-        if non_p0 > s.blocks.num_blocks - pc.p0_reserve_blocks:
+        if non_p0 > max(0, s.blocks.num_blocks - pc.p0_reserve_blocks):
             violations.append(f"step {s.step_index}: P0 reserve breached ({non_p0} blocks outside P0)")
     for c in out.chunks:
         if c.request.status is not RequestStatus.RUNNING:
@@ -192,11 +213,13 @@ def azure_trace(path: str | Path, *, limit: int | None = None, tier_mix: dict[Ti
 
 
 def max_blocks_for_tier(tier: Tier, num_blocks: int, preemption: PreemptionConfig) -> int:
-    """Largest request (in blocks) that ``tier`` can ever hold under the reserve and the low-tier cap."""
+    """Largest request (in blocks) that ``tier`` can ever hold under the reserve and the low-tier cap.
+
+    Written out here rather than asking the scheduler, so that the simulator checks its refusals."""
     limit = num_blocks if tier is Tier.P0 else num_blocks - preemption.p0_reserve_blocks
     if tier in (Tier.P2, Tier.P3):
         limit = min(limit, int(preemption.low_tier_kv_share * num_blocks))
-    return limit
+    return max(0, limit)
 
 
 @dataclass(frozen=True)
@@ -212,15 +235,20 @@ class Case:
 
 
 def random_case(rng: random.Random, policy: str = "priority") -> Case:
-    """A small random workload and configuration; every request individually fits its tier's limit."""
+    """A random workload and configuration, the hard cases included and nothing trimmed to fit.
+
+    Besides uniform random arrivals: requests exactly at and one token over their tier's limit (the
+    scheduler must finish the first and refuse the second), P0 floods arriving faster than a step,
+    long-prompt victims near the low tiers' limit, and pools of a handful of blocks.
+    """
     block_size = rng.choice([4, 8, 16])
-    num_blocks = rng.randint(6, 48)
+    num_blocks = rng.randint(2, 6) if rng.random() < 0.2 else rng.randint(6, 48)
     preemption = PreemptionConfig(
         min_residency_steps=rng.choice([0, 2, 8]),
         guard_remaining_tokens=rng.choice([0, 2, 8]),
         guard_max_generated=rng.choice([None, None, 16]),
         p0_reserve_blocks=rng.choice([0, 0, 1, 3]),
-        low_tier_kv_share=rng.choice([1.0, 1.0, 0.75]),
+        low_tier_kv_share=rng.choice([1.0, 1.0, 0.75, 0.3]),
         swap_space_blocks=rng.choice([0, 4, 16, 64]),
         recompute_tokens_per_s=rng.choice([100.0, 2000.0, 1e6]),
         bytes_per_block=rng.choice([1, 4096, 2**20]),
@@ -230,13 +258,30 @@ def random_case(rng: random.Random, policy: str = "priority") -> Case:
     sched = SchedulerConfig(max_num_seqs=rng.randint(1, 8), enable_chunked_prefill=chunked, max_model_len=max_len,
                             max_num_batched_tokens=rng.choice([8, 32, 128]) if chunked else max_len,
                             isolate_p0_prefill=rng.random() < 0.5)
-    arrivals = []
-    for a in random_trace(rng, rng.randint(2, 24), max_prompt=rng.choice([8, 64, 160]),
-                          max_new=rng.choice([4, 32, 64]), span_s=rng.choice([0.05, 0.5, 2.0])):
-        cap_tokens = max_blocks_for_tier(a.tier, num_blocks, preemption) * block_size
-        prompt = min(a.prompt_tokens, max(1, cap_tokens - 1))
-        arrivals.append(Arrival(a.request_id, a.time_s, prompt, max(1, min(a.max_tokens, cap_tokens - prompt)),
-                                a.tier))
+    arrivals = random_trace(rng, rng.randint(2, 24), max_prompt=rng.choice([8, 64, 160]),
+                            max_new=rng.choice([4, 32, 64]), span_s=rng.choice([0.05, 0.5, 2.0]))
+
+    def cap(tier: Tier) -> int:
+        return min(max_blocks_for_tier(tier, num_blocks, preemption) * block_size, max_len)
+
+    def add(tier: Tier, time_s: float, total: int, prompt: int | None = None) -> None:
+        if total >= 2:
+            p = prompt if prompt is not None else rng.randint(1, total - 1)
+            arrivals.append(Arrival(f"e{len(arrivals)}", time_s, p, total - p, tier))
+
+    if rng.random() < 0.4:  # at and just over the limit of a few tiers
+        for tier in rng.sample(list(Tier), rng.randint(1, 4)):
+            add(tier, rng.random() * 0.2, cap(tier))
+            add(tier, rng.random() * 0.2, cap(tier) + 1)
+    if rng.random() < 0.3:  # a P0 flood: arrivals closer together than one step
+        start, gap = rng.random() * 0.2, rng.choice([0.0005, 0.001, 0.003])
+        for i in range(rng.randint(8, 40)):
+            add(Tier.P0, round(start + i * gap, 6), rng.randint(2, min(cap(Tier.P0), 96)))
+    if rng.random() < 0.3:  # long-prompt victims: most of their limit is prompt
+        for _ in range(rng.randint(1, 3)):
+            tier = rng.choice([Tier.P2, Tier.P3])
+            total = rng.randint(max(2, cap(tier) // 2), max(2, cap(tier)))
+            add(tier, 0.0, total, max(1, total - rng.randint(1, 16)))
     return Case(arrivals, num_blocks, block_size, sched, preemption, policy)
 
 
