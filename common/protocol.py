@@ -170,6 +170,12 @@ class WorkerLoad:
     job_ids: list[str]  # jobs this worker holds (running, waiting or suspended)
     # Cheapest preemption here for a P0/P1 job, in estimated seconds (0: a slot is free or keep will do).
     preemption_cost_s: float
+    # Measured tokens/s per sequence (worker/calibration.py); 0: not reported (an older worker).
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
+    # max_tokens, bit mask of tiers that may preempt it]: the work ahead of new jobs, for wait estimates.
+    work: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,8 @@ class JobTokens:
     attempt: int
     index: int  # index of token_ids[0] in the job's output
     token_ids: list[int]
+    # On the first frame: seconds from the dispatch's arrival to the job's first prefill chunk (its wait there).
+    prefill_start_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,7 @@ class JobFinished:
     run_s: float
     preemptions: int
     reason: str | None = None
+    prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

@@ -30,6 +30,7 @@ from gateway.spans import GatewaySpans
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, RedisQueue
 from gateway.streams import StreamTable
 from gateway.tenants import TenantDirectory
+from gateway.wait_estimator import WaitEstimator, Waits
 from gateway.workers import WorkerRegistry
 
 log = logging.getLogger("gateway")
@@ -51,6 +52,8 @@ class Gateway:
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
         self.spans = GatewaySpans()
+        self.estimator = WaitEstimator(queue, self.workers, clock)
+        self.waits = Waits()  # measured waits: admission until first prefill
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...
@@ -176,7 +179,8 @@ class Gateway:
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
                                   tier=adm.tier_requested, payload=payload, now_ms=_ms(now),
                                   idempotency_key=req.idempotency_key, quota=quota,
-                                  drain_rate_per_s=self.drain_rates(now))
+                                  drain_rate_per_s=self.drain_rates(now),
+                                  estimate_s=self.estimator.for_new(t.name, adm.tier_requested, now))
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
             return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
@@ -189,6 +193,7 @@ class Gateway:
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
+            self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens, now)
             self.enqueued_at[result.job_id] = now
             self.streams.get_or_create(result.job_id).tenant = t.name
             self._dirty = True
@@ -238,12 +243,8 @@ class Gateway:
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
             return
-        estimate = rec.estimate_s
-        if rec.state == "queued":  # kept current: the work ahead now, at the rates measured now
-            rates = self.drain_rates(self.clock())
-            estimate = sum(n / rates[t] for t, n in self.queue.jobs_ahead(rec).items())
-        else:
-            estimate = 0.0
+        # Kept current: the work ahead now, at the rates measured now.
+        estimate = self.estimator.for_queued(rec.id, rec.tier, self.clock()) if rec.state == "queued" else 0.0
         self._send(self.clients, ident, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value, rec.attempt,
                                                       estimate, rec.reason))
 
@@ -296,6 +297,7 @@ class Gateway:
     def on_tokens(self, ident: bytes, msg: P.JobTokens) -> None:
         if msg.job_id not in self.streams.streams:
             return  # not ours (or long finished): nothing to forward
+        self.waits.prefill_started(msg.job_id, msg.prefill_start_s)
         if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, self.clock()):
             self._flush(msg.job_id)
 
@@ -315,12 +317,17 @@ class Gateway:
             fields["reason"] = msg.reason
         if s is not None and s.first_token_at is not None and msg.job_id in self.enqueued_at:
             fields["ttft_s"] = s.first_token_at - self.enqueued_at[msg.job_id]
+        self.waits.prefill_started(msg.job_id, msg.prefill_start_s)
+        queued_s = self.waits.queued_s(msg.job_id, self.enqueued_at.get(msg.job_id))
+        if queued_s is not None:
+            fields["queued_s"] = queued_s
         if not self.queue.complete(msg.job_id, attempt=msg.attempt, state=msg.state, now_ms=_ms(now),
                                    fields=fields):
             return  # a stale attempt (its lease expired and the job moved on)
         for w in self.workers.workers.values():
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
+        self.estimator.finished(msg.job_id, msg.state, msg.num_tokens)
         self._finish_stream(msg.job_id, msg.state, msg.finish_reason, msg.reason,
                             run_s=msg.run_s, preemptions=msg.preemptions)
         self._dirty = True
@@ -342,8 +349,10 @@ class Gateway:
         now = self.clock()
         total = now - enq if enq is not None else 0.0
         ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
+        queued_s = self.waits.queued_s(job_id, enq)
+        self.waits.forget(job_id)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
-                         queued_s=max(0.0, total - run_s), ttft_s=ttft, total_s=total, preemptions=preemptions,
+                         queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft, total_s=total, preemptions=preemptions,
                          reason=reason)
         for sub, nxt in s.subscribers.items():
             if nxt < len(s.tokens):
@@ -360,10 +369,11 @@ class Gateway:
         total = max(0, (rec.finished_at_ms or rec.enqueued_at_ms) - rec.enqueued_at_ms) / 1000
         run_s = float(res.get("run_s", 0))
         ttft = float(res.get("ttft_s", -1))
+        queued_s = float(res["queued_s"]) if "queued_s" in res else max(0.0, total - run_s)
         finish = res.get("finish_reason", b"").decode() or None
         self._send(self.clients, ident, P.JobDone(
             rec.id, str(rec.state.value if hasattr(rec.state, "value") else rec.state), finish, tokens,
-            self.streams.text(tokens, []), queued_s=max(0.0, total - run_s), ttft_s=ttft if ttft >= 0 else None,
+            self.streams.text(tokens, []), queued_s=queued_s, ttft_s=ttft if ttft >= 0 else None,
             total_s=total, preemptions=int(res.get("preemptions", 0)), reason=rec.reason or None))
 
     # -- dispatch and maintenance -----------------------------------------------------------------------------------
@@ -410,6 +420,7 @@ class Gateway:
                     body["temperature"], body["top_p"], body["top_k"], body["seed"], body["reply_to"],
                     ctx, bool(body.get("ignore_eos", False))))
                 w.pending.add(rec.id)
+                self.waits.dispatched(rec.id, now)
                 if rec.tier in (Tier.P0, Tier.P1):
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1

@@ -19,6 +19,7 @@ from common import protocol as P
 from common.errors import InvalidRequest
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS
+from worker.calibration import RateTracker, calibrate
 from worker.request import RequestStatus, SamplingParams
 from worker.service_config import WorkerConfig
 
@@ -48,12 +49,14 @@ class WorkerService:
         self.by_gateway: dict[str, zmq.Socket] = {}
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
+        self.rates = RateTracker(engine, clock)
         self._last_beat = 0.0
         self._last_hello = 0.0
 
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
             sock.connect(endpoint)
+        calibrate(self.engine, self.rates)  # the first heartbeat carries measured rates
         self._hello()
 
     def close(self) -> None:
@@ -128,13 +131,17 @@ class WorkerService:
             self._send(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e)))
             return
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
+        self.rates.added(msg.job_id)
 
     def _cancel(self, job_id: str) -> None:
         if self.engine.abort(job_id):
             self.jobs.pop(job_id, None)
+            self.rates.forget(job_id)
 
     def _step(self) -> None:
+        self.rates.before_step()
         outs = self.engine.step()
+        self.rates.after_step(outs)
         now = self.clock()
         for out in outs:
             job = self.jobs.get(out.request_id)
@@ -142,14 +149,17 @@ class WorkerService:
                 continue
             if job.first_token is None:
                 job.first_token = now
-            self._send(job.reply, P.JobTokens(job.job_id, job.attempt, job.sent, out.new_token_ids))
+            started = self.rates.prefill_start_s(job.job_id) if job.sent == 0 else None
+            self._send(job.reply, P.JobTokens(job.job_id, job.attempt, job.sent, out.new_token_ids, started))
             job.sent += len(out.new_token_ids)
             if out.finished:
                 del self.jobs[job.job_id]
                 self._send(job.reply, P.JobFinished(
                     job.job_id, job.attempt, "done", out.finish_reason.value if out.finish_reason else None,
                     job.sent, None if job.first_token is None else job.first_token - job.started,
-                    now - job.started, out.num_preemptions))
+                    now - job.started, out.num_preemptions, prefill_start_s=self.rates.prefill_start_s(job.job_id)))
+                self.rates.forget(job.job_id)
+                self._last_beat = 0.0  # report the free slot now, not at the next beat: the wait estimate counts on it
 
     def log_state(self) -> None:
         """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""
@@ -174,6 +184,6 @@ class WorkerService:
         low_running = any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING for r in e.scheduler.running)
         cost = 0.0 if free_slots or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
         load = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
-                            list(self.jobs), cost)
+                            list(self.jobs), cost, *self.rates.rates(), self.rates.work())
         for s in self.sockets:
             self._send(s, load)
