@@ -112,6 +112,33 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued_ahead: Iterable[Wor
     return first_free / (1 - rho)
 
 
+class BiasCorrection:
+    """A per-tier factor learned from finished jobs: how far their actual waits ran from their estimates.
+
+    What the model leaves out (dispatch hand-offs, batch effects on the rates, how bursty the
+    overtaking arrivals are) shows up as a steady ratio; this learns it as a decayed mean of
+    log(actual / estimate) over jobs where either side was at least ``min_s`` (tiny waits say
+    nothing about a ratio), bounded to 0.5x..2x so the model, not the correction, carries the estimate.
+    """
+
+    DECAY = 0.05
+    LIMIT = math.log(2.0)
+
+    def __init__(self, min_s: float = 0.5) -> None:
+        self.min_s = min_s
+        self._log: dict[Tier, float] = {}
+
+    def learn(self, tier: Tier, estimate_s: float, actual_s: float) -> None:
+        if max(estimate_s, actual_s) < self.min_s:
+            return
+        x = math.log(max(actual_s, 0.05) / max(estimate_s, 0.05))
+        old = self._log.get(tier)
+        self._log[tier] = x if old is None else (1 - self.DECAY) * old + self.DECAY * x
+
+    def factor(self, tier: Tier) -> float:
+        return math.exp(min(self.LIMIT, max(-self.LIMIT, self._log.get(tier, 0.0))))
+
+
 class OutputLengths:
     """Expected output length: a decayed mean share of max_tokens per (tenant, tier), then per tier."""
 

@@ -193,7 +193,8 @@ class Gateway:
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
-            self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens, now)
+            self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens,
+                                    result.estimated_wait_s, now)
             self.enqueued_at[result.job_id] = now
             self.streams.get_or_create(result.job_id).tenant = t.name
             self._dirty = True
@@ -327,7 +328,7 @@ class Gateway:
         for w in self.workers.workers.values():
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
-        self.estimator.finished(msg.job_id, msg.state, msg.num_tokens)
+        self.estimator.finished(msg.job_id, msg.state, msg.num_tokens, queued_s)
         self._finish_stream(msg.job_id, msg.state, msg.finish_reason, msg.reason,
                             run_s=msg.run_s, preemptions=msg.preemptions)
         self._dirty = True
@@ -349,11 +350,11 @@ class Gateway:
         now = self.clock()
         total = now - enq if enq is not None else 0.0
         ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
-        queued_s = self.waits.queued_s(job_id, enq)
+        queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
         self.waits.forget(job_id)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
-                         queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft, total_s=total, preemptions=preemptions,
-                         reason=reason)
+                         queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
+                         total_s=total, preemptions=preemptions, reason=reason)
         for sub, nxt in s.subscribers.items():
             if nxt < len(s.tokens):
                 self._send(self.clients, sub, P.TokenChunk(job_id, nxt, s.tokens[nxt:],
@@ -404,7 +405,7 @@ class Gateway:
             w = max(self.workers.workers.values(), key=lambda w: w.credit - planned[w.hello.worker_id])
             reason[job_id] = "credit"
             if w.credit - planned[w.hello.worker_id] <= 0:
-                w = self.workers.cheapest_to_preempt()
+                w = self.workers.cheapest_to_preempt(self.estimator.tier_of(job_id))
                 reason[job_id] = "cheapest_preemption"
             by_worker.setdefault(w.hello.worker_id, []).append(job_id)
             planned[w.hello.worker_id] += 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgpack
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.estimate import (RUNNING, ArrivalRates, Held, OutputLengths, Rates, Work, WorkerView,
+from gateway.estimate import (RUNNING, ArrivalRates, BiasCorrection, Held, OutputLengths, Rates, Work, WorkerView,
                               wait_s)
 
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
@@ -34,6 +34,7 @@ class JobInfo:
     tier: Tier  # granted at admission: the tier it preempts and is preempted as
     prompt_tokens: int
     max_tokens: int
+    estimate_s: float | None = None  # the model's estimate at admission, before the bias correction
 
 
 class WaitEstimator:
@@ -42,20 +43,29 @@ class WaitEstimator:
         self.workers = workers  # gateway.workers.WorkerRegistry
         self.handoff_s = handoff_s
         self.lengths = OutputLengths()
+        self.bias = BiasCorrection()
         self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
         self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
 
     # -- what happened ----------------------------------------------------------------------------------------------
 
-    def admitted(self, job_id: str, tenant: str, tier: Tier, prompt_tokens: int, max_tokens: int,
+    def admitted(self, job_id: str, tenant: str, tier: Tier, prompt_tokens: int, max_tokens: int, estimate_s: float,
                  now: float) -> None:
-        self._remember(job_id, JobInfo(tenant, tier, prompt_tokens, max_tokens))
+        raw = estimate_s / self.bias.factor(tier)
+        self._remember(job_id, JobInfo(tenant, tier, prompt_tokens, max_tokens, raw))
         self.arrivals.add(tier, prompt_tokens, self.lengths.expected(tenant, tier, max_tokens), now)
 
-    def finished(self, job_id: str, state: str, num_tokens: int) -> None:
+    def finished(self, job_id: str, state: str, num_tokens: int, queued_s: float | None) -> None:
         info = self._jobs.pop(job_id, None)
         if info is not None and state == "done":
             self.lengths.learn(info.tenant, info.tier, info.max_tokens, num_tokens)
+            if queued_s is not None and info.estimate_s is not None:
+                self.bias.learn(info.tier, info.estimate_s, queued_s)
+
+    def tier_of(self, job_id: str) -> Tier | None:
+        """The tier a job was admitted at (what it may preempt as), if this gateway knows the job."""
+        info = self._jobs.get(job_id)
+        return info.tier if info is not None else None
 
     def _remember(self, job_id: str, info: JobInfo) -> None:
         self._jobs[job_id] = info
@@ -96,7 +106,7 @@ class WaitEstimator:
                      sum(v.rates.decode_tps * v.slots for v in views) / slots)
         overtaking = sum(mean.seconds(*self.arrivals.tokens_per_s(t, now)) for t in ALL_TIERS[:tier.rank])
         est = wait_s(tier, views, ahead, overtaking_slot_s_per_s=overtaking, handoff_s=self.handoff_s)
-        return est if math.isfinite(est) else 0.0
+        return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
 
     def _work(self, info: JobInfo, generated: int = 0, prefill: int | None = None) -> Work:
         return Work(info.tier, info.prompt_tokens if prefill is None else prefill,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.protocol import WorkerHello, WorkerLoad
+from common.tiers import Tier
 
 
 @dataclass
@@ -26,6 +27,11 @@ class WorkerState:
     def credit(self) -> int:
         free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
         return max(0, free - len(self.pending))
+
+    def runs_preemptible_by(self, tier: Tier | None) -> bool:
+        """Its last report lists running work that ``tier`` may preempt (WorkerLoad.work)."""
+        return tier is not None and self.load is not None and any(
+            len(e) >= 6 and e[1] == 0 and (e[5] >> tier.rank) & 1 for e in self.load.work.values())
 
     @property
     def preemption_cost_s(self) -> float:
@@ -64,8 +70,10 @@ class WorkerRegistry:
         best = max(self.workers.values(), key=lambda w: w.credit, default=None)
         return best if best is not None and best.credit > 0 else None
 
-    def cheapest_to_preempt(self) -> WorkerState | None:
-        return min(self.workers.values(), key=lambda w: (w.preemption_cost_s, -w.credit), default=None)
+    def cheapest_to_preempt(self, tier: Tier | None = None) -> WorkerState | None:
+        """Where a job of ``tier`` should go when every worker is full: one running work it may preempt."""
+        return min(self.workers.values(), key=lambda w: (not w.runs_preemptible_by(tier), w.preemption_cost_s,
+                                                         -w.credit), default=None)
 
     def max_model_len(self) -> int | None:
         lens = [w.hello.max_model_len for w in self.workers.values()]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from common.tiers import Tier
-from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, ArrivalRates, Held, OutputLengths, Rates, Work,
+from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, ArrivalRates, BiasCorrection, Held, OutputLengths, Rates, Work,
                               WorkerView, wait_s)
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
@@ -91,3 +91,18 @@ def test_arrival_rates_decay_and_do_not_read_a_young_gateway_as_a_flood():
     assert rates.tokens_per_s(P1, now=61)[0] == pytest.approx(100, rel=0.1)
     assert rates.tokens_per_s(P1, now=361)[0] < 1  # five minutes of silence
     assert rates.tokens_per_s(P2, now=61) == (0.0, 0.0)
+
+
+def test_bias_correction_learns_a_steady_ratio_within_bounds_from_informative_jobs():
+    bias = BiasCorrection()
+    assert bias.factor(P2) == 1.0
+    for _ in range(20):
+        bias.learn(P2, 0.01, 0.3)  # both under half a second: no information about the ratio
+    assert bias.factor(P2) == 1.0
+    for _ in range(300):
+        bias.learn(P2, 2.0, 3.0)
+    assert bias.factor(P2) == pytest.approx(1.5, rel=0.01)
+    assert bias.factor(P3) == 1.0  # per tier
+    for _ in range(300):
+        bias.learn(P3, 1.0, 100.0)
+    assert bias.factor(P3) == pytest.approx(2.0)  # bounded: the model carries the estimate
