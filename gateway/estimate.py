@@ -15,7 +15,9 @@ exist (no job-count rates, no floors):
 - expected output is learned per tenant and tier from finished jobs, as a share of
   max_tokens (so it never exceeds max_tokens);
 - higher tiers that arrive while it waits overtake it: with ``rho`` the share of the slots
-  their measured arrivals keep busy, the wait stretches to ``w / (1 - rho)``.
+  their measured arrivals keep busy, the wait stretches to ``w / (1 - rho)``. A P2 or P3 job
+  that waits an aging interval moves up a tier with its enqueue time, so from then on only the
+  tiers above its new one overtake it: ``rho`` is given per aging interval waited.
 
 The wait is the time the first slot frees. Pure functions here; ``gateway/wait_estimator.py``
 feeds them from Redis and the worker registry.
@@ -33,7 +35,7 @@ from common.tiers import ALL_TIERS, Tier
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 # Tiers the gateway dispatches to a full worker (which then preempts for them); others wait for a free slot.
 PREEMPTIVE_DISPATCH = frozenset({Tier.P0, Tier.P1})
-MAX_RHO = 0.8  # higher-tier arrivals beyond this share make any finite estimate meaningless: cap it
+MAX_RHO = 0.8  # beyond this share of overtaking work only aging gives a finite wait: cap it there
 MIN_HISTORY_S = 10.0  # arrival rates are averaged over at least this long
 DEFAULT_OUTPUT_SHARE = 1.0  # before any job of a tier finished: assume it uses all of max_tokens
 
@@ -81,11 +83,13 @@ class WorkerView:
 
 
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued_ahead: Iterable[Work], *,
-           overtaking_slot_s_per_s: float = 0.0, handoff_s: float = 0.0) -> float:
+           overtaking_slot_s_per_s: float | Sequence[float] = 0.0, aging_interval_s: float = math.inf,
+           handoff_s: float = 0.0) -> float:
     """Seconds until the first slot is free for a job of ``tier`` (see the module docstring).
 
     ``queued_ahead``: the queued jobs that will be dispatched before it, in dispatch order.
-    ``overtaking_slot_s_per_s``: slot-seconds of higher-tier work arriving per second.
+    ``overtaking_slot_s_per_s``: slot-seconds of higher-tier work arriving per second; a sequence
+    gives it for each aging interval waited (the last one holds from then on).
     ``handoff_s``: a queued job's delay between a slot freeing and its prefill starting.
     """
     if not workers:
@@ -108,8 +112,20 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued_ahead: Iterable[Wor
     if first_free <= 0:
         return 0.0
     slots = sum(w.slots for w in workers)
-    rho = min(MAX_RHO, max(0.0, overtaking_slot_s_per_s) / slots)
-    return first_free / (1 - rho)
+    phases = [overtaking_slot_s_per_s] if isinstance(overtaking_slot_s_per_s, (int, float)) else overtaking_slot_s_per_s
+    # While higher tiers keep a share rho of the slots busy, the work ahead drains at (1 - rho) per second.
+    left, t = first_free, 0.0
+    for k, rate in enumerate(phases):
+        last = k == len(phases) - 1
+        # Before its last aging a job may make no progress at all (it then waits for the aging); after it,
+        # a finite estimate needs some.
+        drain = 1 - min(MAX_RHO if last else 1.0, max(0.0, rate) / slots)
+        span = math.inf if last else aging_interval_s
+        if left <= drain * span:
+            return t + left / drain
+        left -= drain * span
+        t += span
+    return t
 
 
 class BiasCorrection:

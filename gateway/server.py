@@ -52,7 +52,8 @@ class Gateway:
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
         self.spans = GatewaySpans()
-        self.estimator = WaitEstimator(queue, self.workers, clock)
+        self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
+                                       learn_bias=config.wait_bias_correction)
         self.waits = Waits()  # measured waits: admission until first prefill
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted

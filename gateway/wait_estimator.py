@@ -38,12 +38,15 @@ class JobInfo:
 
 
 class WaitEstimator:
-    def __init__(self, queue, workers, clock: Callable[[], float], handoff_s: float = 0.0) -> None:
+    def __init__(self, queue, workers, clock: Callable[[], float], aging_interval_s: float = math.inf,
+                 handoff_s: float = 0.0, learn_bias: bool = True) -> None:
         self.queue = queue  # gateway.redis_queue.RedisQueue
         self.workers = workers  # gateway.workers.WorkerRegistry
+        self.aging_interval_s = aging_interval_s
         self.handoff_s = handoff_s
         self.lengths = OutputLengths()
         self.bias = BiasCorrection()
+        self.learn_bias = learn_bias
         self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
         self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
 
@@ -59,7 +62,7 @@ class WaitEstimator:
         info = self._jobs.pop(job_id, None)
         if info is not None and state == "done":
             self.lengths.learn(info.tenant, info.tier, info.max_tokens, num_tokens)
-            if queued_s is not None and info.estimate_s is not None:
+            if self.learn_bias and queued_s is not None and info.estimate_s is not None:
                 self.bias.learn(info.tier, info.estimate_s, queued_s)
 
     def tier_of(self, job_id: str) -> Tier | None:
@@ -104,8 +107,11 @@ class WaitEstimator:
         slots = sum(v.slots for v in views)
         mean = Rates(sum(v.rates.prefill_tps * v.slots for v in views) / slots,
                      sum(v.rates.decode_tps * v.slots for v in views) / slots)
-        overtaking = sum(mean.seconds(*self.arrivals.tokens_per_s(t, now)) for t in ALL_TIERS[:tier.rank])
-        est = wait_s(tier, views, ahead, overtaking_slot_s_per_s=overtaking, handoff_s=self.handoff_s)
+        # Per aging interval waited: P3 -> P2 -> P1 (never into P0; P1 does not age).
+        ranks = [tier.rank - k for k in range(max(1, tier.rank))] if tier.rank >= 2 else [tier.rank]
+        overtaking = [sum(mean.seconds(*self.arrivals.tokens_per_s(t, now)) for t in ALL_TIERS[:r]) for r in ranks]
+        est = wait_s(tier, views, ahead, overtaking_slot_s_per_s=overtaking, aging_interval_s=self.aging_interval_s,
+                     handoff_s=self.handoff_s)
         return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
 
     def _work(self, info: JobInfo, generated: int = 0, prefill: int | None = None) -> Work:

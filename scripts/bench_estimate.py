@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", help="tiny | bench | a model directory")
     ap.add_argument("--min-wait", type=float, default=0.5, help="judge jobs that waited at least this long (s)")
     ap.add_argument("--job-timeout", type=float, default=900.0, help="longest wait for one job's result (s)")
+    ap.add_argument("--no-bias-correction", action="store_true",
+                    help="the gateway's model alone, without the per-tier correction it learns from finished jobs")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
     args = ap.parse_args(argv)
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.up import Cluster
 
     os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
+    if args.no_bias_correction:
+        os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "false"
     cluster = Cluster(argparse.Namespace(
         workers=args.workers, gateways=1, lease_s=10.0, model=args.model, max_running=args.max_running, kv_blocks=0,
         aging_interval=60.0, ready_timeout=180.0, spans_file=None, policy="priority"))

@@ -106,3 +106,14 @@ def test_bias_correction_learns_a_steady_ratio_within_bounds_from_informative_jo
     for _ in range(300):
         bias.learn(P3, 1.0, 100.0)
     assert bias.factor(P3) == pytest.approx(2.0)  # bounded: the model carries the estimate
+
+
+def test_aging_ends_overtaking_by_the_tier_the_job_joins():
+    w = WorkerView(1, RATES, [running(P3, 100)])  # 1 s of work ahead
+    # Overtakers hold half the slot in P3 and a quarter once it aged into P2 (after 1 s): 0.5 s of progress in
+    # the first second, the other 0.5 s at 0.75 per second.
+    assert wait_s(P3, [w], [], overtaking_slot_s_per_s=[0.5, 0.25, 0.0], aging_interval_s=1.0) == pytest.approx(
+        1 + 0.5 / 0.75)
+    assert wait_s(P3, [w], [], overtaking_slot_s_per_s=[0.5, 0.25, 0.0]) == pytest.approx(2.0)  # no aging
+    # Swamped in P3: no progress until it ages (after 1 s), then all of its work.
+    assert wait_s(P3, [w], [], overtaking_slot_s_per_s=[100.0, 0.0], aging_interval_s=1.0) == pytest.approx(2.0)

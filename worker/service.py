@@ -132,6 +132,7 @@ class WorkerService:
             return
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
         self.rates.added(msg.job_id)
+        self._last_beat = 0.0  # confirm it now: the gateway counts it against this worker's credit until then
 
     def _cancel(self, job_id: str) -> None:
         if self.engine.abort(job_id):
