@@ -176,6 +176,12 @@ class WorkerLoad:
     preemption_cost_s: float
     # Per tier: running jobs a new job of that tier may preempt here (the worker's preemption matrix).
     victims: dict[str, int] = field(default_factory=dict)
+    # Measured tokens/s per sequence (worker/calibration.py); 0: not reported (an older worker).
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
+    # max_tokens, bit mask of tiers that may preempt it]: the work ahead of new jobs, for wait estimates.
+    work: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,8 @@ class JobTokens:
     attempt: int
     index: int  # index of token_ids[0] in the job's output
     token_ids: list[int]
+    # On the first frame: seconds from the dispatch's arrival to the job's first prefill chunk (its wait there).
+    prefill_start_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,7 @@ class JobFinished:
     # Every output token, in order (len == num_tokens): the result stays whole even when a JobTokens
     # frame was dropped or went to a gateway that has since restarted.
     token_ids: list[int] | None = None
+    prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

@@ -55,7 +55,8 @@ class ClientApi:
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
                                   tier=adm.tier_requested, payload=payload,
                                   idempotency_key=req.idempotency_key, quota=quota,
-                                  drain_rate_per_s=self.drain_rates(now))
+                                  drain_rate_per_s=self.drain_rates(now),
+                                  estimate_s=self.estimator.for_new(t.name, adm.tier_requested, now))
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
             return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
@@ -68,6 +69,8 @@ class ClientApi:
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
+            self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens,
+                                    result.estimated_wait_s, now)
             self.enqueued_at[result.job_id] = now
             s = self.streams.get_or_create(result.job_id)  # its owner, so a stream request needs no Redis read
             s.tenant, s.touched = t.name, now
@@ -92,12 +95,8 @@ class ClientApi:
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
             return
-        estimate = rec.estimate_s
-        if rec.state == "queued":  # kept current: the work ahead now, at the rates measured now
-            rates = self.drain_rates(self.clock())
-            estimate = sum(n / rates[t] for t, n in self.queue.jobs_ahead(rec).items())
-        else:
-            estimate = 0.0
+        # Kept current: the work ahead now, at the rates measured now.
+        estimate = self.estimator.for_queued(rec.id, rec.tier, self.clock()) if rec.state == "queued" else 0.0
         self._send(self.clients, ident, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value, rec.attempt,
                                                       estimate, rec.reason))
 

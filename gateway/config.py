@@ -41,6 +41,9 @@ class GatewayConfig:
     aging_interval_s: float = 60.0
     # Queue timeouts per tier in seconds (None: no timeout); past it a queued job ends as expired.
     tier_timeouts_s: dict = field(default_factory=lambda: {"P0": 30.0, "P1": 60.0, "P2": 300.0, "P3": None})
+    # Scale wait estimates per tier by the ratio of actual to estimated waits learned from finished jobs
+    # (gateway/estimate.py BiasCorrection); false: the model's estimate as it is.
+    wait_bias_correction: bool = True
     # Drain rate (jobs/s per tier) assumed before any is measured, for wait estimates.
     default_drain_rate_per_s: float = 1.0
     # How often aging, expiry and lease recovery run.

@@ -47,6 +47,7 @@ class Dispatcher:
                 self.streams.get_or_create(rec.id).tenant = rec.tenant
                 self.streams.streams[rec.id].touched = now
                 w.pending.add(rec.id)
+                self.waits.dispatched(rec.id, now)
                 if rec.tier_granted in (Tier.P0, Tier.P1):
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1

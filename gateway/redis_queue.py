@@ -77,8 +77,11 @@ class RedisQueue:
     def admit(
         self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int | None = None,
         idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
+        estimate_s: float | None = None,
     ) -> AdmitResult:  # fmt: skip
-        """Admit a job with one script call (see common/lua/admit.lua for the rules)."""
+        """Admit a job with one script call (see common/lua/admit.lua for the rules).
+
+        ``estimate_s``: the wait estimate to store and to shed on; None estimates from the drain rates."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
         rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
@@ -94,6 +97,10 @@ class RedisQueue:
             *(repr(r) for r in rates), repr(quota.rate_per_s) if quota else "0",
             repr(quota.burst) if quota else "0", quota.on_exhausted if quota else "refuse",
         ]  # fmt: skip
+        if estimate_s is not None:
+            if not math.isfinite(estimate_s) or estimate_s < 0:
+                raise ValueError(f"estimate_s must be finite and >= 0, got {estimate_s}")
+            args.append(repr(float(estimate_s)))
         reply = self._scripts["admit"](keys=keys, args=args)
         kind = reply[0].decode()
         if kind == "admitted":

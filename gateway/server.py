@@ -32,6 +32,7 @@ from gateway.streaming import Streaming
 from gateway.streams import StreamTable
 from gateway.token_log import TokenLog
 from gateway.tenants import TenantDirectory
+from gateway.wait_estimator import WaitEstimator, Waits
 from gateway.worker_link import WorkerLink, new_stale_memory
 from gateway.workers import WorkerRegistry
 
@@ -50,6 +51,9 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
         self.spans = GatewaySpans()
+        self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
+                                       learn_bias=config.wait_bias_correction)
+        self.waits = Waits()  # measured waits: admission until first prefill
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...

@@ -108,8 +108,11 @@ class Streaming:
         now = self.clock()
         total = now - enq if enq is not None else 0.0
         ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
+        queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
+        self.waits.forget(job_id)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
-                         queued_s=max(0.0, total - run_s), ttft_s=ttft, total_s=total, preemptions=preemptions,
+                         queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
+                         total_s=total, preemptions=preemptions,
                          reason=reason)
         for sub, nxt in s.subscribers.items():
             if nxt < len(s.tokens):
@@ -126,8 +129,9 @@ class Streaming:
         total = max(0, (rec.finished_at_ms or rec.enqueued_at_ms) - rec.enqueued_at_ms) / 1000
         run_s = float(res.get("run_s", 0))
         ttft = float(res.get("ttft_s", -1))
+        queued_s = float(res["queued_s"]) if "queued_s" in res else max(0.0, total - run_s)
         finish = res.get("finish_reason", b"").decode() or None
         self._send(self.clients, ident, P.JobDone(
             rec.id, str(rec.state.value if hasattr(rec.state, "value") else rec.state), finish, tokens,
-            self.streams.text(tokens, []), queued_s=max(0.0, total - run_s), ttft_s=ttft if ttft >= 0 else None,
+            self.streams.text(tokens, []), queued_s=queued_s, ttft_s=ttft if ttft >= 0 else None,
             total_s=total, preemptions=int(res.get("preemptions", 0)), reason=rec.reason or None))

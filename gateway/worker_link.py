@@ -80,6 +80,7 @@ class WorkerLink:
         if not self._holds_lease(ident, msg.job_id, msg.attempt):
             self._stale(msg)
             return
+        self.waits.prefill_started(msg.job_id, msg.prefill_start_s)
         if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, self.clock()):
             self._flush(msg.job_id)
         else:
@@ -115,6 +116,10 @@ class WorkerLink:
             fields["reason"] = reason
         if s is not None and s.first_token_at is not None and msg.job_id in self.enqueued_at:
             fields["ttft_s"] = s.first_token_at - self.enqueued_at[msg.job_id]
+        self.waits.prefill_started(msg.job_id, msg.prefill_start_s)
+        queued_s = self.waits.queued_s(msg.job_id, self.enqueued_at.get(msg.job_id))
+        if queued_s is not None:
+            fields["queued_s"] = queued_s
         try:
             stored = self.queue.complete(msg.job_id, attempt=msg.attempt, state=state, fields=fields, worker=worker)
         except redis.RedisError:
@@ -127,6 +132,7 @@ class WorkerLink:
         for w in self.workers.workers.values():
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
+        self.estimator.finished(msg.job_id, state, msg.num_tokens, queued_s)
         if s is not None and state == "done":
             s.tokens = tokens
         self._finish_stream(msg.job_id, state, msg.finish_reason, reason,

@@ -160,28 +160,3 @@ def test_concurrent_streams_from_threads(cluster):
     for t in threads:
         t.join(timeout=60)
     assert all(len(out[j.id]) == 30 for j in jobs)
-
-
-def test_overload_refusal_and_queue_timeout(tiny_model_dir, tmp_path):
-    from common.errors import JobExpired, Overloaded
-
-    # The P2 timeout is well below the time the blocking P3 job runs (2,000 steps: over a second).
-    timeouts = '{"P0": 30, "P1": 60, "P2": 0.5}'  # P3: none
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
-                       env={"TS_GATEWAY_TIER_TIMEOUTS_S": timeouts}) as c:
-        lab, batch = client(c, "lab-co"), client(c, "batch-co")
-        blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
-        wait_for(lambda: job_hash(c, blocker.id)["state"] == "dispatched", 30, "the blocker to run")
-        # No drain measured yet: the floor of 1 job/s, so a queued P2 adds a second of estimated wait.
-        queued = [batch.submit(prompt_token_ids=[5], max_tokens=2, tier="P2")]
-        assert queued[0].estimated_wait_s == 0
-        before = snapshot(c)
-        with pytest.raises(Overloaded) as over:  # 1 s estimated > the 0.5 s P2 timeout: refused, nothing stored
-            batch.submit(prompt_token_ids=[6], max_tokens=2, tier="P2")
-        assert over.value.estimated_wait_s > 0.5
-        assert snapshot(c) == before
-        for j in queued:  # they waited behind the P3 past their tier's queue timeout
-            with pytest.raises(JobExpired):
-                j.result(timeout=30)
-        assert "queue timeout" in job_hash(c, queued[0].id)["reason"]
-        lab.cancel(blocker.id)

@@ -23,6 +23,7 @@ from common.errors import InvalidRequest
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS
 from worker.heartbeat import Heartbeat
+from worker.calibration import RateTracker, calibrate
 from worker.request import RequestStatus, SamplingParams
 from worker.service_config import WorkerConfig
 
@@ -56,11 +57,14 @@ class WorkerService:
         self._unsent: list[tuple[zmq.Socket, P.JobFinished]] = []  # completions the gateway could not take yet
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
         self._snapshot_at = float("-inf")
+        self._beat_pending = False
         self._heartbeat = Heartbeat(self._lock, self._beat, self._hello, config.heartbeat_interval_s, HELLO_EVERY_S)
+        self.rates = RateTracker(engine, clock)
 
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
             sock.connect(endpoint)
+        calibrate(self.engine, self.rates)  # the first heartbeat carries measured rates
         self._hello()
 
     def close(self) -> None:
@@ -100,8 +104,12 @@ class WorkerService:
             if self.engine.has_unfinished():
                 self._step()
             now = self.clock()
-            if now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
+            if self._beat_pending or now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
                 self._refresh_snapshot(now)
+            if self._beat_pending:
+                self._beat_pending = False
+                with self._lock:
+                    self._beat()
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):
@@ -141,6 +149,8 @@ class WorkerService:
             self._finish(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
+        self.rates.added(msg.job_id)
+        self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
 
     def _cancel(self, job_id: str, attempt: int | None) -> None:
         job = self.jobs.get(job_id)
@@ -149,6 +159,7 @@ class WorkerService:
             return
         if self.engine.abort(job_id):
             self.jobs.pop(job_id, None)
+            self.rates.forget(job_id)
 
     def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
         if not self._send(sock, msg):
@@ -160,7 +171,9 @@ class WorkerService:
             self._finish(sock, msg)
 
     def _step(self) -> None:
+        self.rates.before_step()
         outs = self.engine.step()
+        self.rates.after_step(outs)
         now = self.clock()
         with self._lock:
             for out in outs:
@@ -169,7 +182,8 @@ class WorkerService:
                     continue
                 if job.first_token is None:
                     job.first_token = now
-                self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids))
+                started = self.rates.prefill_start_s(job.job_id) if not job.tokens else None
+                self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids, started))
                 job.tokens.extend(out.new_token_ids)
                 if out.finished:
                     del self.jobs[job.job_id]
@@ -178,7 +192,10 @@ class WorkerService:
                         job.job_id, job.attempt, "failed" if failed else "done",
                         out.finish_reason.value if out.finish_reason and not failed else None,
                         len(job.tokens), None if job.first_token is None else job.first_token - job.started,
-                        now - job.started, out.num_preemptions, out.error, list(job.tokens)))
+                        now - job.started, out.num_preemptions, out.error, list(job.tokens),
+                        prefill_start_s=self.rates.prefill_start_s(job.job_id)))
+                    self.rates.forget(job.job_id)
+                    self._beat_soon()  # report the free slot now, not at the next beat: the wait estimate counts on it
 
     def log_state(self) -> None:
         """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""
@@ -189,6 +206,10 @@ class WorkerService:
                      r.params.max_tokens, r.num_preemptions)
         log.info("jobs=%d kv=%s stats=%s counters=%s", len(self.jobs), self.engine.kv_usage(), s.stats,
                  dict(self.counters))
+
+    def _beat_soon(self) -> None:
+        """Send a fresh load report after this loop iteration rather than at the next heartbeat."""
+        self._beat_pending = True
 
     def _beat(self) -> None:
         if self._snapshot is not None:
@@ -214,4 +235,4 @@ class WorkerService:
                                 for r in e.scheduler.running) for t in ALL_TIERS}
         held = list(self.jobs) + [m.job_id for _, m in self._unsent]
         self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
-                                      held, cost, victims)
+                                      held, cost, victims, *self.rates.rates(), self.rates.work())

@@ -19,6 +19,7 @@
 -- ARGV[16]    quota rate, tokens/s (0 = no quota)
 -- ARGV[17]    quota burst (bucket capacity, >= 1)
 -- ARGV[18]    quota exhausted policy: "refuse" | "downgrade" (to P1)
+-- ARGV[19]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
 --
 -- Returns one of:
 --   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3}
@@ -75,6 +76,9 @@ for r = 0, rank do
     by_tier[r + 1] = depth
     ahead = ahead + depth
     estimate = estimate + depth / tonumber(ARGV[12 + r])
+end
+if ARGV[19] then
+    estimate = tonumber(ARGV[19])
 end
 local timeout_ms = tonumber(ARGV[8 + rank])
 if timeout_ms >= 0 and estimate * 1000 > timeout_ms then

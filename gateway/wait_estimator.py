@@ -1,0 +1,195 @@
+"""The gateway's wait estimates (gateway/estimate.py) fed from Redis and the workers' reports,
+and the measured wait of each job (admission until its first prefill started on a worker).
+
+What it reads: the queued job ids ahead (one pipelined ZRANGE per tier), each job's tokens
+(kept from admission, or read once from its payload for jobs other gateways admitted), and
+the latest WorkerLoad of every worker (rates and held work). What it learns: output lengths
+from finished jobs, arrival rates per tier from admissions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from common.tiers import ALL_TIERS, Tier
+from gateway.estimate import (RUNNING, ArrivalRates, BiasCorrection, Held, OutputLengths, Rates, Work, WorkerView,
+                              wait_s)
+
+# Rates for a worker that reports none (an older worker): only until a measuring one reports.
+FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
+# Who may preempt a job just dispatched and not yet in a report (the default preemption matrix).
+PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
+ARRIVAL_TAU_S = 30.0
+MAX_KNOWN_JOBS = 200_000  # job token counts kept in memory (oldest dropped first)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    tenant: str | None
+    tier: Tier  # granted at admission: the tier it preempts and is preempted as
+    prompt_tokens: int
+    max_tokens: int
+    estimate_s: float | None = None  # the model's estimate at admission, before the bias correction
+
+
+class WaitEstimator:
+    def __init__(self, queue, workers, clock: Callable[[], float], aging_interval_s: float = math.inf,
+                 handoff_s: float = 0.0, learn_bias: bool = True) -> None:
+        self.queue = queue  # gateway.redis_queue.RedisQueue
+        self.workers = workers  # gateway.workers.WorkerRegistry
+        self.aging_interval_s = aging_interval_s
+        self.handoff_s = handoff_s
+        self.lengths = OutputLengths()
+        self.bias = BiasCorrection()
+        self.learn_bias = learn_bias
+        self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
+        self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
+
+    # -- what happened ----------------------------------------------------------------------------------------------
+
+    def admitted(self, job_id: str, tenant: str, tier: Tier, prompt_tokens: int, max_tokens: int, estimate_s: float,
+                 now: float) -> None:
+        raw = estimate_s / self.bias.factor(tier)
+        self._remember(job_id, JobInfo(tenant, tier, prompt_tokens, max_tokens, raw))
+        self.arrivals.add(tier, prompt_tokens, self.lengths.expected(tenant, tier, max_tokens), now)
+
+    def finished(self, job_id: str, state: str, num_tokens: int, queued_s: float | None) -> None:
+        info = self._jobs.pop(job_id, None)
+        if info is not None and state == "done":
+            self.lengths.learn(info.tenant, info.tier, info.max_tokens, num_tokens)
+            if self.learn_bias and queued_s is not None and info.estimate_s is not None:
+                self.bias.learn(info.tier, info.estimate_s, queued_s)
+
+    def tier_of(self, job_id: str) -> Tier | None:
+        """The tier a job was admitted at (what it may preempt as), if this gateway knows the job."""
+        info = self._jobs.get(job_id)
+        return info.tier if info is not None else None
+
+    def _remember(self, job_id: str, info: JobInfo) -> None:
+        self._jobs[job_id] = info
+        while len(self._jobs) > MAX_KNOWN_JOBS:
+            self._jobs.popitem(last=False)
+
+    # -- estimates --------------------------------------------------------------------------------------------------
+
+    def for_new(self, tenant: str, tier: Tier, now: float) -> float:
+        """The wait of a job admitted now at ``tier``: it goes last in its tier."""
+        return self._estimate(tier, self._queued_ahead(tier, None), now)
+
+    def for_queued(self, job_id: str, tier: Tier, now: float) -> float:
+        """The wait still ahead of a queued job, from where it stands in the queues now."""
+        score = self.queue.client.zscore(self.queue.keys.queue(tier), job_id)
+        if score is None:
+            return 0.0  # dispatched (or gone) meanwhile
+        return self._estimate(tier, self._queued_ahead(tier, score), now)
+
+    def _queued_ahead(self, tier: Tier, score: float | None) -> list[str]:
+        pipe = self.queue.client.pipeline(transaction=False)
+        for t in ALL_TIERS[:tier.rank]:
+            pipe.zrange(self.queue.keys.queue(t), 0, -1)
+        if score is None:
+            pipe.zrange(self.queue.keys.queue(tier), 0, -1)
+        else:
+            pipe.zrangebyscore(self.queue.keys.queue(tier), "-inf", f"({score}")
+        return [i.decode() for ids in pipe.execute() for i in ids]
+
+    def _estimate(self, tier: Tier, ahead_ids: list[str], now: float) -> float:
+        views = self._worker_views()
+        if not views:
+            return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
+        infos = self._infos(ahead_ids)
+        ahead = [self._work(infos[i]) for i in ahead_ids if i in infos]
+        slots = sum(v.slots for v in views)
+        mean = Rates(sum(v.rates.prefill_tps * v.slots for v in views) / slots,
+                     sum(v.rates.decode_tps * v.slots for v in views) / slots)
+        # Per aging interval waited: P3 -> P2 -> P1 (never into P0; P1 does not age).
+        ranks = [tier.rank - k for k in range(max(1, tier.rank))] if tier.rank >= 2 else [tier.rank]
+        overtaking = [sum(mean.seconds(*self.arrivals.tokens_per_s(t, now)) for t in ALL_TIERS[:r]) for r in ranks]
+        est = wait_s(tier, views, ahead, overtaking_slot_s_per_s=overtaking, aging_interval_s=self.aging_interval_s,
+                     handoff_s=self.handoff_s)
+        return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
+
+    def _work(self, info: JobInfo, generated: int = 0, prefill: int | None = None) -> Work:
+        return Work(info.tier, info.prompt_tokens if prefill is None else prefill,
+                    self.lengths.expected(info.tenant, info.tier, info.max_tokens, generated))
+
+    def _worker_views(self) -> list[WorkerView]:
+        ws = list(self.workers.workers.values())
+        measured = [(w.load.prefill_tps, w.load.decode_tps) for w in ws
+                    if w.load is not None and w.load.prefill_tps > 0 and w.load.decode_tps > 0]
+        default = (Rates(sum(p for p, _ in measured) / len(measured), sum(d for _, d in measured) / len(measured))
+                   if measured else FALLBACK_RATES)
+        pending = self._infos([j for w in ws for j in w.pending])
+        views = []
+        for w in ws:
+            load = w.load
+            rates = (Rates(load.prefill_tps, load.decode_tps) if load is not None and load.prefill_tps > 0
+                     and load.decode_tps > 0 else default)
+            held = []
+            for job_id, entry in (load.work.items() if load is not None else ()):
+                if len(entry) < 6 or not 0 <= entry[0] < len(ALL_TIERS):
+                    continue  # a malformed entry from a worker: leave it out rather than guess
+                rank, status, prefill, generated, max_tokens, mask = entry[:6]
+                known = self._jobs.get(job_id)
+                info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
+                held.append(Held(self._work(info, generated, prefill), status, mask))
+            for job_id in w.pending:  # sent since its last report: it starts as soon as it arrives
+                if job_id in pending:
+                    info = pending[job_id]
+                    held.append(Held(self._work(info), RUNNING, PREEMPTED_BY[info.tier]))
+            views.append(WorkerView(w.hello.max_num_seqs, rates, held))
+        return views
+
+    def _infos(self, ids: list[str]) -> dict[str, JobInfo]:
+        """Token counts of the given jobs: from memory, else read once from their payloads in Redis."""
+        out = {i: self._jobs[i] for i in ids if i in self._jobs}
+        missing = [i for i in ids if i not in out]
+        if missing:
+            pipe = self.queue.client.pipeline(transaction=False)
+            for i in missing:
+                pipe.hmget(self.queue.keys.job(i), "tenant", "tier_granted", "payload")
+            for i, (tenant, tier, payload) in zip(missing, pipe.execute()):
+                if tenant is None or tier is None or payload is None:
+                    continue  # finished meanwhile
+                body = msgpack.unpackb(payload)
+                info = JobInfo(tenant.decode(), Tier(tier.decode()), len(body["prompt_token_ids"]),
+                               int(body["max_tokens"]))
+                self._remember(i, info)
+                out[i] = info
+        return out
+
+
+class Waits:
+    """Each job's wait as measured: admission until the first prefill chunk of any of its attempts.
+
+    Workers report the start relative to when the dispatch reached them (their clock is not
+    ours); the gateway adds that to the time it sent the dispatch.
+    """
+
+    def __init__(self) -> None:
+        # Bounded: jobs another gateway streams are dispatched from here but never finish here.
+        self._dispatched: OrderedDict[str, float] = OrderedDict()
+        self._started: dict[str, float] = {}
+
+    def dispatched(self, job_id: str, now: float) -> None:
+        self._dispatched[job_id] = now
+        while len(self._dispatched) > MAX_KNOWN_JOBS:
+            self._started.pop(self._dispatched.popitem(last=False)[0], None)
+
+    def prefill_started(self, job_id: str, after_s: float | None) -> None:
+        sent = self._dispatched.get(job_id)
+        if after_s is not None and sent is not None and job_id not in self._started:
+            self._started[job_id] = sent + max(0.0, after_s)  # the first attempt to start ends the wait
+
+    def queued_s(self, job_id: str, enqueued_at: float | None) -> float | None:
+        started = self._started.get(job_id)
+        return None if started is None or enqueued_at is None else max(0.0, started - enqueued_at)
+
+    def forget(self, job_id: str) -> None:
+        self._dispatched.pop(job_id, None)
+        self._started.pop(job_id, None)

@@ -1,0 +1,210 @@
+"""Replay an arrival trace through a real local cluster and judge the gateway's wait estimates.
+
+Starts a real redis-server, one gateway and N workers (scripts/up.py) and submits the trace's
+arrivals on their schedule (time compressed by --speedup), each with the trace's context tokens
+as its prompt and its generated tokens as max_tokens (both times --token-scale), at a tier drawn
+with the --mix shares (seeded). For every admitted job it compares the estimate the gateway
+returned at admission with the job's real wait (JobResult.queued_s: admission until its first
+prefill started on a worker), and prints per tier, over the jobs that waited at least
+--min-wait seconds: the median relative error |estimate - wait| / wait and the share of
+estimates within 2x of the wait. Refusals (overloaded, quota) are counted. --png draws
+estimate against wait; --json writes every job and the summary.
+
+The trace is any CSV with the columns of the Azure LLM inference traces: TIMESTAMP,
+ContextTokens, GeneratedTokens (data/azure-2023/, CC-BY-4.0, Patel et al., "Splitwise", ISCA 2024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
+from gateway.sdk import AsyncGatewayClient  # noqa: E402
+
+TIERS = ("P0", "P1", "P2", "P3")
+TENANT_OF = {"P0": "chat-co", "P1": "api-co", "P2": "batch-co", "P3": "lab-co"}  # scripts/up.py's dev tenants
+
+
+def load_trace(path: Path, start: int, count: int) -> list[tuple[float, int, int]]:
+    """(seconds since the first arrival, context tokens, generated tokens) of rows start..start+count."""
+    rows = []
+    with path.open(newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if i < start:
+                continue
+            if len(rows) >= count:
+                break
+            at = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26]).timestamp()
+            rows.append((at, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+    if not rows:
+        raise SystemExit(f"bench_estimate: no rows in {path} from row {start}")
+    t0 = rows[0][0]
+    return [(at - t0, ctx, gen) for at, ctx, gen in rows]
+
+
+def plan(trace, args) -> list[dict]:
+    rng = random.Random(args.seed)
+    weights = [float(x) for x in args.mix.split(",")]
+    jobs = []
+    for i, (at, ctx, gen) in enumerate(trace):
+        out = max(1, round(gen * args.token_scale))
+        prompt = max(1, min(round(ctx * args.token_scale), args.max_len - out))
+        tier = rng.choices(TIERS, weights)[0]
+        jobs.append({"i": i, "at": at / args.speedup, "tier": tier, "prompt_tokens": prompt, "max_tokens": out,
+                     "prompt_token_ids": [rng.randrange(3, 500) for _ in range(prompt)]})
+    return jobs
+
+
+async def replay(state: dict, jobs: list[dict], timeout_s: float) -> list[dict]:
+    clients = {t: AsyncGatewayClient(state["gateway"], state["tenants"][TENANT_OF[t]]["api_key"], timeout_s=60)
+               for t in TIERS}
+    locks = {t: asyncio.Lock() for t in TIERS}  # one request at a time per client socket
+    bar = tqdm(total=len(jobs), desc="replay", unit="job", file=sys.stderr)
+    t0 = time.monotonic()
+
+    async def one(job: dict) -> dict:
+        rec = {k: v for k, v in job.items() if k != "prompt_token_ids"}
+        await asyncio.sleep(max(0.0, t0 + job["at"] - time.monotonic()))
+        try:
+            async with locks[job["tier"]]:
+                handle = await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"],
+                                                           max_tokens=job["max_tokens"], tier=job["tier"],
+                                                           ignore_eos=True, seed=job["i"])
+            rec.update(outcome="admitted", estimate_s=handle.estimated_wait_s, admitted_tier=handle.tier)
+            result = await handle.result(timeout=timeout_s)
+            rec.update(outcome="done", wait_s=result.queued_s, total_s=result.total_s,
+                       preemptions=result.preemptions)
+        except Overloaded as e:
+            rec.update(outcome="overloaded", estimate_s=e.estimated_wait_s)
+        except QuotaExceeded:
+            rec.update(outcome="quota")
+        except (ServingError, TimeoutError) as e:
+            rec.update(outcome="failed", error=str(e))
+        bar.update(1)
+        return rec
+
+    try:
+        return list(await asyncio.gather(*(one(j) for j in jobs)))
+    finally:
+        bar.close()
+        for c in clients.values():
+            c.close()
+
+
+def summarize(records: list[dict], min_wait: float) -> dict:
+    def stats(rs: list[dict]) -> dict:
+        waited = [r for r in rs if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
+        rel = [abs(r["estimate_s"] - r["wait_s"]) / r["wait_s"] for r in waited]
+        within = [r for r in waited if r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"]]
+        outcomes = {o: sum(1 for r in rs if r.get("outcome") == o) for o in ("done", "overloaded", "quota", "failed")}
+        return {"jobs": len(rs), **outcomes, "waited": len(waited),
+                "median_rel_error": statistics.median(rel) if rel else None,
+                "within_2x": len(within) / len(waited) if waited else None}
+
+    return {"all": stats(records), **{t: stats([r for r in records if r["tier"] == t]) for t in TIERS}}
+
+
+def table(summary: dict, min_wait: float) -> str:
+    lines = [f"{'tier':<6}{'jobs':>6}{'done':>6}{'overload':>9}{'quota':>7}{'failed':>7}"
+             f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}"]
+    for name, s in summary.items():
+        err = "-" if s["median_rel_error"] is None else f"{100 * s['median_rel_error']:.1f} %"
+        w2 = "-" if s["within_2x"] is None else f"{100 * s['within_2x']:.1f} %"
+        lines.append(f"{name:<6}{s['jobs']:>6}{s['done']:>6}{s['overloaded']:>9}{s['quota']:>7}{s['failed']:>7}"
+                     f"{s['waited']:>14}{err:>16}{w2:>11}")
+    return "\n".join(lines)
+
+
+def draw(records: list[dict], min_wait: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    done = [r for r in records if r.get("outcome") == "done"]
+    top = max([r["wait_s"] for r in done] + [r["estimate_s"] for r in done] + [1.0]) * 1.3
+    lo = 0.05
+    for tier, colour in zip(TIERS, ("tab:red", "tab:orange", "tab:blue", "tab:green")):
+        rs = [r for r in done if r["tier"] == tier]
+        ax.scatter([max(lo, r["wait_s"]) for r in rs], [max(lo, r["estimate_s"]) for r in rs], s=10, alpha=0.6,
+                   color=colour, label=f"{tier} ({len(rs)})")
+    ax.plot([lo, top], [lo, top], color="black", lw=1, label="estimate = wait")
+    ax.fill_between([lo, top], [lo / 2, top / 2], [2 * lo, 2 * top], color="grey", alpha=0.15, label="within 2x")
+    ax.axvline(min_wait, color="grey", ls=":", lw=1)
+    ax.set(xscale="log", yscale="log", xlim=(lo, top), ylim=(lo, top), xlabel="actual wait (s)",
+           ylabel="estimate at admission (s)", title="wait estimate vs actual wait")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, required=True, help="CSV: TIMESTAMP, ContextTokens, GeneratedTokens")
+    ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
+    ap.add_argument("--start", type=int, default=0, help="first row to replay")
+    ap.add_argument("--speedup", type=float, default=1.0, help="time compression of the arrival schedule")
+    ap.add_argument("--token-scale", type=float, default=0.25, help="prompt and output tokens are scaled by this")
+    ap.add_argument("--max-len", type=int, default=2048, help="prompt + output are capped to this (the context)")
+    ap.add_argument("--mix", default="10,20,30,40", help="shares of P0,P1,P2,P3")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-running", type=int, default=2, help="batch slots per worker")
+    ap.add_argument("--model", default="tiny", help="tiny | bench | a model directory")
+    ap.add_argument("--min-wait", type=float, default=0.5, help="judge jobs that waited at least this long (s)")
+    ap.add_argument("--job-timeout", type=float, default=900.0, help="longest wait for one job's result (s)")
+    ap.add_argument("--no-bias-correction", action="store_true",
+                    help="the gateway's model alone, without the per-tier correction it learns from finished jobs")
+    ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
+    ap.add_argument("--json", type=Path, help="write every job and the summary here")
+    args = ap.parse_args(argv)
+    if len(args.mix.split(",")) != 4:
+        ap.error("--mix takes four shares: P0,P1,P2,P3")
+    jobs = plan(load_trace(args.trace, args.start, args.arrivals), args)
+
+    from scripts.up import Cluster
+
+    os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
+    if args.no_bias_correction:
+        os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "false"
+    cluster = Cluster(argparse.Namespace(
+        workers=args.workers, gateways=1, lease_s=10.0, model=args.model, max_running=args.max_running, kv_blocks=0,
+        aging_interval=60.0, ready_timeout=180.0, spans_file=None, policy="priority"))
+    try:
+        state = cluster.start()
+        print(f"cluster up: {args.workers} workers x {args.max_running} slots ({args.model}); replaying "
+              f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s", file=sys.stderr)
+        records = asyncio.run(replay(state, jobs, args.job_timeout))
+    finally:
+        cluster.stop()
+    summary = summarize(records, args.min_wait)
+    print(table(summary, args.min_wait))
+    if args.png:
+        draw(records, args.min_wait, args.png)
+        print(f"plot: {args.png}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                         "jobs": records}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Wait estimates on a real cluster (redis-server, gateway, workers via scripts/up.py, the tiny model).
+
+The wait is admission until the job's first prefill starts on a worker; the estimate comes from
+the work ahead in tokens over the workers' measured rates. No test here asserts a duration:
+only which side of zero or of a queue timeout an estimate falls, and how estimates move.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from common.errors import JobExpired, Overloaded
+from gateway.sdk import GatewayClient
+from tests.cluster_helpers import job_hash, local_cluster, snapshot, wait_for
+
+
+def client(cluster, tenant: str) -> GatewayClient:
+    return GatewayClient(cluster["gateway"], cluster["tenants"][tenant]["api_key"], timeout_s=30)
+
+
+def running_on_workers(c, job_ids) -> bool:
+    return all(job_hash(c, j).get("state") == "dispatched" for j in job_ids)
+
+
+def test_a_fresh_cluster_admits_the_p2_backlog_its_capacity_clears(tiny_model_dir, tmp_path):
+    # 300 short P2 jobs at once: a fresh cluster (nothing finished yet) clears them in seconds, so none
+    # may be refused against a 60 s queue timeout; the estimates come from the workers' calibrated rates.
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=2,
+                       env={"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 60}'}) as c:
+        batch = client(c, "batch-co")
+        jobs = [batch.submit(prompt_token_ids=[5 + i % 50, 6, 7], max_tokens=4, tier="P2", ignore_eos=True)
+                for i in range(300)]
+        estimates = [j.estimated_wait_s for j in jobs]
+        assert estimates[-1] > 0  # the backlog counts...
+        assert max(estimates) < 60  # ...at the rate the cluster clears it
+        results = [j.result(timeout=300) for j in jobs]
+        assert all(r.finish_reason == "length" and len(r.token_ids) == 4 for r in results)
+        assert all(0 <= r.queued_s <= r.ttft_s for r in results)
+
+
+def test_estimates_count_unpreemptible_work_and_fall_as_it_drains(tiny_model_dir, tmp_path):
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=2) as c:
+        lab, batch, chat = client(c, "lab-co"), client(c, "batch-co"), client(c, "chat-co")
+        blockers = [lab.submit(prompt_token_ids=[3, 4], max_tokens=600, ignore_eos=True) for _ in range(2)]
+        wait_for(lambda: running_on_workers(c, [b.id for b in blockers]), 60, "the P3 blockers to run")
+        # Both slots hold P3 work that a P2 may not preempt: the P2 waits for it, and says so.
+        p2 = batch.submit(prompt_token_ids=[5, 6], max_tokens=4, tier="P2", ignore_eos=True)
+        assert p2.estimated_wait_s > 0
+        # A P0 may preempt P3: nothing is ahead of it.
+        p0 = chat.submit(prompt_token_ids=[7, 8], max_tokens=2, tier="P0")
+        assert p0.estimated_wait_s == 0
+        p0.result(timeout=60)
+        # Kept current: as the P3 work drains, the P2's estimate falls.
+        first = batch.status(p2.id).estimated_wait_s
+        assert first > 0
+        wait_for(lambda: 0 < batch.status(p2.id).estimated_wait_s < first * 0.8, 120, "the estimate to fall")
+        r = p2.result(timeout=300)
+        assert 0 < r.queued_s <= r.ttft_s
+        for b in blockers:
+            lab.cancel(b.id)
+
+
+def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_path):
+    env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 5}'}
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env) as c:
+        lab, batch, api = client(c, "lab-co"), client(c, "batch-co"), client(c, "api-co")
+        blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
+        wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the blocker to run")
+        # Long P2 jobs queue behind it until the estimate passes the 5 s timeout: that one is refused
+        # (with the estimate) and stores nothing. How many fit depends on the machine, not the outcome.
+        admitted = []
+        for _ in range(200):
+            before = snapshot(c)
+            try:
+                admitted.append(batch.submit(prompt_token_ids=[6], max_tokens=2000, tier="P2", ignore_eos=True))
+            except Overloaded as over:
+                assert over.estimated_wait_s > 5
+                assert snapshot(c) == before
+                break
+        else:
+            pytest.fail("200 jobs of 2,000 tokens each fit in a 5 s wait")
+        assert all(j.estimated_wait_s <= 5 for j in admitted)
+        for j in [blocker, *admitted]:
+            lab.cancel(j.id) if j is blocker else batch.cancel(j.id)
+        # A P2 admitted behind a short P3 is overtaken by P1 jobs that arrive after it (P1 may preempt P3, a
+        # P2 may not) until it outlives its timeout: expired, with the reason.
+        for length in (400, 100, 25):  # shorter on a slow machine, so the P2's estimate stays under 5 s
+            short = lab.submit(prompt_token_ids=[3, 4], max_tokens=length, ignore_eos=True)
+            wait_for(lambda: running_on_workers(c, [short.id]), 60, "the short blocker to run")
+            try:
+                p2 = batch.submit(prompt_token_ids=[6], max_tokens=2, tier="P2")
+                break
+            except Overloaded:
+                lab.cancel(short.id)
+        overtakers = []
+        for _ in range(40):  # over 5 s of P1 work on any machine: 12,000 tokens, or until P1's 60 s are full
+            try:
+                overtakers.append(api.submit(prompt_token_ids=[9, 10], max_tokens=300, tier="P1", ignore_eos=True))
+            except Overloaded:
+                break
+        assert 0 < p2.estimated_wait_s <= 5
+        with pytest.raises(JobExpired):
+            p2.result(timeout=60)
+        assert "queue timeout" in job_hash(c, p2.id)["reason"]
+        for j in overtakers:
+            api.cancel(j.id)
+
+
+def test_the_wait_ends_at_the_first_prefill_even_when_the_job_is_redispatched(tiny_model_dir, tmp_path):
+    # JobResult.queued_s is admission until the job's first prefill started. A worker killed mid-job makes
+    # its lease expire and the job run again elsewhere; that detour is not waiting in the queue.
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=1, lease_s=2.0) as c:
+        lab = client(c, "lab-co")
+        t0 = time.monotonic()
+        job = lab.submit(prompt_token_ids=[3, 4, 5], max_tokens=1500, ignore_eos=True, seed=3)
+        stream = job.stream(timeout=60)
+        next(stream)  # the first token is out: its prefill started before now
+        first_token_after = time.monotonic() - t0
+        holder = job_hash(c, job.id)["worker"]
+        os.kill(next(w["pid"] for w in c["workers"] if w["id"] == holder), signal.SIGKILL)
+        for _ in stream:
+            pass
+        r = job.result(timeout=300)
+        assert job_hash(c, job.id)["attempt"] == "2" and len(r.token_ids) == 1500
+        assert 0 <= r.queued_s <= first_token_after < r.total_s
+        assert r.queued_s == pytest.approx(float(job_hash(c, job.id)["queued_s"]))
