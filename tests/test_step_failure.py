@@ -102,10 +102,11 @@ def test_the_worker_reports_a_failed_step_and_keeps_serving(tiny_model_dir):
     gateway = ctx.socket(zmq.ROUTER)
     port = gateway.bind_to_random_port("tcp://127.0.0.1")
     engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4))
-    _fail_once(engine.runner, "execute", 1, torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     service = WorkerService(WorkerConfig(worker_id="wk-oom", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny"),
                             engine)
     service.connect()
+    # After the start-up calibration in connect() (its own steps): the first step of a dispatched job fails.
+    _fail_once(engine.runner, "execute", 1, torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     stop = threading.Event()
     thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
     thread.start()
