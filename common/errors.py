@@ -48,6 +48,14 @@ class Overloaded(ServingError):
         self.estimated_wait_s = estimated_wait_s
 
 
+class Unavailable(ServingError):
+    """The gateway cannot reach its queue store right now; nothing was stored. Retry (the SDK does, with backoff)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NotFound(ServingError):
     """No such job (for this tenant)."""
 

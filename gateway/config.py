@@ -45,5 +45,8 @@ class GatewayConfig:
     default_drain_rate_per_s: float = 1.0
     # How often aging, expiry and lease recovery run.
     maintenance_interval_s: float = 0.2
+    # A client stream that has received nothing for this long (its job queued, or running before its first
+    # token) gets a StatusReply, so the client knows its gateway is alive. Clients' timeout_s must exceed it.
+    keepalive_interval_s: float = 2.0
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400

@@ -26,11 +26,12 @@ from opentelemetry import trace
 from common import protocol as P
 from common import tracing
 from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
-                           ServingError, Unauthorized)
+                           ServingError, Unauthorized, Unavailable)
 from common.sockets import make_socket
 
 __all__ = ["AsyncGatewayClient", "Chunk", "Forbidden", "GatewayClient", "InvalidRequest", "Job", "JobExpired",
-           "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded", "QuotaExceeded", "Unauthorized"]
+           "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded", "QuotaExceeded", "Unauthorized",
+           "Unavailable"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ def _raise_for(reply) -> None:
         raise NotFound(msg)
     if code == "invalid_request":
         raise InvalidRequest(msg, field=reply.field)
+    if code == "unavailable":
+        raise Unavailable(msg, reply.retry_after_s)
     raise ServingError(f"{code}: {msg}")
 
 

@@ -9,6 +9,7 @@ jobs it admitted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -17,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import msgpack
+import redis
 import zmq
 
 from common import protocol as P
@@ -26,6 +28,7 @@ from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway import admission
 from gateway.config import GatewayConfig
+from gateway.keepalive import Keepalives
 from gateway.spans import GatewaySpans
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, RedisQueue
 from gateway.streams import StreamTable
@@ -35,6 +38,11 @@ from gateway.workers import WorkerRegistry
 log = logging.getLogger("gateway")
 
 FINAL_STATES = ("done", "failed", "expired", "cancelled", "dead")
+
+# Where a client reply goes: the client's routing id and the request id to echo on every frame of the reply.
+# Client handlers receive one instead of a bare routing id; stream subscribers are keyed by it, so one
+# connection can hold several streams (even of the same job) at once.
+Peer = tuple[bytes, "str | None"]
 
 
 def _ms(t: float) -> int:
@@ -52,6 +60,7 @@ class Gateway:
         self.workers = WorkerRegistry(config.worker_timeout_s)
         self.spans = GatewaySpans()
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
+        self.keepalives = Keepalives(config.keepalive_interval_s)
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...
         self._dirty = True  # something may be dispatchable
@@ -94,6 +103,7 @@ class Gateway:
             if now - self._last_maintenance >= self.config.maintenance_interval_s:
                 self._last_maintenance = now
                 self.maintenance(now)
+                self.send_keepalives(now)
             if self._dirty:
                 self._dirty = False
                 self.dispatch(now)
@@ -117,14 +127,30 @@ class Gateway:
                 self.counters["malformed"] += 1
                 self._send(sock, ident, P.ErrorReply("protocol", str(e)))
                 continue
+            to = ident
+            if sock is self.clients:
+                rid = msg.request_id
+                if rid is not None and not 0 < len(rid) <= P.MAX_REQUEST_ID_LEN:
+                    self.counters["refused_invalid_request"] += 1
+                    self._send(sock, ident, P.ErrorReply(
+                        "invalid_request", f"request_id must be 1 to {P.MAX_REQUEST_ID_LEN} characters",
+                        field="request_id"))
+                    continue
+                to = (ident, rid)
             try:
-                handler(ident, msg)
+                handler(to, msg)
             except Exception:  # a handler bug must not take the gateway down with it
                 self.counters["handler_errors"] += 1
                 log.exception("handler for %s failed", type(msg).__name__)
-                self._send(sock, ident, P.ErrorReply("internal", "internal error"))
+                self._send(sock, to, P.ErrorReply("internal", "internal error"))
 
-    def _send(self, sock: zmq.Socket, ident: bytes, msg) -> None:
+    def _send(self, sock: zmq.Socket, to: bytes | Peer, msg) -> None:
+        ident = to
+        if isinstance(to, tuple):  # a client: echo its request id, and note that its stream is alive
+            ident, rid = to
+            if rid is not None:
+                msg = dataclasses.replace(msg, request_id=rid)
+            self.keepalives.sent(to, self.clock(), final=isinstance(msg, (P.JobDone, P.ErrorReply)))
         try:
             sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
@@ -214,6 +240,7 @@ class Gateway:
         if live is not None and tenant is not None and live.tenant == tenant.name:
             # A job this gateway admitted and is still streaming: no Redis read needed.
             live.subscribers[ident] = max(0, req.from_index)
+            self.keepalives.watch(ident, req.job_id, self.clock())
             self._flush(req.job_id)
             return
         rec = self._own_job(ident, req.api_key, req.job_id)
@@ -230,6 +257,7 @@ class Gateway:
                 return
             s = self.streams.get_or_create(req.job_id)
         s.subscribers[ident] = max(0, req.from_index)
+        self.keepalives.watch(ident, req.job_id, self.clock())
         self._flush(req.job_id)
         if rec.state in FINAL_STATES:
             self._send_final(ident, rec, None)
@@ -365,6 +393,28 @@ class Gateway:
             rec.id, str(rec.state.value if hasattr(rec.state, "value") else rec.state), finish, tokens,
             self.streams.text(tokens, []), queued_s=max(0.0, total - run_s), ttft_s=ttft if ttft >= 0 else None,
             total_s=total, preemptions=int(res.get("preemptions", 0)), reason=rec.reason or None))
+
+    def send_keepalives(self, now: float) -> None:
+        """A StatusReply to every stream silent for keepalive_interval_s; a job found ended is served from Redis."""
+        for peer, job_id in self.keepalives.due(now):
+            try:
+                rec = self.queue.get(job_id)
+            except redis.RedisError:
+                # Still a sign of life: the client must not fail over from a gateway that waits out a Redis blip.
+                self._send(self.clients, peer, P.StatusReply(job_id, "unknown", "", 0, None,
+                                                             "queue store unreachable"))
+                continue
+            if rec is None:
+                self._send(self.clients, peer, P.ErrorReply("not_found", f"no job {job_id!r}", in_reply_to=job_id))
+            elif rec.state in FINAL_STATES:
+                # It ended where this gateway did not see it (another gateway received its tokens).
+                s = self.streams.streams.get(job_id)
+                self._send_final(peer, rec, s.subscribers.pop(peer, 0) if s is not None else 0)
+                if s is not None and not s.subscribers and job_id not in self.enqueued_at:
+                    del self.streams.streams[job_id]
+            else:
+                self._send(self.clients, peer, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value,
+                                                             rec.attempt, None, rec.reason))
 
     # -- dispatch and maintenance -----------------------------------------------------------------------------------
 

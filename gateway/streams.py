@@ -8,7 +8,7 @@ same tokens, so indices already forwarded are simply skipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -17,7 +17,7 @@ class JobStream:
     job_id: str
     tenant: str | None = None  # owner, known to the admitting gateway without a Redis read
     tokens: list[int] = field(default_factory=list)
-    subscribers: dict[bytes, int] = field(default_factory=dict)  # client routing id -> next index to send
+    subscribers: dict[Hashable, int] = field(default_factory=dict)  # client reply address -> next index to send
     first_token_at: float | None = None
     done: bool = False
 
@@ -44,7 +44,7 @@ class StreamTable:
         s.tokens.extend(new)
         return True
 
-    def pending_chunks(self, job_id: str) -> list[tuple[bytes, int, list[int]]]:
+    def pending_chunks(self, job_id: str) -> list[tuple[Hashable, int, list[int]]]:
         """(subscriber, start index, token ids) for every subscriber behind; advances them."""
         s = self.streams.get(job_id)
         if s is None:
