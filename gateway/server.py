@@ -131,10 +131,9 @@ class Gateway:
             if sock is self.clients:
                 rid = msg.request_id
                 if rid is not None and not 0 < len(rid) <= P.MAX_REQUEST_ID_LEN:
-                    self.counters["refused_invalid_request"] += 1
+                    self.counters["malformed"] += 1
                     self._send(sock, ident, P.ErrorReply(
-                        "invalid_request", f"request_id must be 1 to {P.MAX_REQUEST_ID_LEN} characters",
-                        field="request_id"))
+                        "protocol", f"request_id must be 1 to {P.MAX_REQUEST_ID_LEN} characters", field="request_id"))
                     continue
                 to = (ident, rid)
             try:
@@ -155,6 +154,8 @@ class Gateway:
             sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             self.counters["unroutable"] += 1  # peer gone or its queue full; it can re-subscribe
+            if isinstance(to, tuple):
+                self.keepalives.sent(to, 0.0, final=True)
 
     def _error_for(self, e: Exception, job_id: str | None = None) -> P.ErrorReply:
         code = {Unauthorized: "unauthorized", Forbidden: "forbidden", InvalidRequest: "invalid_request"}.get(

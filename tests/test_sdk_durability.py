@@ -72,7 +72,7 @@ def test_every_reply_frame_echoes_its_request_id_and_a_queued_stream_gets_keepal
         assert isinstance(err, P.ErrorReply) and err.code == "unauthorized" and err.request_id == "bad-key"
         raw.send(P.InfoRequest(key, request_id="x" * (P.MAX_REQUEST_ID_LEN + 1)))
         err = raw.recv()
-        assert isinstance(err, P.ErrorReply) and err.code == "invalid_request" and err.field == "request_id"
+        assert isinstance(err, P.ErrorReply) and err.code == "protocol" and err.field == "request_id"
 
         raw.send(P.SubmitRequest(key, max_tokens=5, prompt_token_ids=[3, 4, 5], ignore_eos=True, request_id="sub"))
         sub = raw.recv()
