@@ -6,20 +6,23 @@ Every test runs real redis-server, gateway and worker processes (scripts/up.py v
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
-import time
-import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
 from common import protocol as P
-from gateway.sdk import GatewayClient
-from tests.cluster_helpers import ROOT, local_cluster, stop_process, wait_for
+from gateway.sdk import AsyncGatewayClient, GatewayClient, Job, NotFound
+from tests.cluster_helpers import ROOT, job_hash, local_cluster, stop_process, wait_for
 
 KEEPALIVE_ENV = {"TS_GATEWAY_KEEPALIVE_INTERVAL_S": "0.3"}
 
@@ -137,3 +140,148 @@ def test_result_without_timeout_waits_for_a_job_queued_longer_than_timeout_s(idl
         stop_process(worker, timeout=30)
         wait_for(lambda: not client.info().workers, 30, "the gateway to drop the stopped worker")
         client.close()
+
+
+# -- a cluster of two gateways and one worker -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_gateways(tiny_model_dir, tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("two-gw"), tiny_model_dir, workers=1, gateways=2, max_running=4,
+                       env=KEEPALIVE_ENV) as state:
+        yield state
+
+
+def job_ids_in_redis(state: dict) -> set[str]:
+    prefix = f"{state['key_prefix']}:{{c}}:job:"
+    return {k.decode()[len(prefix):] for k in state["redis_client"].scan_iter(match=prefix + "*", count=1000)}
+
+
+@contextmanager
+def stopped(pid: int):
+    """The process frozen (SIGSTOP): alive to the kernel, silent to its peers, like a hung gateway."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+class Failovers(logging.Handler):
+    """Counts the SDK's 'trying the next gateway' warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+    def __enter__(self) -> Failovers:
+        logging.getLogger("gateway.sdk").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("gateway.sdk").removeHandler(self)
+
+
+def test_a_submit_retried_after_a_timeout_creates_no_duplicate(two_gateways):
+    c = two_gateways
+    gw0 = c["gateways"][0]["endpoint"]
+    client = GatewayClient(gw0, c["tenants"]["lab-co"]["api_key"], timeout_s=1.0, retries=20)
+    before = job_ids_in_redis(c)
+    out: dict = {}
+    with Failovers() as failovers, stopped(c["pids"]["gw-0"]):
+        submitter = threading.Thread(target=lambda: out.update(job=client.submit(prompt_token_ids=[11, 12],
+                                                                                  max_tokens=3, ignore_eos=True)),
+                                     daemon=True)
+        submitter.start()
+        # Every attempt so far sits unanswered in the frozen gateway's socket; each will be admitted.
+        wait_for(lambda: failovers.count >= 3, 60, "three timed-out attempts")
+    submitter.join(timeout=60)
+    assert "job" in out, "submit() did not succeed once the gateway answered again"
+    # All attempts reached the gateway; one job was admitted, the others found its idempotency key.
+    assert job_ids_in_redis(c) - before == {out["job"].id}
+    assert out["job"].duplicate is False  # its own earlier attempt is not someone else's submission
+    assert len(out["job"].result(timeout=120).token_ids) == 3
+    client.close()
+
+
+def test_a_fresh_client_re_attaches_to_a_job_by_id(two_gateways):
+    c = two_gateways
+    key = c["tenants"]["lab-co"]["api_key"]
+    first = GatewayClient(c["gateway"], key)
+    job = first.submit(prompt_token_ids=[21, 22, 23], max_tokens=40, ignore_eos=True, seed=5)
+    queued = first.submit(prompt_token_ids=[24], max_tokens=2000, ignore_eos=True)
+    first.close()  # the client "restarts": nothing of it survives but the job ids
+
+    second = GatewayClient(c["gateway"], key)
+    again = second.job(job.id)
+    assert again.id == job.id and again.tier == "P3"
+    chunks = list(again.stream())
+    assert [i for ch in chunks for i in range(ch.index, ch.index + len(ch.token_ids))] == list(range(40))
+    result = again.result(timeout=60)
+    assert result.token_ids == [t for ch in chunks for t in ch.token_ids]
+    assert again.status().state == "done"
+    assert second.job(queued.id).cancel() is True
+    assert second.status(queued.id).state == "cancelled"
+    with pytest.raises(NotFound):
+        second.job("0" * 32)
+    # Another tenant cannot re-attach to it.
+    with pytest.raises(NotFound):
+        GatewayClient(c["gateway"], c["tenants"]["batch-co"]["api_key"]).job(job.id)
+    second.close()
+
+
+def test_the_client_fails_over_to_the_second_gateway(two_gateways):
+    c = two_gateways
+    ep0, ep1 = (g["endpoint"] for g in c["gateways"])
+    key = c["tenants"]["lab-co"]["api_key"]
+    client = GatewayClient([ep0, ep1], key, timeout_s=2.0)
+    before = client.submit(prompt_token_ids=[31, 32], max_tokens=4, ignore_eos=True)
+    assert len(before.result(timeout=60).token_ids) == 4 and client.endpoint == ep0
+    with stopped(c["pids"]["gw-0"]):
+        job = client.submit(prompt_token_ids=[33, 34], max_tokens=6, ignore_eos=True)
+        assert client.endpoint == ep1
+        assert len(job.result(timeout=60).token_ids) == 6
+        assert client.status(before.id).state == "done"  # admitted by gw-0, read through gw-1
+        assert len(client.job(before.id).result(timeout=60).token_ids) == 4
+        # One endpoint only, and it is dead: result() without a timeout still ends, once keepalives stop.
+        lone = GatewayClient(ep0, key, timeout_s=1.0, retries=1)
+        with pytest.raises(TimeoutError):
+            Job(lone, job.id, "P3", 0.0).result()
+        lone.close()
+    client.close()
+
+
+def test_one_async_client_serves_200_concurrent_submits_and_results(two_gateways):
+    c = two_gateways
+    n = 200
+    prompts = [[(7 * i) % 400 + 1, (11 * i) % 400 + 1, i % 50 + 1] for i in range(n)]
+    lengths = [1 + i % 7 for i in range(n)]
+
+    async def one(client: AsyncGatewayClient, i: int):
+        job = await client.submit(prompt_token_ids=prompts[i], max_tokens=lengths[i], ignore_eos=True, seed=i)
+        if i % 2:  # half stream, half only wait: both kinds multiplexed on the one connection
+            streamed = [t async for ch in job.stream() for t in ch.token_ids]
+            result = await job.result()
+            assert streamed == result.token_ids
+        else:
+            result = await job.result()
+        return job.id, result
+
+    async def main():
+        async with AsyncGatewayClient(c["gateway"], c["tenants"]["lab-co"]["api_key"], timeout_s=30) as client:
+            out = await asyncio.gather(*(one(client, i) for i in range(n)))
+            return out, len(client._conns)
+
+    out, connections = asyncio.run(main())
+    assert connections == 1
+    assert len({job_id for job_id, _ in out}) == n
+    r = c["redis_client"]
+    for i, (job_id, result) in enumerate(out):
+        assert len(result.token_ids) == lengths[i], (i, job_id)
+        # The job this coroutine got is the one it submitted.
+        h = job_hash(c, job_id)
+        assert int(h["num_tokens"]) == lengths[i]
+        assert msgpack.unpackb(r.hget(f"{c['key_prefix']}:{{c}}:job:{job_id}", "token_ids")) == result.token_ids
