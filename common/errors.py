@@ -61,7 +61,12 @@ class Overloaded(ServingError):
 
 class Unavailable(ServingError):
     """The service cannot take the request right now (its Redis is unreachable); nothing was stored.
-    Retryable: the same request (same idempotency key) may be sent again. Wire code ``unavailable``."""
+    Retryable: the same request (same idempotency key) may be sent again (the SDK does, with backoff).
+    Wire code ``unavailable``."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class IncompleteResult(ServingError):

@@ -28,6 +28,13 @@ class ProtocolError(ValueError):
 
 
 # -- client <-> gateway ---------------------------------------------------------------------------------------------
+# Every request may carry a ``request_id`` (chosen by the client, at most MAX_REQUEST_ID_LEN characters); the
+# gateway copies it onto every frame it sends for that request, so one connection can carry many calls and
+# streams at once. While a stream waits on a job that sends nothing (queued, or running before its first
+# token), the gateway sends a StatusReply with the stream's request id every few seconds: a keepalive that
+# tells the client its gateway is alive.
+
+MAX_REQUEST_ID_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class SubmitRequest:
     idempotency_key: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent / tracestate
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
+    request_id: str | None = None  # echoed on every reply frame for this request
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class SubmitReply:
     estimated_wait_s: float
     duplicate: bool  # an earlier submission with the same idempotency key
     downgraded: bool = False  # P0 quota exhausted and the tenant is configured to fall back to P1
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class StreamRequest:
     api_key: str
     job_id: str
     from_index: int = 0
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class TokenChunk:
     index: int  # index of token_ids[0] in the job's output; every index reaches the client once
     token_ids: list[int]
     text: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,12 +95,14 @@ class JobDone:
     total_s: float
     preemptions: int
     reason: str | None = None  # why it failed / expired / was dead-lettered
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
 class StatusRequest:
     api_key: str
     job_id: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,18 +113,21 @@ class StatusReply:
     attempt: int
     estimated_wait_s: float | None
     reason: str | None
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
 class CancelRequest:
     api_key: str
     job_id: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
 class CancelReply:
     job_id: str
     cancelled: bool  # False: it had already ended
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,7 @@ class InfoRequest:
     """Cluster overview for operators and launchers; any valid API key may ask."""
 
     api_key: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,7 @@ class InfoReply:
     gateway_id: str
     workers: list[str]
     queue_depths: dict[str, int]
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +155,7 @@ class ErrorReply:
     retry_after_s: float | None = None
     estimated_wait_s: float | None = None
     in_reply_to: str | None = None  # job id where there is one
+    request_id: str | None = None
 
 
 # -- gateway <-> worker ---------------------------------------------------------------------------------------------

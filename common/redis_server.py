@@ -115,6 +115,20 @@ class RedisServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def poll(self) -> int | None:
+        """The server's exit code once it has exited, else None (as ``Popen.poll``)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def restart(self) -> None:
+        """Start the server again (after it died, say): same port and directory, so it replays its AOF."""
+        self._require_started()
+        self._kill()
+        self._launch(self.port)
+
     # --- access ------------------------------------------------------------------------------
     @property
     def url(self) -> str:

@@ -51,5 +51,8 @@ class GatewayConfig:
     # How often running jobs' new tokens are appended to their Redis streams (and watched ones read back),
     # so that any gateway can stream any job.
     stream_flush_interval_s: float = 0.05
+    # A client stream that has received nothing for this long (its job queued, or running before its first
+    # token) gets a StatusReply, so the client knows its gateway is alive. Clients' timeout_s must exceed it.
+    keepalive_interval_s: float = 2.0
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400

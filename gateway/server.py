@@ -10,6 +10,7 @@ status, info, cancel), streaming, worker_link (frames from workers), dispatch, m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import ClientApi
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
+from gateway.keepalive import Keepalives
 from gateway.maintenance import Maintenance
 from gateway.redis_queue import RedisQueue
 from gateway.spans import GatewaySpans
@@ -37,6 +39,11 @@ from gateway.worker_link import WorkerLink, new_stale_memory
 from gateway.workers import WorkerRegistry
 
 log = logging.getLogger("gateway")
+
+# Where a client reply goes: the client's routing id and the request id to echo on every frame of the reply.
+# Client handlers receive one instead of a bare routing id; stream subscribers are keyed by it, so one
+# connection can hold several streams (even of the same job) at once.
+Peer = tuple[bytes, "str | None"]
 
 
 class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
@@ -55,6 +62,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                                        learn_bias=config.wait_bias_correction)
         self.waits = Waits()  # measured waits: admission until first prefill
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
+        self.keepalives = Keepalives(config.keepalive_interval_s)
+        self._last_keepalive = 0.0
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...
         self._dirty = True  # something may be dispatchable
@@ -101,6 +110,10 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             if self.clients in events:
                 self._drain(self.clients, self._client_handlers)
             now = self.clock()
+            if now - self._last_keepalive >= self.config.maintenance_interval_s:
+                self._last_keepalive = now
+                # Also while Redis is down: a client must not fail over from a gateway waiting out a blip.
+                self.send_keepalives(now, redis_up=now >= self._redis_retry_at)
             if now < self._redis_retry_at:
                 continue
             try:
@@ -157,25 +170,42 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                 self.counters["malformed"] += 1
                 self._send(sock, ident, P.ErrorReply("protocol", str(e)))
                 continue
+            to = ident
+            if sock is self.clients:
+                rid = msg.request_id
+                if rid is not None and not 0 < len(rid) <= P.MAX_REQUEST_ID_LEN:
+                    self.counters["malformed"] += 1
+                    self._send(sock, ident, P.ErrorReply(
+                        "protocol", f"request_id must be 1 to {P.MAX_REQUEST_ID_LEN} characters", field="request_id"))
+                    continue
+                to = (ident, rid)
             if sock is self.clients and self.clock() < self._redis_retry_at:
-                self._send(sock, ident, self._unavailable())
+                self._send(sock, to, self._unavailable())
                 continue
             try:
-                handler(ident, msg)
+                handler(to, msg)
             except redis.RedisError as e:
                 self._redis_failed(e)
                 if sock is self.clients:
-                    self._send(sock, ident, self._unavailable())
+                    self._send(sock, to, self._unavailable())
             except Exception:  # a handler bug must not take the gateway down with it
                 self.counters["handler_errors"] += 1
                 log.exception("handler for %s failed", type(msg).__name__)
-                self._send(sock, ident, P.ErrorReply("internal", "internal error"))
+                self._send(sock, to, P.ErrorReply("internal", "internal error"))
 
-    def _send(self, sock: zmq.Socket, ident: bytes, msg) -> None:
+    def _send(self, sock: zmq.Socket, to: bytes | Peer, msg) -> None:
+        ident = to
+        if isinstance(to, tuple):  # a client: echo its request id, and note that its stream is alive
+            ident, rid = to
+            if rid is not None:
+                msg = dataclasses.replace(msg, request_id=rid)
+            self.keepalives.sent(to, self.clock(), final=isinstance(msg, (P.JobDone, P.ErrorReply)))
         try:
             sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             self.counters["unroutable"] += 1  # peer gone or its queue full; it can re-subscribe
+            if isinstance(to, tuple):
+                self.keepalives.sent(to, 0.0, final=True)
 
     def _unavailable(self) -> P.ErrorReply:
         self.counters["refused_unavailable"] += 1

@@ -12,6 +12,7 @@ A mixin of gateway.server.Gateway; the per-job token buffers are gateway.streams
 from __future__ import annotations
 
 import msgpack
+import redis
 
 from common import protocol as P
 from gateway.streams import JobStream
@@ -29,6 +30,7 @@ class Streaming:
         if live is not None and tenant is not None and live.tenant == tenant.name:
             # A job this gateway already streams: no Redis read needed.
             live.subscribers[ident] = max(0, req.from_index)
+            self.keepalives.watch(ident, req.job_id, self.clock())
             self._flush(req.job_id)
             return
         rec = self._own_job(ident, req.api_key, req.job_id)
@@ -40,7 +42,32 @@ class Streaming:
         s = self.streams.streams.get(req.job_id) or self._open_stream(req.job_id, rec.tenant)
         s.follow = rec.state == "dispatched" and req.job_id not in self.leases
         s.subscribers[ident] = max(0, req.from_index)
+        self.keepalives.watch(ident, req.job_id, self.clock())
         self._flush(req.job_id)
+
+    def send_keepalives(self, now: float, redis_up: bool = True) -> None:
+        """A StatusReply to every stream silent for keepalive_interval_s; a job found ended is served from Redis."""
+        for peer, job_id in self.keepalives.due(now):
+            try:
+                if not redis_up:
+                    raise redis.ConnectionError("in back-off")
+                rec = self.queue.get(job_id)
+            except redis.RedisError:
+                # Still a sign of life: the client must not fail over from a gateway that waits out a Redis blip.
+                self._send(self.clients, peer, P.StatusReply(job_id, "unknown", "", 0, None,
+                                                             "queue store unreachable"))
+                continue
+            if rec is None:
+                self._send(self.clients, peer, P.ErrorReply("not_found", f"no job {job_id!r}", in_reply_to=job_id))
+            elif rec.state in FINAL_STATES:
+                # It ended where this gateway did not see it (another gateway received its tokens).
+                s = self.streams.streams.get(job_id)
+                self._send_final(peer, rec, s.subscribers.pop(peer, 0) if s is not None else 0)
+                if s is not None and not s.subscribers and job_id not in self.enqueued_at:
+                    del self.streams.streams[job_id]
+            else:
+                self._send(self.clients, peer, P.StatusReply(rec.id, str(rec.state.value), rec.tier.value,
+                                                             rec.attempt, None, rec.reason))
 
     def _open_stream(self, job_id: str, tenant: str) -> JobStream:
         """A buffer for a job whose tokens may already be in Redis (written by whichever gateway held it)."""

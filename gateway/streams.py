@@ -9,7 +9,7 @@ same tokens, so indices already held are simply skipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -18,7 +18,7 @@ class JobStream:
     job_id: str
     tenant: str | None = None  # owner, so a stream request is checked without a Redis read
     tokens: list[int] = field(default_factory=list)
-    subscribers: dict[bytes, int] = field(default_factory=dict)  # client routing id -> next index to send
+    subscribers: dict[Hashable, int] = field(default_factory=dict)  # client reply address -> next index to send
     first_token_at: float | None = None
     flushed: int = 0  # tokens written to the job's Redis stream by this gateway
     redis_pos: str = "0-0"  # last Redis stream entry read (followers)
@@ -49,7 +49,7 @@ class StreamTable:
         s.touched = now
         return True
 
-    def pending_chunks(self, job_id: str) -> list[tuple[bytes, int, list[int]]]:
+    def pending_chunks(self, job_id: str) -> list[tuple[Hashable, int, list[int]]]:
         """(subscriber, start index, token ids) for every subscriber behind; advances them."""
         s = self.streams.get(job_id)
         if s is None:

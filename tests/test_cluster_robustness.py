@@ -65,6 +65,7 @@ class RawStream(threading.Thread):
         self.frame_timeout_s = frame_timeout_s
         self.chunks: list[tuple[int, list[int]]] = []  # (index, token_ids) of every TokenChunk, in arrival order
         self.done: P.JobDone | None = None
+        self.keepalives = 0
         self.error: object = None  # an unexpected reply or exception
 
     def run(self) -> None:
@@ -80,6 +81,8 @@ class RawStream(threading.Thread):
                     self.chunks.append((msg.index, list(msg.token_ids)))
                 elif isinstance(msg, P.JobDone) and msg.job_id == self.job_id:
                     self.done = msg
+                elif isinstance(msg, P.StatusReply) and msg.job_id == self.job_id:
+                    self.keepalives += 1  # the gateway saying it is alive while the job has no news
                 else:
                     self.error = msg
                     return

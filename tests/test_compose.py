@@ -227,6 +227,16 @@ def test_design_services_and_profiles(compose, env_example):
     assert "cpu" not in env_example["COMPOSE_PROFILES"].split(",")
 
 
+def test_restart_policies_match_up_py_supervision(compose):
+    """As scripts/up.py does for a local cluster: whatever dies is started again, as itself, on its data."""
+    for name, svc in compose["services"].items():
+        assert svc.get("restart") == "unless-stopped", f"{name}: restart policy {svc.get('restart')!r}"
+    # Redis comes back on the same AOF: appendonly, and its /data in a named volume that outlives the container.
+    redis = compose["services"]["redis"]
+    assert _flags(redis["command"])["appendonly"] == "yes"
+    assert any(m["type"] == "volume" and m["target"] == "/data" for m in mounts(redis))
+
+
 def test_shared_blocks_are_extension_fields(raw_compose):
     text = COMPOSE_FILE.read_text()
     extensions = [k for k in raw_compose if k.startswith("x-")]

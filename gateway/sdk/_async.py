@@ -1,0 +1,232 @@
+"""The asyncio client: AsyncGatewayClient and its AsyncJob.
+
+One DEALER socket per gateway carries every call and stream of the client at once. Each request gets a
+request id; one reader task per socket hands each incoming frame to the inbox (a queue) registered under
+the frame's request id. A frame nobody waits for (the answer to a call that gave up) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import zmq
+import zmq.asyncio
+from opentelemetry import trace
+
+from common import protocol as P
+from common.errors import Unavailable
+from common.sockets import make_socket
+from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
+                                 auto_idempotency_key, backoff_s, endpoint_list, new_request_id, on_submit_reply,
+                                 raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
+
+log = logging.getLogger("gateway.sdk")
+
+
+async def _next(inbox: asyncio.Queue, timeout_s: float):
+    """The next frame in ``inbox``, or None after ``timeout_s``."""
+    try:
+        return inbox.get_nowait()  # wait_for(…, 0) would time out even with a frame waiting
+    except asyncio.QueueEmpty:
+        pass
+    try:
+        return await asyncio.wait_for(inbox.get(), timeout_s)
+    except TimeoutError:
+        return None
+
+
+class _Connection:
+    """One socket to one gateway, and the task that routes what it receives."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.sock = make_socket(ctx, zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.inboxes: dict[str, asyncio.Queue] = {}
+        self.dropped = 0  # frames for no waiting request (late answers) or unreadable
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as e:
+                self.dropped += 1
+                log.warning("gateway %s sent an unreadable frame: %s", self.endpoint, e)
+                continue
+            inbox = self.inboxes.get(msg.request_id)
+            if inbox is None:
+                self.dropped += 1
+                continue
+            inbox.put_nowait(msg)
+
+    async def send(self, msg) -> None:
+        await self.sock.send(P.encode(msg))
+
+    def close(self) -> None:
+        if not self._reader.get_loop().is_closed():
+            self._reader.cancel()
+        self.sock.close(linger=0)
+
+
+class AsyncJob(JobBase):
+
+    async def stream(self, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[Chunk]:
+        """As Job.stream, with ``async for``."""
+        async for chunk in self._client._stream(self, from_index, chunk_timeout=timeout):
+            yield chunk
+
+    async def result(self, timeout: float | None = None) -> JobResult:
+        """As Job.result."""
+        if self._done is None:
+            deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+            async for _ in self._client._stream(self, 0, deadline=deadline):
+                pass
+        return to_result(self._done)
+
+    async def status(self) -> JobStatus:
+        return await self._client.status(self.id)
+
+    async def cancel(self) -> bool:
+        return await self._client.cancel(self.id)
+
+
+class AsyncGatewayClient:
+    """GatewayClient for asyncio: the same surface with ``await``; any number of concurrent calls and streams
+    from any number of coroutines share one connection per gateway."""
+
+    def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
+                 tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2) -> None:
+        self.endpoints = endpoint_list(endpoint)
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._current = 0
+        self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._conns: dict[str, _Connection] = {}
+
+    @property
+    def endpoint(self) -> str:
+        """The gateway new calls and streams go to now."""
+        return self.endpoints[self._current]
+
+    def _conn(self) -> _Connection:
+        conn = self._conns.get(self.endpoint)
+        if conn is None:
+            conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint)
+        return conn
+
+    def _fail_over(self, why: Exception, from_endpoint: str) -> None:
+        # Concurrent callers may all see the same gateway fail: only the first of them moves on.
+        if self.endpoint == from_endpoint:
+            self._current = (self._current + 1) % len(self.endpoints)
+            log.warning("gateway %s: %s; trying %s", from_endpoint, why, self.endpoint)
+
+    async def _call(self, msg):
+        inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
+        sent: list[tuple[_Connection, str]] = []
+        error: Exception | None = None
+        try:
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    await asyncio.sleep(backoff_s(attempt, error))
+                    self._fail_over(error, sent[-1][0].endpoint)
+                conn, rid = self._conn(), new_request_id()
+                conn.inboxes[rid] = inbox
+                sent.append((conn, rid))
+                await conn.send(with_request_id(msg, rid))
+                reply = await _next(inbox, self.timeout_s)
+                if reply is None:
+                    error = TimeoutError(f"gateway {conn.endpoint} did not answer within {self.timeout_s}s")
+                    continue
+                try:
+                    raise_for(reply)
+                except Unavailable as e:
+                    error = e
+                    continue
+                return reply
+            raise error
+        finally:
+            for conn, rid in sent:
+                conn.inboxes.pop(rid, None)
+
+    async def _stream(self, job: AsyncJob, from_index: int, *, chunk_timeout: float | None = None,
+                      deadline: float | None = None) -> AsyncIterator[Chunk]:
+        loop = asyncio.get_running_loop()
+        # StreamState keeps time.monotonic(); the loop's clock is the same clock on every platform we run on,
+        # but convert anyway so a deadline means the same instant.
+        st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
+                         chunk_timeout=chunk_timeout,
+                         deadline=None if deadline is None else _monotonic() + (deadline - loop.time()))
+        inbox: asyncio.Queue = asyncio.Queue()
+        conn: _Connection | None = None
+        try:
+            while st.done is None:
+                if conn is None:
+                    conn, req = self._conn(), st.request()
+                    conn.inboxes[req.request_id] = inbox
+                    await conn.send(req)
+                msg = await _next(inbox, st.wait_s())
+                if msg is None:
+                    if st.on_silence():
+                        conn.inboxes.pop(st.request_id, None)
+                        self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"),
+                                        conn.endpoint)
+                        conn = None
+                    continue
+                try:
+                    chunk = st.on_frame(msg)
+                except RETRYABLE as e:
+                    pause = st.on_failure(e)
+                    conn.inboxes.pop(st.request_id, None)
+                    await asyncio.sleep(pause)
+                    self._fail_over(e, conn.endpoint)
+                    conn = None
+                    continue
+                if chunk is not None:
+                    yield chunk
+            job._done = st.done
+        finally:
+            if conn is not None:
+                conn.inboxes.pop(st.request_id, None)
+
+    async def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
+                     tier: str | None = None, idempotency_key: str | None = None,
+                     ignore_eos: bool = False) -> AsyncJob:
+        key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
+        with submit_span(self._tracer) as span:
+            reply = await self._call(submit_request(self.api_key, prompt, prompt_token_ids, max_tokens,
+                                                    temperature, top_p, top_k, seed, tier, key, ignore_eos))
+            on_submit_reply(span, reply)
+        return AsyncJob(self, reply.job_id, reply.tier, reply.estimated_wait_s,
+                        reply.duplicate and idempotency_key is not None, reply.downgraded)
+
+    async def job(self, job_id: str) -> AsyncJob:
+        """As GatewayClient.job."""
+        st = await self.status(job_id)
+        return AsyncJob(self, st.job_id, st.tier, st.estimated_wait_s or 0.0)
+
+    async def status(self, job_id: str) -> JobStatus:
+        return to_status(await self._call(P.StatusRequest(self.api_key, job_id)))
+
+    async def cancel(self, job_id: str) -> bool:
+        return (await self._call(P.CancelRequest(self.api_key, job_id))).cancelled
+
+    async def info(self) -> P.InfoReply:
+        return await self._call(P.InfoRequest(self.api_key))
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+    async def __aenter__(self) -> AsyncGatewayClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,227 @@
+"""What the blocking and the asyncio clients share: result types, error mapping, endpoints, retries, and the
+state machine of one stream (which index comes next, when a silent gateway counts as dead)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from common import protocol as P
+from common import tracing
+from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
+                           ServingError, Unauthorized, Unavailable)
+
+SDK_TRACER = "tiered_serve.sdk"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int  # position of token_ids[0] in the output; each index is delivered once
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class JobResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    queued_s: float
+    ttft_s: float | None
+    total_s: float
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    job_id: str
+    state: str
+    tier: str
+    attempt: int
+    estimated_wait_s: float | None
+    reason: str | None
+
+
+def raise_for(reply) -> None:
+    if not isinstance(reply, P.ErrorReply):
+        return
+    code, msg = reply.code, reply.message
+    if code == "unauthorized":
+        raise Unauthorized(msg)
+    if code == "forbidden":
+        raise Forbidden(msg)
+    if code == "quota_exceeded":
+        raise QuotaExceeded(msg, reply.retry_after_s or 0.0)
+    if code == "overloaded":
+        raise Overloaded(msg, reply.estimated_wait_s or 0.0)
+    if code == "not_found":
+        raise NotFound(msg)
+    if code == "invalid_request":
+        raise InvalidRequest(msg, field=reply.field)
+    if code == "unavailable":
+        raise Unavailable(msg, reply.retry_after_s)
+    raise ServingError(f"{code}: {msg}")
+
+
+def to_result(done: P.JobDone) -> JobResult:
+    if done.state == "expired":
+        raise JobExpired(f"job {done.job_id} expired: {done.reason}")
+    if done.state != "done":
+        raise JobFailed(f"job {done.job_id} ended {done.state}: {done.reason}")
+    return JobResult(done.text, done.token_ids, done.finish_reason, done.queued_s, done.ttft_s, done.total_s,
+                     done.preemptions)
+
+
+def to_status(r: P.StatusReply) -> JobStatus:
+    return JobStatus(r.job_id, r.state, r.tier, r.attempt, r.estimated_wait_s, r.reason)
+
+
+def endpoint_list(endpoint: str | Sequence[str]) -> list[str]:
+    """One endpoint, or several gateways of one cluster to fail over between (in order of preference)."""
+    endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+    if not endpoints or not all(isinstance(e, str) and e for e in endpoints):
+        raise InvalidRequest("endpoint must be a non-empty string or a non-empty list of them", field="endpoint")
+    return endpoints
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(8)
+
+
+def auto_idempotency_key() -> str:
+    """A key per submit() call, so the SDK's own retries of that call can never admit the job twice."""
+    return "sdk-" + secrets.token_hex(16)
+
+
+def backoff_s(attempt: int, error: Exception) -> float:
+    """Pause before retry ``attempt`` (1, 2, ...): none after a silent gateway (the next one is tried at once),
+    else exponential with jitter, or what the gateway asked for."""
+    if isinstance(error, TimeoutError):
+        return 0.0
+    asked = getattr(error, "retry_after_s", None)
+    return asked if asked else min(2.0, 0.1 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+
+# Failures that another attempt (on the next gateway) may cure; every other error is final.
+RETRYABLE = (TimeoutError, Unavailable)
+
+
+def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
+                   idempotency_key, ignore_eos) -> P.SubmitRequest:
+    return P.SubmitRequest(api_key=api_key, max_tokens=max_tokens, prompt=prompt,
+                           prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
+                           temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed, tier=tier,
+                           idempotency_key=idempotency_key, trace_context=tracing.carrier(), ignore_eos=ignore_eos)
+
+
+def with_request_id(msg, request_id: str):
+    return dataclasses.replace(msg, request_id=request_id)
+
+
+def submit_span(tracer: trace.Tracer):
+    """The request's root span (or a child of the caller's current span): its context travels with the job."""
+    return tracer.start_as_current_span("sdk.submit", kind=trace.SpanKind.CLIENT)
+
+
+def on_submit_reply(span, reply) -> None:
+    if isinstance(reply, P.SubmitReply):
+        span.set_attributes(tracing.request_attributes(reply.job_id, reply.tier, None)
+                            | {"admission.estimated_wait_s": reply.estimated_wait_s,
+                               "admission.duplicate": reply.duplicate})
+
+
+class JobBase:
+    """What is known of a job: id, tier (after any downgrade), wait estimate; and its final frame once seen."""
+
+    def __init__(self, client, job_id: str, tier: str, estimated_wait_s: float, duplicate: bool = False,
+                 downgraded: bool = False) -> None:
+        self._client = client
+        self.id = job_id
+        self.tier = tier
+        self.estimated_wait_s = estimated_wait_s
+        self.duplicate = duplicate  # an earlier submission with the caller's own idempotency key
+        self.downgraded = downgraded
+        self._done: P.JobDone | None = None
+
+
+class StreamState:
+    """One stream's progress, whatever carries it: the next index, the deadlines, the failover count.
+
+    Three clocks: ``chunk_timeout`` (the caller's limit on the wait between token chunks; keepalives do not
+    count), ``deadline`` (the caller's limit on the whole wait) and the client's ``timeout_s`` (the limit on
+    silence from the gateway: keepalives do count, so only a dead or unreachable gateway reaches it, and
+    then the stream resumes from its next index on the next gateway, at most ``retries`` times in a row).
+    """
+
+    def __init__(self, job_id: str, api_key: str, from_index: int, *, liveness_s: float, retries: int,
+                 chunk_timeout: float | None = None, deadline: float | None = None) -> None:
+        self.job_id, self.api_key = job_id, api_key
+        self.next = from_index
+        self.done: P.JobDone | None = None
+        self.liveness_s, self.retries = liveness_s, retries
+        self.chunk_timeout, self.deadline = chunk_timeout, deadline
+        self.request_id: str | None = None
+        self.failures = 0
+        now = time.monotonic()
+        self.last_frame = self.last_chunk = now
+
+    def request(self) -> P.StreamRequest:
+        """The request that (re)subscribes from the next undelivered index, under a fresh request id."""
+        self.request_id = new_request_id()
+        self.last_frame = time.monotonic()
+        return P.StreamRequest(self.api_key, self.job_id, self.next, request_id=self.request_id)
+
+    def wait_s(self) -> float:
+        """How long to wait for the next frame before on_silence() must decide."""
+        now = time.monotonic()
+        limits = [self.last_frame + self.liveness_s]
+        if self.chunk_timeout is not None:
+            limits.append(self.last_chunk + self.chunk_timeout)
+        if self.deadline is not None:
+            limits.append(self.deadline)
+        return max(0.0, min(limits) - now)
+
+    def on_frame(self, msg) -> Chunk | None:
+        """A frame for this stream: a chunk to deliver, or None (keepalive, end, or nothing new). Raises the
+        typed error of an ErrorReply; Unavailable is the caller's cue to retry."""
+        if msg.request_id not in (self.request_id, None):
+            return None  # an earlier subscription's frame
+        self.last_frame = time.monotonic()
+        raise_for(msg)
+        self.failures = 0  # the gateway answered: retries count again from zero
+        if isinstance(msg, P.JobDone):
+            self.done = msg
+            return None
+        if isinstance(msg, P.TokenChunk) and msg.index + len(msg.token_ids) > self.next >= msg.index:
+            ids = msg.token_ids[self.next - msg.index:]  # trims anything already delivered (defensive)
+            chunk = Chunk(self.next, ids, msg.text if self.next == msg.index else "")
+            self.next += len(ids)
+            self.last_chunk = self.last_frame
+            return chunk
+        return None
+
+    def on_silence(self) -> bool:
+        """wait_s() passed with no frame. Raises TimeoutError if the caller's limit is reached or retries are
+        spent; True: the gateway is silent, resubscribe on the next one; False: keep waiting."""
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            raise TimeoutError(f"job {self.job_id} not done by the deadline")
+        if self.chunk_timeout is not None and now >= self.last_chunk + self.chunk_timeout:
+            raise TimeoutError(f"no tokens of job {self.job_id} for {self.chunk_timeout}s")
+        if now < self.last_frame + self.liveness_s:
+            return False
+        self.on_failure(TimeoutError(f"no frame about job {self.job_id} for {self.liveness_s}s"))
+        return True
+
+    def on_failure(self, error: Exception) -> float:
+        """Count a failed subscription; re-raise when retries are spent, else the pause before the next."""
+        self.failures += 1
+        if self.failures > self.retries:
+            raise error
+        return backoff_s(self.failures, error)

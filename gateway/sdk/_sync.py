@@ -1,0 +1,194 @@
+"""The blocking client: GatewayClient and its Job."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import zmq
+from opentelemetry import trace
+
+from common import protocol as P
+from common.errors import Unavailable
+from common.sockets import make_socket
+from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
+                                 auto_idempotency_key, backoff_s, endpoint_list, new_request_id, on_submit_reply,
+                                 raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
+
+log = logging.getLogger("gateway.sdk")
+
+
+class Job(JobBase):
+
+    def stream(self, from_index: int = 0, timeout: float | None = None) -> Iterator[Chunk]:
+        """Yield the job's tokens from ``from_index`` until it ends. ``timeout``: the longest wait between token
+        chunks (None: as long as the job takes; keepalives tell a queued job from a dead gateway)."""
+        return self._client._stream(self, from_index, chunk_timeout=timeout)
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """The job's result; ``timeout``: seconds to wait in all (None: as long as the job takes)."""
+        if self._done is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                for _ in self._client._stream(self, 0, deadline=deadline):
+                    pass
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {self.id} not done within {timeout}s") from None
+                raise
+        return to_result(self._done)
+
+    def status(self) -> JobStatus:
+        return self._client.status(self.id)
+
+    def cancel(self) -> bool:
+        return self._client.cancel(self.id)
+
+
+class GatewayClient:
+    """A blocking client of one cluster. ``endpoint``: one gateway, or a list of the cluster's gateways to fail
+    over between. A call that gets no answer within ``timeout_s`` (or an ``Unavailable``) is retried up to
+    ``retries`` times, each on the next gateway; a submission keeps its idempotency key across its retries,
+    so it is admitted at most once. Not thread-safe: use one client per thread."""
+
+    def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
+                 tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2) -> None:
+        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set)."""
+        self.endpoints = endpoint_list(endpoint)
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._current = 0
+        self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket] = {}  # one per gateway, for calls; each stream has its own
+
+    @property
+    def endpoint(self) -> str:
+        """The gateway calls go to now."""
+        return self.endpoints[self._current]
+
+    def _new_socket(self, endpoint: str) -> zmq.Socket:
+        sock = make_socket(self._ctx, zmq.DEALER)
+        sock.connect(endpoint)
+        return sock
+
+    def _fail_over(self, why: Exception) -> None:
+        old = self.endpoint
+        self._current = (self._current + 1) % len(self.endpoints)
+        log.warning("gateway %s: %s; trying %s", old, why, self.endpoint)
+
+    def _call(self, msg):
+        request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
+        error: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(backoff_s(attempt, error))
+                self._fail_over(error)
+            if self.endpoint not in self._socks:
+                self._socks[self.endpoint] = self._new_socket(self.endpoint)
+            request_ids.add(rid := new_request_id())
+            self._socks[self.endpoint].send(P.encode(with_request_id(msg, rid)))
+            reply = self._reply_to(request_ids)
+            if reply is None:
+                error = TimeoutError(f"gateway {self.endpoint} did not answer within {self.timeout_s}s")
+                continue
+            try:
+                raise_for(reply)
+            except Unavailable as e:
+                error = e
+                continue
+            return reply
+        raise error
+
+    def _reply_to(self, request_ids: set[str]):
+        """The first frame answering one of ``request_ids`` within timeout_s, on any gateway's socket; None
+        if none came. Frames answering calls that gave up earlier are dropped."""
+        poller = zmq.Poller()
+        for sock in self._socks.values():
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(math.ceil(1000 * left)):
+                while True:
+                    try:
+                        msg = P.decode(sock.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    # No request id: a protocol error about a frame the gateway could not read, i.e. this one.
+                    if msg.request_id in request_ids or msg.request_id is None:
+                        return msg
+        return None
+
+    def _stream(self, job: Job, from_index: int, *, chunk_timeout: float | None = None,
+                deadline: float | None = None) -> Iterator[Chunk]:
+        st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
+                         chunk_timeout=chunk_timeout, deadline=deadline)
+        sock = None
+        try:
+            while st.done is None:
+                if sock is None:
+                    sock = self._new_socket(self.endpoint)
+                    sock.send(P.encode(st.request()))
+                if sock.poll(math.ceil(1000 * st.wait_s())):
+                    try:
+                        chunk = st.on_frame(P.decode(sock.recv()))
+                    except RETRYABLE as e:
+                        pause = st.on_failure(e)
+                        sock.close(linger=0)
+                        sock = None
+                        time.sleep(pause)
+                        self._fail_over(e)
+                        continue
+                    if chunk is not None:
+                        yield chunk
+                elif st.on_silence():
+                    sock.close(linger=0)
+                    sock = None
+                    self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"))
+            job._done = st.done
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+
+    def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
+               tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False) -> Job:
+        """Admit a job. Without ``idempotency_key`` one is made for this call, so its retries admit it once."""
+        key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
+        with submit_span(self._tracer) as span:
+            reply = self._call(submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature,
+                                              top_p, top_k, seed, tier, key, ignore_eos))
+            on_submit_reply(span, reply)
+        # A duplicate of the call's own key is its own earlier attempt, not an earlier submission.
+        return Job(self, reply.job_id, reply.tier, reply.estimated_wait_s,
+                   reply.duplicate and idempotency_key is not None, reply.downgraded)
+
+    def job(self, job_id: str) -> Job:
+        """Re-attach to a job submitted earlier (by any client of this tenant, e.g. before a restart), to
+        stream, wait for, inspect or cancel it. ``NotFound`` if there is no such job."""
+        st = self.status(job_id)
+        return Job(self, st.job_id, st.tier, st.estimated_wait_s or 0.0)
+
+    def status(self, job_id: str) -> JobStatus:
+        return to_status(self._call(P.StatusRequest(self.api_key, job_id)))
+
+    def cancel(self, job_id: str) -> bool:
+        return self._call(P.CancelRequest(self.api_key, job_id)).cancelled
+
+    def info(self) -> P.InfoReply:
+        """Gateway id, connected workers and queue depths per tier."""
+        return self._call(P.InfoRequest(self.api_key))
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
