@@ -44,17 +44,21 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, config: EngineConfig):
-    """Load any causal LM through ``from_pretrained`` with the paged attention plugged in, its weights
-    materialised directly on the target device in the target dtype."""
+    """Load any causal LM through ``from_pretrained`` with the paged attention plugged in, in the target
+    dtype; on CUDA its weights are materialised directly on the device when ``accelerate`` is installed
+    (transformers needs it for ``device_map``), else loaded on the host and moved."""
+    import importlib.util
+
     from transformers import AutoModelForCausalLM
 
     paged_attention.register()
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
+    direct = device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch_dtype(config), attn_implementation=paged_attention.ATTN_IMPLEMENTATION,
-        device_map=device if device.type == "cuda" else None,
+        **({"device_map": device} if direct else {}),
     )
     return model.to(device).eval()  # a no-op when device_map already placed it
 
