@@ -45,5 +45,7 @@ class GatewayConfig:
     default_drain_rate_per_s: float = 1.0
     # How often aging, expiry and lease recovery run.
     maintenance_interval_s: float = 0.2
+    # Where Prometheus scrapes /metrics (host:port, e.g. 0.0.0.0:9101); "" serves none.
+    metrics_bind: str = ""
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400

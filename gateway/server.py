@@ -24,7 +24,7 @@ from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
-from gateway import admission
+from gateway import admission, metrics
 from gateway.config import GatewayConfig
 from gateway.spans import GatewaySpans
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, RedisQueue
@@ -149,6 +149,7 @@ class Gateway:
             reply = self._admit(req, span)
             if isinstance(reply, P.ErrorReply):
                 GatewaySpans.refused(span, reply.code, reply.message)
+                metrics.refused(reply.code)
         self._send(self.clients, ident, reply)
 
     def _admit(self, req: P.SubmitRequest, span) -> P.SubmitReply | P.ErrorReply:
@@ -189,6 +190,7 @@ class Gateway:
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
+            metrics.admitted(result.job_id, result.tier.value)
             self.enqueued_at[result.job_id] = now
             self.streams.get_or_create(result.job_id).tenant = t.name
             self._dirty = True
@@ -342,6 +344,7 @@ class Gateway:
         now = self.clock()
         total = now - enq if enq is not None else 0.0
         ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
+        metrics.finished(job_id, state, ttft, total)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
                          queued_s=max(0.0, total - run_s), ttft_s=ttft, total_s=total, preemptions=preemptions,
                          reason=reason)

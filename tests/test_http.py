@@ -283,6 +283,17 @@ def test_stream_disconnect_cancels_the_job(cluster):
     # The connection is closed with most of the tokens still to come.
     h = wait_for(lambda: (h := job_hash(cluster, job_id))["state"] == "cancelled" and h, 60, "the job to be cancelled")
     assert int(h.get("num_tokens", 0) or 0) < 1500
+    # ...on the worker too: its KV blocks are free again (nothing else runs in this module meanwhile).
+    worker_metrics = cluster["metrics"][1]
+    wait_for(lambda: kv_usage(worker_metrics) == 0, 60, "the worker to free the job's KV blocks")
+
+
+def kv_usage(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=30).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "ts_kv_cache_usage_ratio"]
+    return family.samples[0].value
 
 
 def test_disconnect_before_the_answer_cancels_the_job(cluster):

@@ -2,7 +2,8 @@
 preemption decision (taken or declined), linked to the requests it touched.
 
 The scheduler stays free of OpenTelemetry: it emits ``PreemptionDecision`` records and the
-engine hands each step's records here. Spans go to whatever tracer provider the process
+engine hands each step's records here. The same events feed the Prometheus counters the
+scheduler keeps none of (worker/metrics.py). Spans go to whatever tracer provider the process
 installed (none: the API's no-op tracer, at almost no cost).
 """
 
@@ -16,6 +17,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span
 
 from common import tracing
+from worker import metrics
 from worker.preemption import PreemptionDecision
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
@@ -81,6 +83,7 @@ class EngineTracer:
 
     def step_finished(self, out: SchedulerOutput) -> None:
         """After the forward pass: a span per prefill chunk, and decode spans from the first token."""
+        metrics.step_finished(out)
         end = time.time_ns()
         for chunk in out.chunks:
             req = chunk.request
@@ -99,6 +102,7 @@ class EngineTracer:
                     "worker.decode", context=ctx, start_time=end, attributes=request_attributes(req))
 
     def request_finished(self, req: Request) -> None:
+        metrics.request_finished(req)
         for table in (self._queued, self._decoding):
             span = table.pop(req.request_id, None)
             if span is not None:
@@ -132,6 +136,7 @@ class EngineTracer:
         for chunk in out.chunks:
             if chunk.request.request_id in self._suspended:
                 self._end_suspended(chunk.request.request_id)
+                metrics.resumed(chunk.request)
 
     def _decision_span(self, d: PreemptionDecision) -> Span:
         links = []

@@ -20,11 +20,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from common.errors import ServingError, Unauthorized
 from common.tiers import ALL_TIERS
-from gateway.http import errors
+from gateway.http import errors, metrics
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.prompts import Prompts
@@ -147,6 +148,7 @@ class FrontDoor:
             result = await self._until_disconnect(request, job.result(timeout=self.config.upstream_timeout_s))
             return JSONResponse(reply.whole(result), headers=headers)
         except ClientGone:
+            metrics.DISCONNECTS.inc()
             self._cancel_later(key, job.id)
             raise
         except TimeoutError:
@@ -189,6 +191,7 @@ class FrontDoor:
                 yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
             finally:
                 if not done:  # the client went away (or the server is stopping): nobody wants the rest
+                    metrics.DISCONNECTS.inc()
                     self._cancel_later(key, job.id)
             yield DONE_EVENT
 
@@ -269,12 +272,14 @@ def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstr
         Route("/v1/completions", door.completions, methods=["POST"]),
         Route("/v1/models", door.models, methods=["GET"]),
         Route("/health", door.health, methods=["GET"]),
+        Route("/metrics", metrics.metrics_endpoint, methods=["GET"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         upstream.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(metrics.MetricsMiddleware, routes={r.path for r in routes})])
     app.state.front_door = door
     return app
