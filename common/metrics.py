@@ -8,7 +8,10 @@ intends: one registry per process, and the standard process_* and python_* metri
 
 from __future__ import annotations
 
-from prometheus_client import start_http_server
+import logging
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.registry import Collector
 
 from common.tiers import ALL_TIERS
 
@@ -25,10 +28,12 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
-def serve(bind: str) -> tuple[str, int] | None:
-    """Start the /metrics server (None when ``bind`` is empty); the address it listens on."""
+def serve(bind: str, state: Collector | None = None) -> None:
+    """Serve /metrics on ``bind`` (``host:port``; empty: nothing), with ``state`` read at each scrape."""
     if not bind:
-        return None
+        return
     host, port = parse_bind(bind)
+    if state is not None:
+        REGISTRY.register(state)
     start_http_server(port, addr=host)
-    return host, port
+    logging.getLogger("metrics").info("metrics on http://%s:%d/metrics", host, port)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -97,8 +97,4 @@ class GatewayState(Collector):
 
 def serve(bind: str, gateway) -> None:
     """Serve /metrics on ``bind`` (``host:port``; empty: none), with the scrape-time state of ``gateway``."""
-    if bind:
-        REGISTRY.register(GatewayState(gateway))
-    where = metrics.serve(bind)
-    if where:
-        log.info("metrics on http://%s:%d/metrics", *where)
+    metrics.serve(bind, GatewayState(gateway) if bind else None)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -381,3 +382,68 @@ class front_door:
         # uvicorn stops gracefully on SIGTERM, then re-raises it (the status says how the process ended).
         assert stop_process(self.proc, timeout=15) in (0, -signal.SIGTERM)
         self.log.close()
+
+
+# -- a client application installs no torch ----------------------------------------------------------------------
+
+
+def core_dependencies() -> list[str]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def copy_distributions(requirements: list[str], site_packages) -> set[str]:
+    """Copy the installed distributions ``requirements`` name, and what they require, into ``site_packages``
+    (an offline install of exactly those packages, from this environment's files)."""
+    import importlib.metadata as md
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    done: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = req.name.lower().replace("_", "-")
+        if name in done or (req.marker and not req.marker.evaluate(default_environment() | {"extra": ""})):
+            continue
+        done.add(name)
+        dist = md.distribution(name)
+        for f in dist.files or []:
+            if str(f).startswith(".."):
+                continue  # console scripts, outside site-packages
+            dest = site_packages / f
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(dist.locate_file(f), dest)
+        todo += [Requirement(r) for r in dist.requires or []]
+    return done
+
+
+def test_sdk_from_a_virtualenv_with_only_the_core_dependencies(cluster, tmp_path):
+    import venv
+
+    from packaging.requirements import Requirement
+
+    assert {Requirement(r).name for r in core_dependencies()} == {"pyzmq", "msgpack", "opentelemetry-api"}
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    installed = copy_distributions(core_dependencies(), Path(site))
+    assert installed == {"pyzmq", "msgpack", "opentelemetry-api", "typing-extensions"}
+    # The project's own packages by path (what `pip install .` without extras would add).
+    (Path(site) / "tiered_serve_src.pth").write_text(str(ROOT) + "\n")
+    code = (
+        "import sys, importlib.util as u\n"
+        "for heavy in ('torch', 'transformers', 'redis', 'prometheus_client', 'starlette'):\n"
+        "    assert u.find_spec(heavy) is None, heavy + ' is installed'\n"
+        "from gateway.sdk import GatewayClient\n"
+        f"with GatewayClient({cluster['gateway']!r}, {key(cluster, 'api-co')!r}) as c:\n"
+        "    r = c.submit(prompt='Hello', max_tokens=3, ignore_eos=True).result(timeout=60)\n"
+        "assert len(r.token_ids) == 3, r\n"
+        "print('ok', r.text.encode())\n")
+    done = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr

@@ -13,9 +13,8 @@ lists and counters (each copy is atomic under the GIL) and never changes anythin
 
 from __future__ import annotations
 
-import logging
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -23,8 +22,6 @@ from common import metrics
 from common.metrics import LATENCY_BUCKETS, TIER_VALUES
 from worker.request import Request, RequestStatus
 from worker.scheduler import SchedulerOutput
-
-log = logging.getLogger("worker.metrics")
 
 RECOVERED = Counter("ts_preempt_recover_total", "Preempted requests that resumed running")
 PREEMPT_WAIT = Histogram("ts_request_preempt_wait_seconds", "Time a preempted request spent suspended before it "
@@ -108,8 +105,4 @@ class EngineState(Collector):
 
 def serve(bind: str, engine) -> None:
     """Serve /metrics on ``bind`` (``host:port``; empty: none), with the scrape-time state of ``engine``."""
-    if bind:
-        REGISTRY.register(EngineState(engine))
-    where = metrics.serve(bind)
-    if where:
-        log.info("metrics on http://%s:%d/metrics", *where)
+    metrics.serve(bind, EngineState(engine) if bind else None)
