@@ -135,14 +135,14 @@ class Cluster:
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            try:  # the front door itself (the gateways and workers were waited for already)
+                with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.1)  # polling a condition with a deadline
-        raise RuntimeError(f"HTTP front door {base} not healthy within {timeout}s; see {self.tmp / 'http.log'}")
+        raise RuntimeError(f"HTTP front door {base} not serving within {timeout}s; see {self.tmp / 'http.log'}")
 
     def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
         self.procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
