@@ -71,11 +71,17 @@ class EngineTracer:
         self._queued: dict[str, Span] = {}  # added, not yet scheduled
         self._decoding: dict[str, Span] = {}  # from the first token to the end
         self._step_start_ns = 0
+        # The last step: start and end (ns), requests and tokens. A job read now may have waited for it.
+        self._last_step: tuple[int, int, int, int] | None = None
 
     def request_added(self, req: Request, parent: Context | None = None) -> None:
         """``parent``: the context the request arrived with (its trace), or None for a new trace."""
         attrs = request_attributes(req)
         attrs.update({"request.prompt_tokens": req.num_prompt_tokens, "request.max_tokens": req.params.max_tokens})
+        if self._last_step is not None:  # what explain names as the hand-over's cause (common/traces/schema.py)
+            start, end, requests, tokens = self._last_step
+            attrs.update({"worker.step_before.start_unix_ns": start, "worker.step_before.end_unix_ns": end,
+                          "worker.step_before.requests": requests, "worker.step_before.tokens": tokens})
         span = self.tracer.start_span("worker.request", context=parent, attributes=attrs)
         self._requests[req.request_id] = span
         self._queued[req.request_id] = self.tracer.start_span(
@@ -85,6 +91,7 @@ class EngineTracer:
         """After the forward pass: a span per prefill chunk, and decode spans from the first token."""
         metrics.step_finished(out)
         end = time.time_ns()
+        self._last_step = (self._step_start_ns, end, len(out.chunks), out.num_batched_tokens)
         for chunk in out.chunks:
             req = chunk.request
             parent = self._requests.get(req.request_id)
