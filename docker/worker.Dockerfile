@@ -32,7 +32,7 @@ ENV PYTHONUNBUFFERED=1 \
 COPY pyproject.toml README.md /src/
 COPY common /src/common
 COPY worker /src/worker
-RUN pip install /src \
+RUN pip install "/src[worker]" \
     && rm -rf /src \
     && python -c "import torch, transformers, worker.engine, worker.service; print('torch', torch.__version__)"
 

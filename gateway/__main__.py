@@ -11,6 +11,7 @@ import sys
 
 from common import process, settings
 from common.tracing import setup_tracing
+from gateway import metrics
 from gateway.config import ENV_PREFIX, GatewayConfig
 
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
     gw.bind()
+    metrics.serve(config.metrics_bind, gw)
     logging.getLogger("gateway").info("gateway %s: clients on %s, workers on %s", config.gateway_id,
                                       config.client_bind, config.worker_bind)
     return process.serve_until_signalled(gw.serve, gw.close)

@@ -14,7 +14,7 @@ from common import protocol as P
 from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
-from gateway import admission
+from gateway import admission, metrics
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec
 from gateway.spans import GatewaySpans
 
@@ -27,6 +27,7 @@ class ClientApi:
             reply = self._admit(req, span)
             if isinstance(reply, P.ErrorReply):
                 GatewaySpans.refused(span, reply.code, reply.message)
+                metrics.refused(reply.code)
         self._send(self.clients, ident, reply)
 
     def _admit(self, req: P.SubmitRequest, span) -> P.SubmitReply | P.ErrorReply:
@@ -69,6 +70,7 @@ class ClientApi:
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
+            metrics.admitted(result.job_id, result.tier.value)
             self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens,
                                     result.estimated_wait_s, now)
             self.enqueued_at[result.job_id] = now

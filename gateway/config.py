@@ -54,5 +54,7 @@ class GatewayConfig:
     # A client stream that has received nothing for this long (its job queued, or running before its first
     # token) gets a StatusReply, so the client knows its gateway is alive. Clients' timeout_s must exceed it.
     keepalive_interval_s: float = 2.0
+    # Where Prometheus scrapes /metrics (host:port, e.g. 0.0.0.0:9101); "" serves none.
+    metrics_bind: str = ""
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400

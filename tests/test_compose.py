@@ -544,8 +544,8 @@ def test_dockerfile(compose, service, module):
     text = dockerfile.read_text()
     if service == "gateway":
         assert all(b.startswith("python:3.11") and "slim" in b for b in bases), bases
-        # CPU torch first, so that `pip install` of the project never resolves a CUDA build.
-        assert text.index("download.pytorch.org/whl/cpu") < text.index("pip install /src")
+        # No torch at all: the extras the gateway and the front door install do not pull it.
+        assert "torch==" not in text and 'pip install "/src[gateway,http]"' in text
         assert "COPY worker" not in text
     elif service == "worker":
         assert any(b.startswith("pytorch/pytorch:") and "cuda" in b for b in bases), bases
@@ -567,7 +567,8 @@ def test_dockerignore_keeps_secrets_and_bulk_out():
 # --- the processes the images run ----------------------------------------------------------------------
 
 def test_gateway_imports_neither_torch_nor_worker():
-    code = ("import sys, gateway.__main__, gateway.server, gateway.sdk, gateway.tenants; "
+    code = ("import sys, gateway.__main__, gateway.server, gateway.sdk, gateway.tenants, gateway.http.__main__, "
+            "gateway.http.app; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker')); "
             "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

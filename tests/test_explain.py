@@ -1,4 +1,4 @@
-"""scripts/explain.py and common/trace_model.py on traces made by the real OpenTelemetry SDK.
+"""scripts/explain.py and common/traces/ on traces made by the real OpenTelemetry SDK.
 
 The traces follow the project's span schema: an SDK client span, gateway admission / queue /
 dispatch, and worker request / queue / prefill / decode / suspended spans, written by several
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from common import otlp_json
-from common import trace_model as tm
+from common import traces as tm
+from common.traces import otlp_json
 from scripts import explain
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -152,7 +152,10 @@ def build_spans_file(path: Path) -> dict:
            events=[("aged", 0.800, {"from_tier": "P3", "to_tier": "P2"})])
     dispatch = closed(gw, "gateway.dispatch", 1.012, 1.015, root,
                       {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": 1})
-    wreq = start(w0, "worker.request", 1.020, dispatch, ra)
+    # w0 was in the middle of a step when the job was dispatched: it read it when the step ended.
+    wreq = start(w0, "worker.request", 1.020, dispatch, {
+        **ra, "worker.step_before.start_unix_ns": ns(1.001), "worker.step_before.end_unix_ns": ns(1.019),
+        "worker.step_before.requests": 12, "worker.step_before.tokens": 340})
     closed(w0, "worker.queue", 1.020, 1.100, wreq, ra)
     closed(w0, "worker.prefill", 1.100, 1.180, wreq, ra)
     closed(w0, "worker.prefill", 1.180, 1.250, wreq, ra)
@@ -437,7 +440,17 @@ def test_p3_preempted_twice_by_p0_requests(spans, capsys):
     assert data["trace_ids"] == [ids["req-p3"]]
     assert data["total_s"] == pytest.approx(6.0) and data["queued_s"] == pytest.approx(1.08)
     assert data["running_s"] == pytest.approx(3.40) and data["suspended_s"] == pytest.approx(1.40)
-    assert data["other_s"] == pytest.approx(0.12)
+    # Every interval between the spans is named: nothing is left as "other".
+    assert data["other_s"] == pytest.approx(0.0) and data["transit_s"] == pytest.approx(0.12)
+    assert data["transit"] == pytest.approx({"to_gateway": 0.010, "admission": 0.002, "dispatch": 0.003,
+                                             "to_worker": 0.005, "lost": 0.0, "delivery": 0.1, "other": 0.0})
+    assert "in transit 0.12 s (to gateway 0.01, to worker 0.01, delivery 0.10) + other 0.00 s" in out
+    to_worker = next(c for c in data["blame"] if c["kind"] == "to_worker")
+    assert to_worker["duration_s"] == pytest.approx(0.005)
+    assert to_worker["detail"] == {"worker": "w0", "step_requests": 12, "step_tokens": 340,
+                                   "step_s": pytest.approx(0.018)}
+    assert "reached worker w0 0.005 s after dispatch: it was running a step (12 requests, 340 tokens, 0.018 s)" \
+        in out
     sus = data["suspensions"]
     assert [(s["by_request_id"], s["by_tier"], s["by_tenant"], s["decision_id"], s["mode"]) for s in sus] == \
         [("chat-1", "P0", "chat-co", "pd-1", "keep"), ("chat-2", "P0", "chat-co", "pd-2", "swap")]
@@ -445,7 +458,8 @@ def test_p3_preempted_twice_by_p0_requests(spans, capsys):
     assert [d["decision_id"] for d in data["decisions"]] == ["pd-1", "pd-2"]
     assert all(d["role"] == "victim" for d in data["decisions"])
     assert data["decisions"][1]["trace_id"] == ids["chat-2"] and data["decisions"][1]["bytes_moved"] == 786432
-    assert [c["kind"] for c in data["blame"]] == ["queue", "aging", "worker_queue", "suspended", "suspended"]
+    assert [c["kind"] for c in data["blame"]] == ["queue", "aging", "to_worker", "worker_queue", "suspended",
+                                                  "suspended"]
     assert {p["phase"] for p in data["phases"]} == {"queue", "dispatch", "worker_queue", "prefill", "decode",
                                                      "suspended"}
 
@@ -485,6 +499,8 @@ def test_quota_downgrade_and_lease_expiry(spans, capsys):
     data = as_json(capsys, "api-7", "--spans", str(path))
     assert data["attempts"] == 2 and data["workers"] == ["w0", "w1"]
     assert data["tier_requested"] == "P0" and data["tier_granted"] == "P1"
+    # The two seconds between the first dispatch and the re-queue were lost on w0, not left unexplained.
+    assert data["transit"]["lost"] == pytest.approx(2.0) and data["other_s"] == pytest.approx(0.0)
 
 
 def test_decisions_without_suspended_spans_still_name_the_preemptor(spans, tmp_path, capsys):
@@ -588,8 +604,8 @@ def test_png_timeline(spans, tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_trace_model_does_not_import_matplotlib():
-    code = "import sys, common.trace_model; sys.exit('matplotlib' in sys.modules)"
+def test_trace_analysis_does_not_import_matplotlib():
+    code = "import sys, common.traces; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=30).returncode == 0
 
 

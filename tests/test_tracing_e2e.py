@@ -192,6 +192,14 @@ def test_explain_names_the_preempting_request_from_a_file_and_from_jaeger(traced
         data = json.loads(capsys.readouterr().out)
     assert any(s["by_request_id"] == urgent for s in data["suspensions"])
     assert data["suspended_s"] > 0
+    # Nothing is left unexplained on real spans: every interval is queued, running, suspended or in transit
+    # (to the gateway, admission, dispatch, to the worker, delivery), and they add up to the total.
+    for rid in [victim, urgent, traced_run["queued_p0"]]:
+        assert explain.main([rid, "--spans", str(spans_file), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["other_s"] < 0.002, (rid, d["transit"], d["other_s"])
+        parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
+        assert parts == pytest.approx(d["total_s"], abs=0.002), d
 
 
 def test_explain_on_a_queued_p0_request_names_what_was_ahead(traced_run, tmp_path, capsys):

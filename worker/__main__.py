@@ -15,6 +15,7 @@ import sys
 
 from common import process, settings
 from common.tracing import setup_tracing
+from worker import metrics
 from worker.service_config import ENV_PREFIX, WorkerConfig
 
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGUSR1, lambda *_: service.log_state())  # operators: `kill -USR1 <pid>`
     service.connect()
+    metrics.serve(config.metrics_bind, service.engine)
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
                                      config.engine.device, json.dumps(config.gateways))
     return process.serve_until_signalled(service.serve, service.close)

@@ -35,6 +35,8 @@ class WorkerConfig:
     # torch intra-op threads; 0 keeps torch's default (all cores). Several workers on one host's CPUs
     # should split the cores between them, or their thread pools spin against each other.
     torch_threads: int = 0
+    # Where Prometheus scrapes /metrics (host:port, e.g. 0.0.0.0:9102); "" serves none.
+    metrics_bind: str = ""
     # Seconds between load reports; they also extend the leases of this worker's jobs.
     heartbeat_interval_s: float = 0.5
     # The engine's configuration; its keys are this file's keys too (see the module docstring).

@@ -2,7 +2,8 @@
 preemption decision (taken or declined), linked to the requests it touched.
 
 The scheduler stays free of OpenTelemetry: it emits ``PreemptionDecision`` records and the
-engine hands each step's records here. Spans go to whatever tracer provider the process
+engine hands each step's records here. The same events feed the Prometheus counters the
+scheduler keeps none of (worker/metrics.py). Spans go to whatever tracer provider the process
 installed (none: the API's no-op tracer, at almost no cost).
 """
 
@@ -16,6 +17,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span
 
 from common import tracing
+from worker import metrics
 from worker.preemption import PreemptionDecision
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
@@ -69,11 +71,17 @@ class EngineTracer:
         self._queued: dict[str, Span] = {}  # added, not yet scheduled
         self._decoding: dict[str, Span] = {}  # from the first token to the end
         self._step_start_ns = 0
+        # The last step: start and end (ns), requests and tokens. A job read now may have waited for it.
+        self._last_step: tuple[int, int, int, int] | None = None
 
     def request_added(self, req: Request, parent: Context | None = None) -> None:
         """``parent``: the context the request arrived with (its trace), or None for a new trace."""
         attrs = request_attributes(req)
         attrs.update({"request.prompt_tokens": req.num_prompt_tokens, "request.max_tokens": req.params.max_tokens})
+        if self._last_step is not None:  # what explain names as the hand-over's cause (common/traces/schema.py)
+            start, end, requests, tokens = self._last_step
+            attrs.update({"worker.step_before.start_unix_ns": start, "worker.step_before.end_unix_ns": end,
+                          "worker.step_before.requests": requests, "worker.step_before.tokens": tokens})
         span = self.tracer.start_span("worker.request", context=parent, attributes=attrs)
         self._requests[req.request_id] = span
         self._queued[req.request_id] = self.tracer.start_span(
@@ -81,7 +89,9 @@ class EngineTracer:
 
     def step_finished(self, out: SchedulerOutput) -> None:
         """After the forward pass: a span per prefill chunk, and decode spans from the first token."""
+        metrics.step_finished(out)
         end = time.time_ns()
+        self._last_step = (self._step_start_ns, end, len(out.chunks), out.num_batched_tokens)
         for chunk in out.chunks:
             req = chunk.request
             parent = self._requests.get(req.request_id)
@@ -99,6 +109,7 @@ class EngineTracer:
                     "worker.decode", context=ctx, start_time=end, attributes=request_attributes(req))
 
     def request_finished(self, req: Request) -> None:
+        metrics.request_finished(req)
         for table in (self._queued, self._decoding):
             span = table.pop(req.request_id, None)
             if span is not None:
@@ -132,6 +143,7 @@ class EngineTracer:
         for chunk in out.chunks:
             if chunk.request.request_id in self._suspended:
                 self._end_suspended(chunk.request.request_id)
+                metrics.resumed(chunk.request)
 
     def _decision_span(self, d: PreemptionDecision) -> Span:
         links = []

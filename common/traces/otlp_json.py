@@ -5,7 +5,7 @@ Input: one ``{"resourceSpans": [...]}`` object per line (lines from several proc
 batches), a single (pretty-printed) OTLP/JSON document, or Jaeger api_v3 responses
 (``{"result": {"resourceSpans": [...]}}``). Ids may be hex (any case) or base64 (protobuf
 JSON); they are normalised to lowercase hex. Nothing here knows what the spans mean:
-``common.trace_model`` does the analysis.
+``common.traces.analysis`` does the analysis.
 """
 
 from __future__ import annotations
@@ -14,72 +14,15 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REQUEST_ID = "request.id"
-
+from common.traces.schema import REQUEST_ID
+from common.traces.spans import Span, SpanEvent, SpanLink, SpanSet, dedupe
 
 class TraceFormatError(ValueError):
     """The input is not OTLP/JSON (nothing at all could be read from it)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Span model and OTLP/JSON parsing
-
-
-@dataclass(frozen=True)
-class SpanLink:
-    trace_id: str
-    span_id: str
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SpanEvent:
-    name: str
-    time_ns: int
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Span:
-    trace_id: str
-    span_id: str
-    parent_span_id: str | None
-    name: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any] = field(default_factory=dict)
-    events: list[SpanEvent] = field(default_factory=list)
-    links: list[SpanLink] = field(default_factory=list)
-    service: str | None = None
-    kind: int | str | None = None
-    status_code: int | str | None = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.trace_id, self.span_id)
-
-    @property
-    def duration_ns(self) -> int:
-        return max(0, self.end_ns - self.start_ns)
-
-    @property
-    def duration_s(self) -> float:
-        return self.duration_ns / 1e9
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = self.attributes.get(name, default)
-        return default if value is None else value
-
-
-@dataclass
-class SpanSet:
-    spans: list[Span]
-    warnings: list[str] = field(default_factory=list)
 
 
 _HEX = re.compile(r"[0-9a-fA-F]+")
@@ -366,11 +309,3 @@ def _id_forms(hex_id: str) -> set[str]:
     except ValueError:
         pass
     return forms
-
-
-def dedupe(spans: Iterable[Span]) -> list[Span]:
-    seen: dict[tuple[str, str], Span] = {}
-    for s in spans:
-        seen.setdefault(s.key, s)
-    return list(seen.values())
-

@@ -1,0 +1,57 @@
+"""Where a request's time went between its scheduling spans: so that explain leaves no interval unnamed.
+
+Queued, running and suspended time come from spans (``gateway.queue``; ``worker.request`` with its
+queue, prefill, decode and suspended children). Every instant of the request's life outside them is
+named here by the spans on either side of it:
+
+- ``to_gateway``: before the gateway's first span (the client's submit in flight);
+- ``admission``: inside ``gateway.admit``, or between it and the queue (the job being stored);
+- ``dispatch``: inside ``gateway.dispatch``;
+- ``to_worker``: from a dispatch to the worker's ``worker.request`` (the frame in flight, and the
+  step the worker was running when it arrived: the worker reads new jobs between steps);
+- ``lost``: from a dispatch to a re-queue of the same job (the worker died or its lease expired);
+- ``delivery``: after the worker's last span (the result on its way back to the client);
+- ``other``: anything else (it should be nothing).
+"""
+
+from __future__ import annotations
+
+from common.traces.schema import GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT, WORKER_REQUEST
+from common.traces.spans import Span
+
+TRANSIT_KINDS = ("to_gateway", "admission", "dispatch", "to_worker", "lost", "delivery", "other")
+# Spans whose time is already counted as queued, running or suspended.
+_ACCOUNTED = (GATEWAY_QUEUE, WORKER_REQUEST)
+
+
+def transit(own: list[Span], t0: int, t_end: int) -> dict[str, float]:
+    """Seconds per kind above, for the time in [t0, t_end] that no queue or worker span covers."""
+    out = {k: 0.0 for k in TRANSIT_KINDS}
+    timed = [s for s in own if s.start_ns > 0 and s.end_ns >= s.start_ns and s.name != SDK_SUBMIT]
+    covered = [(s.start_ns, s.end_ns) for s in timed if s.name in _ACCOUNTED]
+    inside = [(s.start_ns, s.end_ns, {GATEWAY_ADMIT: "admission", GATEWAY_DISPATCH: "dispatch"}[s.name])
+              for s in timed if s.name in (GATEWAY_ADMIT, GATEWAY_DISPATCH)]
+    cuts = sorted({t0, t_end} | {t for s in timed for t in (s.start_ns, s.end_ns) if t0 < t < t_end})
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        if any(s <= mid < e for s, e in covered):
+            continue
+        kind = next((k for s, e, k in inside if s <= mid < e), None) or _gap_kind(timed, mid)
+        out[kind] += (b - a) / 1e9
+    return {k: round(v, 9) for k, v in out.items()}
+
+
+def _gap_kind(timed: list[Span], at: float) -> str:
+    before = [s for s in timed if s.end_ns <= at]
+    after = [s for s in timed if s.start_ns >= at]
+    prev = max(before, key=lambda s: s.end_ns).name if before else None
+    nxt = min(after, key=lambda s: s.start_ns).name if after else None
+    if prev is None:
+        return "to_gateway"
+    if nxt is None:
+        return "delivery"
+    if prev == GATEWAY_ADMIT:
+        return "admission"
+    if prev == GATEWAY_DISPATCH:
+        return "to_worker" if nxt.startswith("worker.") else "lost" if nxt == GATEWAY_QUEUE else "other"
+    return "other"

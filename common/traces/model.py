@@ -1,0 +1,162 @@
+"""What explain concludes about one request: the explanation and its parts (pure data, with its text)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class NoSchedulingSpans(LookupError):
+    """No trace of the request, or its traces hold none of the scheduling spans."""
+
+    def __init__(self, request_id: str, trace_ids: Iterable[str] = ()) -> None:
+        self.request_id = request_id
+        self.trace_ids = sorted(trace_ids)
+        where = f" (traces {', '.join(self.trace_ids)})" if self.trace_ids else " (no trace carries it)"
+        super().__init__(f"no scheduling spans for request {request_id}{where}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One preemption decision (taken or declined) that touched the request."""
+
+    decision_id: str | None
+    role: str  # "victim" (it suspended this request) | "beneficiary" (made room for it, or declined to)
+    declined: bool
+    at_s: float  # seconds since the request's first span started
+    trigger: str | None
+    mode: str | None
+    declined_reason: str | None
+    victim_request_id: str | None
+    victim_tier: str | None
+    victim_tenant: str | None
+    beneficiary_request_id: str | None
+    beneficiary_tier: str | None
+    beneficiary_tenant: str | None
+    blocks_freed: int | None
+    bytes_moved: int | None
+    estimated_cost_s: float | None
+    kv_utilisation: float | None
+    running: dict[str, int]
+    waiting: dict[str, int]
+    trace_id: str
+    span_id: str
+
+
+@dataclass(frozen=True)
+class Suspension:
+    """One period the request spent suspended (a ``worker.suspended`` span)."""
+
+    start_s: float
+    end_s: float
+    duration_s: float
+    mode: str | None
+    by_request_id: str | None
+    by_tier: str | None
+    by_tenant: str | None
+    decision_id: str | None
+    trigger: str | None
+    decision: Decision | None  # the decision span itself, when it was found (cost, KV use, counts)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One entry of the blame chain: a wait (or an event) and what caused it."""
+
+    at_s: float  # seconds since the request's first span started
+    kind: str  # quota | queue | aging | dispatch | redispatch | to_worker | worker_queue | declined | suspended
+    #            | preempted (a decision without a recorded suspended period) | preempting (it was the beneficiary)
+    text: str
+    duration_s: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One bar of the timeline (a span of the request), in seconds since its first span started."""
+
+    phase: str  # queue | dispatch | worker_queue | prefill | decode | suspended
+    start_s: float
+    end_s: float
+    label: str
+    attempt: int
+
+
+@dataclass
+class Explanation:
+    request_id: str
+    trace_ids: list[str]
+    tier: str | None  # the request's tier as its spans say (request.tier)
+    tenant: str | None
+    tier_requested: str | None
+    tier_granted: str | None
+    start_unix_ns: int
+    total_s: float  # first span start to last span end of the request
+    queued_s: float  # gateway.queue + worker.queue
+    running_s: float  # worker.request - worker.queue - suspended
+    suspended_s: float  # sum of worker.suspended
+    transit_s: float  # between the spans above, named in ``transit`` (common/traces/accounting.py)
+    other_s: float  # what no span accounts for (transit names every gap it can: this should be ~0)
+    attempts: int
+    workers: list[str]
+    blame: list[Cause]
+    phases: list[Phase]
+    suspensions: list[Suspension]
+    decisions: list[Decision]
+    transit: dict[str, float] = field(default_factory=dict)  # kind -> seconds: to_gateway, admission, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        who = ", ".join(x for x in (self.tier, f"tenant {self.tenant}" if self.tenant else None) if x)
+        return (f"request {self.request_id}" + (f" ({who})" if who else "")
+                + f": total {self.total_s:.2f} s = queued {self.queued_s:.2f} s + running {self.running_s:.2f} s"
+                + f" + suspended {self.suspended_s:.2f} s + in transit {self.transit_s:.2f} s"
+                + (f" ({parts})" if (parts := ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in self.transit.items()
+                                                         if v >= 0.005 and k != "other")) else "")
+                + f" + other {self.other_s:.2f} s")
+
+    def render_text(self) -> str:
+        lines = [self.summary(), f"trace {', '.join(self.trace_ids)}"]
+        if self.blame:
+            lines.append("why:")
+            for c in self.blame:
+                lines.append(f"  {'+' + format(c.at_s, '.2f'):>8} s  {c.text}")
+                d = c.detail.get("decision") if c.kind == "suspended" else None
+                if isinstance(d, dict):
+                    lines.append(" " * 14 + _decision_detail_text(d))
+        else:
+            lines.append("why: nothing held it up (no queueing, suspension or declined preemption recorded)")
+        return "\n".join(lines)
+
+
+def _decision_detail_text(d: dict[str, Any]) -> str:
+    parts = []
+    if d.get("blocks_freed") is not None:
+        parts.append(f"{d['blocks_freed']} KV blocks freed")
+    if d.get("bytes_moved") is not None:
+        parts.append(f"{_bytes(d['bytes_moved'])} moved")
+    if d.get("estimated_cost_s") is not None:
+        parts.append(f"estimated cost {d['estimated_cost_s']:.3f} s")
+    if d.get("kv_utilisation") is not None:
+        parts.append(f"KV {100 * d['kv_utilisation']:.0f}% used")
+    for what in ("running", "waiting"):
+        counts = d.get(what) or {}
+        if counts:
+            busy = " ".join(f"{t}:{n}" for t, n in counts.items() if n)
+            parts.append(f"{what} {busy or 'none'}")
+    return f"decision {d.get('decision_id') or '?'}: " + (", ".join(parts) if parts else "no details recorded")
+
+
+def _bytes(n: Any) -> str:
+    try:
+        v = float(n)
+    except (TypeError, ValueError):
+        return str(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024 or unit == "GiB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return str(n)

@@ -1,0 +1,285 @@
+"""The ASGI application: OpenAI-compatible routes over the async SDK.
+
+A request is authenticated by the gateway (the bearer token is the tenant's API key), its
+prompt tokenized here (gateway/http/prompts.py), submitted as one job, and answered whole or
+as server-sent events. Response headers are sent only once the job's first token (or its
+end) is known, so a job that expires in the queue is a real 504, not a 200 with an error
+inside. A client that goes away cancels its job, which frees its KV blocks on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from common.errors import ServingError, Unauthorized
+from common.tiers import ALL_TIERS
+from gateway.http import errors, metrics
+from gateway.http.config import HttpConfig
+from gateway.http.errors import HttpError
+from gateway.http.prompts import Prompts
+from gateway.http.responses import DONE_EVENT, Reply, finish_reason
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.upstream import Upstream
+from gateway.sdk import GatewayClient
+
+log = logging.getLogger("gateway.http")
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class FrontDoor:
+    def __init__(self, config: HttpConfig, prompts: Prompts, model: str, upstream: Upstream) -> None:
+        self.config = config
+        self.prompts = prompts
+        self.model = model
+        self.upstream = upstream
+        self.started = int(time.time())
+        self._background: set[asyncio.Task] = set()  # cancellations in flight (a reference keeps them alive)
+
+    # -- routes ---------------------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": self.started, "owned_by": "tiered-serve"}]})
+
+    async def health(self, request: Request) -> Response:
+        key = self.config.health_api_key or _bearer(request)
+        if not key:
+            return JSONResponse({"status": "unknown", "reason": "no health_api_key configured and no bearer token"},
+                                status_code=503)
+        info, errors_seen = None, []
+        for endpoint in self.upstream.endpoints:  # healthy when any gateway answers
+            try:
+                info = await asyncio.to_thread(_info, endpoint, key)
+                break
+            except (TimeoutError, ServingError) as e:
+                errors_seen.append(f"{endpoint}: {type(e).__name__}: {e}")
+        if info is None:
+            return JSONResponse({"status": "unavailable", "reason": "; ".join(errors_seen)}, status_code=503)
+        body = {"status": "ok" if info.workers else "no_workers", "gateway": info.gateway_id,
+                "workers": len(info.workers), "queue_depths": info.queue_depths}
+        return JSONResponse(body, status_code=200 if info.workers else 503)
+
+    # -- one completion -------------------------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, schema: type[BaseModel], chat: bool) -> Response:
+        try:
+            key = _bearer(request)
+            if not key:
+                raise HttpError(401, "authentication_error", "missing 'Authorization: Bearer <api key>'",
+                                code="invalid_api_key")
+            body = schema.model_validate_json(await self._read_body(request))
+            tier = _tier(request.headers.get("x-priority"), body.priority)
+            if body.model is not None and body.model != self.model:
+                raise HttpError(404, "invalid_request_error", f"the model {body.model!r} does not exist; this "
+                                f"server serves {self.model!r}", param="model", code="model_not_found")
+            ids = self.prompts.chat(body.messages) if chat else (
+                self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt))
+            max_tokens = body.requested_max_tokens() or self.config.default_max_tokens
+            return await self._submit_and_answer(request, key, body, chat, ids, tier, max_tokens)
+        except ValidationError as e:
+            return _validation_error(e).response()
+        except HttpError as e:
+            return e.response()
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; says what happened in the access log
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise HttpError(413, "invalid_request_error", f"body over {self.config.max_body_bytes} bytes")
+        chunks, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > self.config.max_body_bytes:
+                    raise HttpError(413, "invalid_request_error", f"body over {self.config.max_body_bytes} bytes")
+                chunks.append(part)
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(chunks)
+
+    async def _submit_and_answer(self, request: Request, key: str, body, chat: bool, ids: list[int], tier,
+                                 max_tokens: int) -> Response:
+        prompt_param = "messages" if chat else "prompt"
+        try:
+            async with self.upstream.client(key) as up:
+                async with up.lock:
+                    job = await up.client.submit(
+                        prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
+                        top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
+                        ignore_eos=body.ignore_eos)
+        except Unauthorized as e:
+            self.upstream.forget(key)
+            raise errors.from_serving_error(e) from None
+        except ServingError as e:
+            raise errors.from_serving_error(e, prompt_param) from None
+        except TimeoutError:
+            raise HttpError(503, "overloaded_error", "no gateway answered", code="gateway_unavailable",
+                            headers={"Retry-After": "1"}) from None
+        headers = {"X-Request-Id": job.id, "X-Tier": job.tier,
+                   "X-Estimated-Wait-Seconds": f"{job.estimated_wait_s:.3f}"}
+        reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
+        try:
+            if body.stream:
+                return await self._stream(request, key, job, reply, headers, body.include_usage())
+            result = await self._until_disconnect(request, job.result(timeout=self.config.upstream_timeout_s))
+            return JSONResponse(reply.whole(result), headers=headers)
+        except ClientGone:
+            metrics.DISCONNECTS.inc()
+            self._cancel_later(key, job.id)
+            raise
+        except TimeoutError:
+            self._cancel_later(key, job.id)
+            raise HttpError(504, "timeout_error", f"no news of job {job.id} for {self.config.upstream_timeout_s}s",
+                            code="upstream_timeout", headers=headers) from None
+        except ServingError as e:
+            err = errors.from_serving_error(e, prompt_param)
+            err.headers |= headers
+            raise err from None
+
+    async def _stream(self, request: Request, key: str, job, reply: Reply, headers: dict[str, str],
+                      include_usage: bool) -> Response:
+        chunks = job.stream(timeout=self.config.upstream_timeout_s)
+        # The first chunk (or the job's end) decides the status line.
+        first = await self._until_disconnect(request, anext(chunks, None))
+        if first is None:
+            await job.result()  # ended without a token: raises if it expired or failed (a real status line)
+
+        async def events() -> AsyncIterator[bytes]:
+            count, done = 0, False
+            try:
+                if reply.chat:  # OpenAI's first chat chunk names the role
+                    yield reply.chunk("", role=True, with_usage_field=include_usage)
+                chunk = first
+                while chunk is not None:
+                    count += len(chunk.token_ids)
+                    yield reply.chunk(chunk.text, with_usage_field=include_usage)
+                    chunk = await anext(chunks, None)
+                result = await job.result()  # the stream has ended: this reads what it left
+                done = True
+                yield reply.chunk(None if reply.chat else "", finish_reason(result.finish_reason),
+                                  with_usage_field=include_usage)
+                if include_usage:
+                    yield reply.usage_chunk(count)
+            except (ServingError, TimeoutError) as e:
+                done = True
+                err = errors.from_serving_error(e) if isinstance(e, ServingError) else HttpError(
+                    504, "timeout_error", str(e), code="upstream_timeout")
+                yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+            finally:
+                if not done:  # the client went away (or the server is stopping): nobody wants the rest
+                    metrics.DISCONNECTS.inc()
+                    self._cancel_later(key, job.id)
+            yield DONE_EVENT
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _until_disconnect(self, request: Request, work: Awaitable):
+        """The result of ``work``, unless the client disconnects first (then ClientGone; ``work`` is cancelled)."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+            raise ClientGone
+        return task.result()
+
+    def _cancel_later(self, key: str, job_id: str) -> None:
+        """Cancel a job from its own task: the caller may itself be in the middle of being cancelled."""
+        async def cancel() -> None:
+            try:
+                async with self.upstream.client(key) as up, up.lock:
+                    await up.client.cancel(job_id)
+            except (ServingError, TimeoutError) as e:
+                log.warning("could not cancel job %s: %s", job_id, e)
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _info(endpoint: str, key: str):
+    # The async client has no info(); a short-lived sync client in a thread asks instead.
+    with GatewayClient(endpoint, key, timeout_s=HEALTH_TIMEOUT_S) as client:
+        return client.info()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _bearer(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _tier(header: str | None, priority: int | None) -> str | None:
+    """The tier asked for (None: the tenant's highest); the gateway refuses one above the tenant's entitlement."""
+    names = [t.value for t in ALL_TIERS]
+    from_header = None
+    if header is not None:
+        from_header = header.strip().upper()
+        if from_header not in names:
+            raise errors.invalid(f"X-Priority must be one of {', '.join(names)}, not {header!r}", "priority")
+    from_body = names[priority] if priority is not None else None
+    if from_header and from_body and from_header != from_body:
+        raise errors.invalid(f"X-Priority {from_header} and body priority {priority} disagree", "priority")
+    return from_header or from_body
+
+
+def _validation_error(e: ValidationError) -> HttpError:
+    first = e.errors()[0] if e.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list["))]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return errors.invalid(f"the body is not valid JSON: {first.get('msg')}", None)
+    return errors.invalid(f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+
+def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstream | None = None) -> Starlette:
+    upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s)
+    door = FrontDoor(config, prompts, model, upstream)
+    routes = [
+        Route("/v1/chat/completions", door.chat_completions, methods=["POST"]),
+        Route("/v1/completions", door.completions, methods=["POST"]),
+        Route("/v1/models", door.models, methods=["GET"]),
+        Route("/health", door.health, methods=["GET"]),
+        Route("/metrics", metrics.metrics_endpoint, methods=["GET"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        upstream.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(metrics.MetricsMiddleware, routes={r.path for r in routes})])
+    app.state.front_door = door
+    return app

@@ -1,0 +1,31 @@
+"""HTTP front door configuration. Defaults here, overridden by a TOML file (--config) and then by
+environment variables TS_HTTP_<KEY> (e.g. TS_HTTP_GATEWAYS='["tcp://gateway:5555"]')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "TS_HTTP_"
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    # Address the HTTP server listens on.
+    host: str = "127.0.0.1"
+    # Port of the OpenAI routes, /health and /metrics.
+    port: int = 8000
+    # Client endpoints of the gateways (ZeroMQ); the front door keeps no state of its own.
+    gateways: list = field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
+    # The model's tokenizer (directory or hub name): chat templates, prompt token counts for `usage`.
+    # It must be the tokenizer the workers' model uses (compose and up.py pass the model path to both).
+    tokenizer: str = ""
+    # The model id served under /v1/models and echoed in responses; "" uses the tokenizer's directory name.
+    served_model_name: str = ""
+    # An API key of any tenant: /health asks a gateway with it whether workers are registered.
+    health_api_key: str = ""
+    # Seconds without any frame from the gateway for one call or stream before the request fails (504).
+    upstream_timeout_s: float = 600.0
+    # Largest max_tokens a request may leave unset and get: the default when the body gives none.
+    default_max_tokens: int = 256
+    # Largest request body accepted, in bytes.
+    max_body_bytes: int = 4 * 2**20

@@ -1,0 +1,58 @@
+"""From an OpenAI request to prompt token ids, with the model's own tokenizer.
+
+The front door tokenizes (the gateway then only checks the ids), because it must count the
+prompt's tokens for ``usage`` and render chat messages, and both need the tokenizer the model
+was trained with. Chat messages use the tokenizer's chat template when it has one. When it
+has none, the documented plain format below is used (one line per message, then the
+assistant's turn), tokenized as plain text:
+
+    system: You are terse.
+    user: Hello!
+    assistant:
+
+Text is encoded exactly as the gateway encodes a text prompt (``tokenizer(text).input_ids``),
+so the same text gives the same ids on either path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.http.schemas import Message
+
+PLAIN_ROLE_SEPARATOR = ": "
+PLAIN_ASSISTANT_TURN = "assistant:"
+
+
+def plain_chat_text(messages: Sequence[Message]) -> str:
+    lines = [f"{m.role}{PLAIN_ROLE_SEPARATOR}{m.text()}" for m in messages]
+    return "\n".join(lines + [PLAIN_ASSISTANT_TURN])
+
+
+class Prompts:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Prompts:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(name_or_path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def chat(self, messages: Sequence[Message]) -> list[int]:
+        if not self.has_chat_template:
+            return self.encode(plain_chat_text(messages))
+        # Rendered to text first: the template already holds the special tokens (BOS, role markers), so the
+        # text is encoded without adding them again.
+        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                  tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def model_name(tokenizer: str, served_model_name: str) -> str:
+    return served_model_name or Path(tokenizer.rstrip("/")).name or tokenizer

@@ -1,0 +1,73 @@
+"""OpenAI response objects: whole completions, streamed chunks (SSE) and usage."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from gateway.sdk import JobResult
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every response of one request shares."""
+
+    chat: bool  # chat.completion(.chunk) or text_completion
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+
+    @classmethod
+    def for_job(cls, chat: bool, job_id: str, created: int, model: str, prompt_tokens: int) -> Reply:
+        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + job_id, created, model, prompt_tokens)
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def _object(self, chunk: bool) -> str:
+        if not self.chat:
+            return "text_completion"
+        return "chat.completion.chunk" if chunk else "chat.completion"
+
+    def _head(self, chunk: bool) -> dict:
+        return {"id": self.id, "object": self._object(chunk), "created": self.created, "model": self.model}
+
+    def whole(self, result: JobResult) -> dict:
+        finish = finish_reason(result.finish_reason)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
+        return self._head(False) | {"choices": [choice], "usage": self.usage(len(result.token_ids))}
+
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
+              with_usage_field: bool = False) -> bytes:
+        """One SSE event with one choice: ``text`` (None: no content, as in the last chunk of a chat)."""
+        if self.chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = self._head(True) | {"choices": [choice]}
+        if with_usage_field:
+            body["usage"] = None  # OpenAI: every chunk carries the field when usage was asked for
+        return event(body)
+
+    def usage_chunk(self, completion_tokens: int) -> bytes:
+        return event(self._head(True) | {"choices": [], "usage": self.usage(completion_tokens)})
+
+
+def finish_reason(ours: str | None) -> str:
+    """OpenAI's vocabulary: ``stop`` (EOS or a stop token) or ``length``."""
+    return "length" if ours == "length" else "stop"
+
+
+def event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

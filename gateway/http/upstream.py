@@ -1,0 +1,71 @@
+"""The gateways, seen from the front door: one async SDK client per API key in use.
+
+The SDK's client speaks for one API key, and the front door serves every tenant, so it holds
+a client per key that has asked recently (bounded: the least recently used idle client is
+closed past ``max_clients``; a key the gateway refuses is forgotten at once, so strangers
+cannot fill the table). Nothing here outlives a restart: jobs live in the gateways' Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from gateway.sdk import AsyncGatewayClient
+
+
+class _Entry:
+    def __init__(self, client: AsyncGatewayClient) -> None:
+        self.client = client
+        self.users = 0
+        # Serialises submit/cancel/info on the client: its request socket carries one call at a time.
+        self.lock = asyncio.Lock()
+
+
+class Upstream:
+    def __init__(self, endpoints: list[str], timeout_s: float, max_clients: int = 1024) -> None:
+        if not endpoints:
+            raise ValueError("at least one gateway endpoint is needed")
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self.max_clients = max_clients
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    def _new_client(self, api_key: str) -> AsyncGatewayClient:
+        return AsyncGatewayClient(self.endpoints[0], api_key, timeout_s=self.timeout_s)
+
+    @asynccontextmanager
+    async def client(self, api_key: str) -> AsyncIterator[_Entry]:
+        entry = self._entries.get(api_key)
+        if entry is None:
+            entry = self._entries[api_key] = _Entry(self._new_client(api_key))
+            self._evict()
+        self._entries.move_to_end(api_key)
+        entry.users += 1
+        try:
+            yield entry
+        finally:
+            entry.users -= 1
+
+    def forget(self, api_key: str) -> None:
+        """Drop the client of a key the gateway did not know."""
+        entry = self._entries.get(api_key)
+        if entry is not None and entry.users == 0:
+            del self._entries[api_key]
+            entry.client.close()
+
+    def _evict(self) -> None:
+        for key in list(self._entries):
+            if len(self._entries) <= self.max_clients:
+                return
+            entry = self._entries[key]
+            if entry.users == 0:
+                del self._entries[key]
+                entry.client.close()
+
+    def close(self) -> None:
+        for entry in self._entries.values():
+            entry.client.close()
+        self._entries.clear()

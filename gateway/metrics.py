@@ -1,0 +1,100 @@
+"""The gateway's Prometheus metrics.
+
+Events (admission, refusal, dispatch, the end of a job this gateway streamed) are counted by
+one-line calls from where they happen. What is state rather than an event (queue depth, the
+workers registered, the gateway's own event counters) is read when Prometheus scrapes, so it
+is never stale and costs nothing between scrapes. Queue depth is the cluster's (Redis), the
+same from every gateway: aggregate it with ``max``, not ``sum``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common import metrics
+from common.metrics import LATENCY_BUCKETS, TIER_VALUES
+
+log = logging.getLogger("gateway.metrics")
+
+ADMISSIONS = Counter("ts_admissions_total", "Jobs admitted (duplicates of an idempotency key not counted), by the "
+                     "tier they queue in", ["tier"])
+REFUSALS = Counter("ts_refusals_total", "Submissions refused, by error code (nothing was stored)", ["code"])
+QUEUE_WAIT = Histogram("ts_queue_wait_seconds", "Time from admission (or re-queue) to dispatch, per attempt",
+                       ["tier"], buckets=LATENCY_BUCKETS)
+TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the first token reaching this gateway",
+                 ["tier"], buckets=LATENCY_BUCKETS)
+E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the job's end, for jobs this gateway "
+                "admitted", ["tier"], buckets=LATENCY_BUCKETS)
+FINISHED = Counter("ts_jobs_finished_total", "Jobs this gateway admitted that ended, by final state", ["tier", "state"])
+
+for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() sees the first event
+    ADMISSIONS.labels(_t)
+    for _h in (QUEUE_WAIT, TTFT, E2E):
+        _h.labels(_t)
+
+# job id -> tier, for the jobs this gateway admitted and has not seen end. Bounded: a job another gateway
+# finishes never ends here (its entry ages out).
+_TIERS: OrderedDict[str, str] = OrderedDict()
+_MAX_TRACKED = 200_000
+
+
+def admitted(job_id: str, tier: str) -> None:
+    ADMISSIONS.labels(tier).inc()
+    _TIERS[job_id] = tier
+    if len(_TIERS) > _MAX_TRACKED:
+        _TIERS.popitem(last=False)
+
+
+def refused(code: str) -> None:
+    REFUSALS.labels(code).inc()
+
+
+def dispatched(tier: str, waited_s: float) -> None:
+    QUEUE_WAIT.labels(tier).observe(max(0.0, waited_s))
+
+
+def finished(job_id: str, state: str, ttft_s: float | None, total_s: float) -> None:
+    tier = _TIERS.pop(job_id, None)
+    if tier is None:
+        return
+    FINISHED.labels(tier, state).inc()
+    if state != "done":
+        return
+    E2E.labels(tier).observe(max(0.0, total_s))
+    if ttft_s is not None:
+        TTFT.labels(tier).observe(max(0.0, ttft_s))
+
+
+class GatewayState(Collector):
+    """Read at scrape time from the gateway object (its Redis queue, worker registry and counters)."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    def collect(self):
+        depth = GaugeMetricFamily("ts_queue_depth", "Jobs queued in Redis, per tier (cluster-wide)", labels=["tier"])
+        try:
+            depths = {t.value: n for t, n in self.gateway.queue.depths().items()}
+        except Exception as e:  # Redis away: the scrape still answers, without this family's samples
+            log.warning("queue depth unavailable: %s", e)
+            depths = {}
+        for tier, n in depths.items():
+            depth.add_metric([tier], n)
+        yield depth
+        yield GaugeMetricFamily("ts_workers_registered", "Workers this gateway can dispatch to",
+                                value=len(self.gateway.workers.workers))
+        events = CounterMetricFamily("ts_gateway_events", "The gateway's own event counts (malformed frames, "
+                                     "handler errors, unroutable replies, dispatches, ...)", labels=["event"])
+        for name, n in dict(self.gateway.counters).items():
+            events.add_metric([name], n)
+        yield events
+
+
+def serve(bind: str, gateway) -> None:
+    """Serve /metrics on ``bind`` (``host:port``; empty: none), with the scrape-time state of ``gateway``."""
+    metrics.serve(bind, GatewayState(gateway) if bind else None)
