@@ -27,7 +27,7 @@ from common import protocol as P
 from common import tracing
 from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
                            ServingError, Unauthorized)
-from common.sockets import make_socket
+from common.sockets import curve_client, make_socket
 
 __all__ = ["AsyncGatewayClient", "Chunk", "Forbidden", "GatewayClient", "InvalidRequest", "Job", "JobExpired",
            "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded", "QuotaExceeded", "Unauthorized"]
@@ -173,9 +173,11 @@ class Job(_JobBase):
 
 
 class _ClientBase:
-    def __init__(self, endpoint: str, api_key: str, timeout_s: float, tracer_provider, ctx) -> None:
+    def __init__(self, endpoint: str, api_key: str, timeout_s: float, tracer_provider, ctx,
+                 server_public_key: str | bytes | None = None) -> None:
         self.endpoint = endpoint
         self.api_key = api_key
+        self.server_public_key = server_public_key
         self.timeout_s = timeout_s
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = ctx
@@ -183,6 +185,8 @@ class _ClientBase:
 
     def _new_socket(self):
         sock = make_socket(self._ctx, zmq.DEALER)
+        if self.server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
+            curve_client(sock, self.server_public_key)
         sock.connect(self.endpoint)
         return sock
 
@@ -192,9 +196,12 @@ class _ClientBase:
 
 class GatewayClient(_ClientBase):
     def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
-                 tracer_provider: trace.TracerProvider | None = None) -> None:
-        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set)."""
-        super().__init__(endpoint, api_key, timeout_s, tracer_provider, zmq.Context.instance())
+                 tracer_provider: trace.TracerProvider | None = None,
+                 server_public_key: str | bytes | None = None) -> None:
+        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set).
+        ``server_public_key``: the gateway's CURVE public key (z85, or its ``gateway.key`` file) when its
+        client socket is encrypted (``client_curve``)."""
+        super().__init__(endpoint, api_key, timeout_s, tracer_provider, zmq.Context.instance(), server_public_key)
 
     def _call(self, msg):
         self._sock.send(P.encode(msg))
@@ -260,8 +267,10 @@ class AsyncJob(_JobBase):
 
 class AsyncGatewayClient(_ClientBase):
     def __init__(self, endpoint: str, api_key: str, timeout_s: float = 30.0,
-                 tracer_provider: trace.TracerProvider | None = None) -> None:
-        super().__init__(endpoint, api_key, timeout_s, tracer_provider, zmq.asyncio.Context.instance())
+                 tracer_provider: trace.TracerProvider | None = None,
+                 server_public_key: str | bytes | None = None) -> None:
+        super().__init__(endpoint, api_key, timeout_s, tracer_provider, zmq.asyncio.Context.instance(),
+                         server_public_key)
 
     async def _call(self, msg):
         await self._sock.send(P.encode(msg))

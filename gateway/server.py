@@ -24,8 +24,9 @@ from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
-from gateway import admission
+from gateway import admission, security
 from gateway.config import GatewayConfig
+from gateway.detokenize import IncrementalText
 from gateway.spans import GatewaySpans
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, RedisQueue
 from gateway.streams import StreamTable
@@ -50,8 +51,10 @@ class Gateway:
         self.tokenizer = tokenizer
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
+        self.hello_policy = security.HelloPolicy()
         self.spans = GatewaySpans()
-        self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
+        self.streams = StreamTable(self._detokenize if tokenizer is not None else None,
+                                   (lambda: IncrementalText(tokenizer)) if tokenizer is not None else None)
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
         self.counters: Counter = Counter()  # malformed frames, refusals by code, dispatches, ...
         self._dirty = True  # something may be dispatchable
@@ -109,13 +112,13 @@ class Gateway:
                 continue
             ident, frame = frames
             try:
-                msg = P.decode(frame)
+                msg = P.decode(frame, authorize=self.tenants.lookup if sock is self.clients else None)
                 handler = handlers.get(type(msg))
                 if handler is None:
                     raise P.ProtocolError(f"{type(msg).__name__} is not accepted on this socket")
             except P.ProtocolError as e:
                 self.counters["malformed"] += 1
-                self._send(sock, ident, P.ErrorReply("protocol", str(e)))
+                self._send(sock, ident, P.ErrorReply(e.code, str(e)))
                 continue
             try:
                 handler(ident, msg)
@@ -152,10 +155,11 @@ class Gateway:
         self._send(self.clients, ident, reply)
 
     def _admit(self, req: P.SubmitRequest, span) -> P.SubmitReply | P.ErrorReply:
-        tokenize = (lambda text: self.tokenizer(text).input_ids) if self.tokenizer is not None else None
+        max_len = self.workers.max_model_len() or self.config.max_model_len
+        tokenize = security.bounded_tokenize(self.tokenizer, max_len) if self.tokenizer is not None else None
         try:
             adm = admission.check(req, self.tenants, tokenize=tokenize, vocab_size=self.workers.vocab_size(),
-                                  max_model_len=self.workers.max_model_len() or self.config.max_model_len,
+                                  max_model_len=max_len,
                                   max_tokens_limit=self.config.max_tokens_limit)
         except (Unauthorized, Forbidden, InvalidRequest) as e:
             return self._error_for(e)
@@ -273,6 +277,11 @@ class Gateway:
         if ident != msg.worker_id.encode():
             self.counters["malformed"] += 1
             return
+        if (why := self.hello_policy.refusal(msg)) is not None:
+            self.counters["hello_refused"] += 1
+            log.warning("refused hello from %s: %s", msg.worker_id, why)
+            self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
+            return
         self.workers.hello(msg, ident, self.clock())
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
         self._dirty = True
@@ -294,12 +303,16 @@ class Gateway:
         self._dirty = True
 
     def on_tokens(self, ident: bytes, msg: P.JobTokens) -> None:
+        if not security.from_registered_worker(self, ident):
+            return
         if msg.job_id not in self.streams.streams:
             return  # not ours (or long finished): nothing to forward
         if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, self.clock()):
             self._flush(msg.job_id)
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
+        if not security.from_registered_worker(self, ident):
+            return
         if msg.state not in ("done", "failed"):  # a malformed frame, not a handler error
             self.counters["malformed"] += 1
             self._send(self.worker_sock, ident, P.ErrorReply("protocol", f"JobFinished.state {msg.state!r} is not "
@@ -328,9 +341,8 @@ class Gateway:
     # -- streaming ------------------------------------------------------------------------------------------------
 
     def _flush(self, job_id: str) -> None:
-        s = self.streams.streams[job_id]
         for sub, start, ids in self.streams.pending_chunks(job_id):
-            text = self.streams.text(ids, s.tokens[:start])
+            text = self.streams.chunk_text(job_id, start)
             self._send(self.clients, sub, P.TokenChunk(job_id, start, ids, text))
 
     def _finish_stream(self, job_id: str, state: str, finish_reason: str | None, reason: str | None,
@@ -348,7 +360,7 @@ class Gateway:
         for sub, nxt in s.subscribers.items():
             if nxt < len(s.tokens):
                 self._send(self.clients, sub, P.TokenChunk(job_id, nxt, s.tokens[nxt:],
-                                                           self.streams.text(s.tokens[nxt:], s.tokens[:nxt])))
+                                                           s.decoded.text(nxt) if s.decoded else ""))
             self._send(self.clients, sub, done)
 
     def _send_final(self, ident: bytes, rec, from_index: int | None) -> None:
