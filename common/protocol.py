@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +23,22 @@ import msgpack
 SCHEMA_VERSION = 1
 # Bounded so a hostile or buggy peer cannot make a process allocate without limit.
 MAX_MESSAGE_BYTES = 8 * 2**20
+MAX_LIST_LEN = 2**20  # elements in any one list (token ids: longer than any context this serves)
+MAX_MAP_LEN = 64  # entries in any one map (bodies, trace context)
+MAX_API_KEY_CHARS = 512
+_READ_SIZE = 64 * 1024
 
 
 class ProtocolError(ValueError):
     """A frame that cannot be decoded into a known message."""
+
+    code = "protocol"  # the ErrorReply code that answers it
+
+
+class Unauthenticated(ProtocolError):
+    """A client message whose API key is missing, misplaced or unknown (checked before the rest is read)."""
+
+    code = "unauthorized"
 
 
 # -- client <-> gateway ---------------------------------------------------------------------------------------------
@@ -267,26 +281,66 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb({"v": SCHEMA_VERSION, "k": kind, "b": dataclasses.asdict(msg)}, use_bin_type=True)
 
 
-def decode(frame: bytes) -> Any:
+def decode(frame: bytes, *, authorize: Callable[[str], object] | None = None) -> Any:
+    """The message in ``frame``; ``ProtocolError`` (or ``Unauthenticated``) if there is none.
+
+    Cost is bounded before it is spent: the frame's size, every container's length and the map sizes
+    are capped by the unpacker itself, and with ``authorize`` (the gateway's client socket) a message
+    that carries an ``api_key`` must name it first in its body: the key is checked before anything
+    else of the body is unpacked, so a stranger's frame costs a hash, not a parse of its contents.
+    """
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("frame is not bytes")
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    # Read through a file view in small pieces: a frame refused at its API key is never copied whole.
+    u = msgpack.Unpacker(io.BytesIO(frame), read_size=_READ_SIZE, raw=False, strict_map_key=True,
+                         max_buffer_size=MAX_MESSAGE_BYTES, max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN,
+                         max_bin_len=0, max_ext_len=0)
     try:
-        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"not a msgpack frame: {type(e).__name__}") from None
-    if not isinstance(raw, dict) or set(raw) != {"v", "k", "b"}:
-        raise ProtocolError("frame must be a map with keys v, k, b")
-    if raw["v"] != SCHEMA_VERSION:
-        raise ProtocolError(f"schema version {raw['v']!r} not supported (this side speaks {SCHEMA_VERSION})")
-    cls = MESSAGES.get(raw["k"]) if isinstance(raw["k"], str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {raw['k']!r}")
-    body = raw["b"]
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{cls.__name__}: body must be a map")
+        if u.read_map_header() != 3 or u.unpack() != "v":
+            raise ProtocolError("frame must be a map with keys v, k, b (in that order)")
+        version = u.unpack()
+        if version != SCHEMA_VERSION:
+            raise ProtocolError(f"schema version {version!r} not supported (this side speaks {SCHEMA_VERSION})")
+        if u.unpack() != "k":
+            raise ProtocolError("frame must be a map with keys v, k, b (in that order)")
+        kind = u.unpack()
+        cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise ProtocolError(f"unknown message kind {kind!r}")
+        if u.unpack() != "b":
+            raise ProtocolError("frame must be a map with keys v, k, b (in that order)")
+        body = _read_body(u, cls, authorize)
+        if u.tell() != len(frame):
+            raise ProtocolError("extra bytes after the message")
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for bad or over-long input
+        raise ProtocolError(f"not a valid msgpack frame: {type(e).__name__}: {str(e)[:100]}") from None
     return _build(cls, body)
+
+
+def _read_body(u: msgpack.Unpacker, cls: type, authorize: Callable[[str], object] | None) -> dict:
+    try:
+        n = u.read_map_header()
+    except msgpack.UnpackValueError:
+        raise ProtocolError(f"{cls.__name__}: body must be a map") from None
+    body: dict = {}
+    if authorize is not None and "api_key" in _schema(cls)[1]:
+        key = u.unpack() if n else None
+        value = u.unpack() if key == "api_key" else None
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_API_KEY_CHARS or not authorize(value):
+            raise Unauthenticated("unknown API key" if key == "api_key" else
+                                  f"{cls.__name__}: api_key must come first in the body")
+        body["api_key"] = value
+        n -= 1
+    for _ in range(n):
+        key = u.unpack()
+        if not isinstance(key, str) or key in body:
+            raise ProtocolError(f"{cls.__name__}: body keys must be distinct strings")
+        body[key] = u.unpack()
+    return body
 
 
 @functools.cache
@@ -311,6 +365,10 @@ def _build(cls: type, body: dict) -> Any:
     return cls(**kwargs)
 
 
+# Exact element types a list[X] field accepts (bool is not an int here; an int is a float).
+_PLAIN_TYPES = {int: {int}, str: {str}, float: {int, float}, bool: {bool}}
+
+
 def _matches(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -327,7 +385,11 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, str)
     if origin is list:
         (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        if not isinstance(value, list):
+            return False
+        if item in _PLAIN_TYPES:  # one pass in C over the element types, not an isinstance call per element
+            return set(map(type, value)) <= _PLAIN_TYPES[item]
+        return all(_matches(v, item) for v in value)
     if origin is dict:
         k, v = typing.get_args(hint)
         return isinstance(value, dict) and all(_matches(a, k) and _matches(b, v) for a, b in value.items())

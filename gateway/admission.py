@@ -44,8 +44,6 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         ids = req.prompt_token_ids
     if not ids:
         raise InvalidRequest("the prompt is empty", field="prompt")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
-        raise InvalidRequest(f"token ids must be in 0..{vocab_size - 1}", field="prompt_token_ids")
     if not 1 <= req.max_tokens <= max_tokens_limit:
         raise InvalidRequest(f"max_tokens must be in 1..{max_tokens_limit}", field="max_tokens")
     if len(ids) + req.max_tokens > max_model_len:
@@ -57,6 +55,9 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise TierLimitExceeded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
                                 f"tokens a {tier.value} job may hold on this cluster's workers", tier=tier.value,
                                 limit_tokens=limit)
+    # After the length check (cheap, and it bounds this one); min and max run in C.
+    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise InvalidRequest(f"token ids must be in 0..{vocab_size - 1}", field="prompt_token_ids")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidRequest("temperature must be finite and >= 0", field="temperature")
     if not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:

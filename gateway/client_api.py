@@ -14,7 +14,7 @@ from common import protocol as P
 from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
-from gateway import admission, metrics
+from gateway import admission, metrics, security
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec
 from gateway.spans import GatewaySpans
 
@@ -31,10 +31,11 @@ class ClientApi:
         self._send(self.clients, ident, reply)
 
     def _admit(self, req: P.SubmitRequest, span) -> P.SubmitReply | P.ErrorReply:
-        tokenize = (lambda text: self.tokenizer(text).input_ids) if self.tokenizer is not None else None
+        max_len = self.workers.max_model_len() or self.config.max_model_len
+        tokenize = security.bounded_tokenize(self.tokenizer, max_len) if self.tokenizer is not None else None
         try:
             adm = admission.check(req, self.tenants, tokenize=tokenize, vocab_size=self.workers.vocab_size(),
-                                  max_model_len=self.workers.max_model_len() or self.config.max_model_len,
+                                  max_model_len=max_len,
                                   max_tokens_limit=self.config.max_tokens_limit,
                                   tier_max_tokens=self.workers.tier_max_tokens)
         except (Unauthorized, Forbidden, InvalidRequest) as e:

@@ -58,3 +58,19 @@ class GatewayConfig:
     metrics_bind: str = ""
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400
+    # The gateways' CURVE key pair (a .key_secret file from `python -m common.keys`): workers (and, with
+    # client_curve, clients) must know its public half.
+    curve_secret_key_file: str = ""
+    # Directory of worker public keys (*.key) allowed on worker_bind. Without it the gateway refuses to
+    # start unless insecure_workers is set.
+    authorized_workers_dir: str = ""
+    # Accept workers without CURVE authentication: only allowed when worker_bind is a loopback address.
+    insecure_workers: bool = False
+    # Encrypt the client socket with CURVE (clients pass the gateway's public key); needs curve_secret_key_file.
+    client_curve: bool = False
+    # Largest frame a client may send (ZMQ_MAXMSGSIZE on the client socket; bigger: disconnected).
+    client_max_message_bytes: int = 8 * 2**20
+    # Bytes of unread frames one client connection may have queued in the gateway (then TCP back-pressure).
+    client_queue_bytes_per_peer: int = 32 * 2**20
+    # File holding the Redis password (kept out of redis_url, argv and logs); "" uses redis_url's own.
+    redis_password_file: str = ""

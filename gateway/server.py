@@ -24,7 +24,9 @@ from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import ClientApi
+from gateway import security
 from gateway.config import GatewayConfig
+from gateway.detokenize import IncrementalText
 from gateway.dispatch import Dispatcher
 from gateway.keepalive import Keepalives
 from gateway.maintenance import Maintenance
@@ -57,11 +59,13 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self.tokenizer = tokenizer
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
+        self.hello_policy = security.HelloPolicy()
         self.spans = GatewaySpans()
         self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
                                        learn_bias=config.wait_bias_correction)
         self.waits = Waits()  # measured waits: admission until first prefill
-        self.streams = StreamTable(self._detokenize if tokenizer is not None else None)
+        self.streams = StreamTable(self._detokenize if tokenizer is not None else None,
+                                   (lambda: IncrementalText(tokenizer)) if tokenizer is not None else None)
         self.keepalives = Keepalives(config.keepalive_interval_s)
         self._last_keepalive = 0.0
         self.enqueued_at: dict[str, float] = {}  # job id -> admission time, for the jobs this gateway admitted
@@ -162,13 +166,13 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                 continue
             ident, frame = frames
             try:
-                msg = P.decode(frame)
+                msg = P.decode(frame, authorize=self.tenants.lookup if sock is self.clients else None)
                 handler = handlers.get(type(msg))
                 if handler is None:
                     raise P.ProtocolError(f"{type(msg).__name__} is not accepted on this socket")
             except P.ProtocolError as e:
                 self.counters["malformed"] += 1
-                self._send(sock, ident, P.ErrorReply("protocol", str(e)))
+                self._send(sock, ident, P.ErrorReply(e.code, str(e)))
                 continue
             to = ident
             if sock is self.clients:

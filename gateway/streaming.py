@@ -122,9 +122,8 @@ class Streaming:
             s.follow = state == "dispatched" and job_id not in self.leases
 
     def _flush(self, job_id: str) -> None:
-        s = self.streams.streams[job_id]
         for sub, start, ids in self.streams.pending_chunks(job_id):
-            text = self.streams.text(ids, s.tokens[:start])
+            text = self.streams.chunk_text(job_id, start)
             self._send(self.clients, sub, P.TokenChunk(job_id, start, ids, text))
 
     def _finish_stream(self, job_id: str, state: str, finish_reason: str | None, reason: str | None,

@@ -24,11 +24,14 @@ class JobStream:
     redis_pos: str = "0-0"  # last Redis stream entry read (followers)
     follow: bool = False  # held by another gateway: read its tokens from Redis
     touched: float = 0.0  # last time tokens arrived, by the gateway's clock
+    decoded: object | None = None  # IncrementalText of ``tokens`` (gateway/detokenize.py), when there is a tokenizer
 
 
 class StreamTable:
-    def __init__(self, detokenize: Callable[[list[int]], str] | None) -> None:
+    def __init__(self, detokenize: Callable[[list[int]], str] | None, incremental: Callable[[], object] | None = None
+                 ) -> None:
         self.detokenize = detokenize
+        self.incremental = incremental  # makes a stream's incremental decoder: each token decoded once
         self.streams: dict[str, JobStream] = {}
 
     def get_or_create(self, job_id: str) -> JobStream:
@@ -47,7 +50,18 @@ class StreamTable:
             s.first_token_at = now
         s.tokens.extend(new)
         s.touched = now
+        if self.incremental is not None and new:
+            if s.decoded is None:
+                s.decoded = self.incremental()
+            s.decoded.extend(new)
         return True
+
+    def chunk_text(self, job_id: str, start: int) -> str:
+        """Text of a live stream's tokens from ``start`` on, without decoding any token again."""
+        s = self.streams[job_id]
+        if s.decoded is not None:
+            return s.decoded.text(start)
+        return self.text(s.tokens[start:], s.tokens[:start])
 
     def pending_chunks(self, job_id: str) -> list[tuple[Hashable, int, list[int]]]:
         """(subscriber, start index, token ids) for every subscriber behind; advances them."""
@@ -63,6 +77,10 @@ class StreamTable:
 
     def text(self, token_ids: list[int], before: list[int]) -> str:
         """Text of ``token_ids`` given the tokens before them (byte-level pieces join correctly)."""
+        if self.incremental is not None:  # the same text live chunks carry (one pass, linear)
+            d = self.incremental()
+            d.extend(before + token_ids)
+            return d.text(len(before))
         if self.detokenize is None:
             return ""
         whole = self.detokenize(before + token_ids)

@@ -32,6 +32,19 @@ def key_digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def _digest(entry: dict, where: str) -> str:
+    """The entry's key digest, normalised: a SHA-256 hex digest is compared in lower case."""
+    if "api_key_sha256" in entry:
+        digest = str(entry["api_key_sha256"]).strip().lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ConfigError(f"{where}: api_key_sha256 must be 64 hexadecimal digits")
+        return digest
+    key = entry["api_key"]
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"{where}: api_key must be a non-empty string")
+    return key_digest(key)
+
+
 class TenantDirectory:
     def __init__(self, tenants: dict[str, Tenant]) -> None:
         self._by_digest = tenants  # sha256 hex -> Tenant
@@ -46,14 +59,22 @@ class TenantDirectory:
         for i, t in enumerate(data.get("tenant", [])):
             where = f"{path}: tenant #{i + 1}"
             try:
-                digest = t.get("api_key_sha256") or key_digest(t["api_key"])
+                digest = _digest(t, where)
                 mode = t.get("on_quota_exhausted", "refuse")
                 if mode not in ("refuse", "downgrade"):
                     raise ConfigError(f"{where}: on_quota_exhausted must be refuse or downgrade")
                 tiers = frozenset(parse_tier(x) for x in t["tiers"])
                 if not tiers:
                     raise ConfigError(f"{where}: tiers is empty")
-                out[digest] = Tenant(t["name"], tiers, t.get("p0_rate_per_s"), int(t.get("p0_burst", 1)), mode)
+                rate = t.get("p0_rate_per_s")
+                if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or
+                                         not 0 < rate < float("inf")):
+                    # 0 used to mean "no quota" (unlimited P0): refused, to give no P0 leave P0 out of tiers.
+                    raise ConfigError(f"{where}: p0_rate_per_s must be a number > 0 (to give a tenant no P0, "
+                                      "leave P0 out of its tiers; to leave P0 unlimited, omit p0_rate_per_s)")
+                if digest in out:
+                    raise ConfigError(f"{where}: the same API key as tenant {out[digest].name!r}")
+                out[digest] = Tenant(t["name"], tiers, rate, int(t.get("p0_burst", 1)), mode)
             except (KeyError, ValueError) as e:
                 raise ConfigError(f"{where}: {e}") from None
         return cls(out)

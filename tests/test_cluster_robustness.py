@@ -24,7 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
-from common.sockets import free_port, make_socket
+from common.sockets import curve_client, free_port, make_socket
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import job_hash, local_cluster, process_running, stop_process, wait_for
 
@@ -495,10 +495,11 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
                     (str(req)[:200], reply)
             client_sock.close(linger=0)
 
-            # -- the gateway's worker socket, as an unregistered peer --
+            # -- the gateway's worker socket, as an unregistered peer (holding a listed key: CURVE lets it in) --
             worker_socks = []
             for n in range(2):
                 s = make_socket(ctx, zmq.DEALER, identity=f"fuzz-wk-{n}".encode())
+                curve_client(s, state["keys"]["gateway_public"], state["keys"]["worker_secrets"]["wk-0"])
                 s.connect(gw["worker_endpoint"])
                 worker_socks.append(s)
             worker_replies: list = []

@@ -117,9 +117,15 @@ def raw_compose() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())  # SafeLoader resolves the << merge keys
 
 
+TEST_REDIS_PASSWORD = "test-password-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
 def env_example() -> dict[str, str]:
-    return parse_env_file(ENV_EXAMPLE)[0]
+    """.env.example as an operator fills it in: the one value it must not ship, the password, set."""
+    values = parse_env_file(ENV_EXAMPLE)[0]
+    assert values["REDIS_PASSWORD"] == "", ".env.example must ship no usable Redis password"
+    return values | {"REDIS_PASSWORD": TEST_REDIS_PASSWORD}
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +257,7 @@ def test_shared_blocks_are_extension_fields(raw_compose):
 # --- redis ------------------------------------------------------------------------------------------------
 
 def _flags(command: list[str]) -> dict[str, str]:
-    assert command[0] == "redis-server"
-    args = command[1:]
+    args = command
     assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
     return {k[2:]: v for k, v in zip(args[::2], args[1::2])}
 
@@ -264,15 +269,17 @@ def test_redis(compose, env_example):
     assert flags["appendonly"] == "yes"
     assert flags["appendfsync"] == "everysec"
     assert flags["maxmemory-policy"] == "noeviction"
-    assert flags["requirepass"] == env_example["REDIS_PASSWORD"]
-    assert "requirepass" in COMPOSE_FILE.read_text() and "${REDIS_PASSWORD" in str(
-        yaml.safe_load(COMPOSE_FILE.read_text())["services"]["redis"]["command"])
+    assert "requirepass" not in flags, "the password must not be on redis-server's command line"
+    # The entrypoint writes it to a configuration file and starts redis-server with that file first.
+    script = redis["entrypoint"][2]
+    assert redis["entrypoint"][:2] == ["sh", "-c"] and "requirepass" in script and "umask 077" in script
+    assert "exec docker-entrypoint.sh redis-server /tmp/redis.conf \"$@\"" in script
+    assert service_env(redis)["REDIS_PASSWORD"] == env_example["REDIS_PASSWORD"]
     assert "ports" not in redis, "Redis must not be published on the host"
     check = redis["healthcheck"]["test"]
     assert check[0] == "CMD-SHELL" and "redis-cli" in check[1] and " ping" in check[1]
-    # The password reaches redis-cli, through the container's environment ($$ -> $ for the shell).
-    assert '-a "$REDIS_PASSWORD"' in check[1]
-    assert service_env(redis)["REDIS_PASSWORD"] == env_example["REDIS_PASSWORD"]
+    # The password reaches redis-cli through its environment ($$ -> $ for the shell), not its argv.
+    assert 'REDISCLI_AUTH="$REDIS_PASSWORD"' in check[1] and " -a " not in check[1]
     assert any(m["target"] == "/data" and m["type"] == "volume" for m in mounts(redis)), "AOF needs a volume"
 
 
@@ -285,7 +292,7 @@ def test_redis_flags_and_healthcheck_on_a_real_redis_server(compose, env_example
         pytest.skip(str(e))
     cli = Path(binary).with_name("redis-cli")
     password = env_example["REDIS_PASSWORD"]
-    with RedisServer(password=password, extra_args=redis_svc["command"][1:], binary=binary) as server:
+    with RedisServer(password=password, extra_args=redis_svc["command"], binary=binary) as server:
         raw = server.client().config_get("*")
         config = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
                   for k, v in raw.items()}
@@ -329,7 +336,15 @@ def test_gateway(compose, env_example):
     env = service_env(gw)
     url = urlsplit(env["TS_GATEWAY_REDIS_URL"])
     assert (url.scheme, url.hostname, url.port) == ("redis", "redis", 6379)
-    assert url.password == env_example["REDIS_PASSWORD"]
+    assert url.password is None, "the password comes from a secret file, not the URL"
+    assert env["TS_GATEWAY_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
+    assert compose["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
+    assert {"redis_password", "gateway_key_secret"} <= set(gw["secrets"])
+    # CURVE on both sockets: worker keys from an allow-list (public keys only), clients encrypted.
+    assert env["TS_GATEWAY_CURVE_SECRET_KEY_FILE"] == "/run/secrets/gateway_key_secret"
+    assert env["TS_GATEWAY_CLIENT_CURVE"] == "true"
+    allow = [m for m in mounts(gw) if m["target"] == env["TS_GATEWAY_AUTHORIZED_WORKERS_DIR"]]
+    assert len(allow) == 1 and allow[0]["read_only"] and allow[0]["source"].endswith("/authorized_workers")
     assert env["TS_GATEWAY_CLIENT_BIND"] == "tcp://0.0.0.0:5555"
     assert env["TS_GATEWAY_WORKER_BIND"] == "tcp://0.0.0.0:5556"
     assert env["TS_GATEWAY_TOKENIZER"] == env_example["MODEL"]
@@ -370,6 +385,9 @@ def test_workers(compose, env_example):
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
         assert env["OTEL_SERVICE_NAME"]
         assert env["TS_WORKER_MODEL"] == env_example["MODEL"]
+        assert env["TS_WORKER_CURVE_SECRET_KEY_FILE"] == "/run/secrets/worker_key_secret"
+        assert env["TS_WORKER_GATEWAY_PUBLIC_KEY"] == "/run/secrets/gateway_public_key"
+        assert set(svc["secrets"]) == {"worker_key_secret", "gateway_public_key"}
         # Scalable with --scale: no fixed name, no host port.
         assert "container_name" not in svc and "ports" not in svc, name
         assert svc["build"]["dockerfile"] == "docker/worker.Dockerfile"
@@ -592,29 +610,39 @@ def test_entry_points_run_with_the_compose_command(compose):
                 assert f"  {key[len(prefix):].lower()} = " in out, f"{key} is not listed by --help"
 
 
-def _run_healthcheck(code: str, client_bind: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TS_GATEWAY_CLIENT_BIND=client_bind)
+def _run_healthcheck(code: str, client_bind: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ) | env | {"TS_GATEWAY_CLIENT_BIND": client_bind}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=30)
 
 
 def test_gateway_healthcheck_against_a_real_gateway(compose, env_example, tmp_path):
-    """The gateway started as the container starts it (its compose environment, with host paths and
-    loopback ports swapped in), its healthcheck run verbatim: failing before, passing once it serves."""
+    """The gateway started as the container starts it (its compose environment, with host paths, secrets
+    and loopback ports swapped in), its healthcheck run verbatim: failing before, passing once it serves."""
+    from common.keys import generate
+
     gw = compose["services"]["gateway"]
     code = gw["healthcheck"]["test"][3]
     assert "$" not in code and "\n" not in code
     env = service_env(gw)
     client_port, worker_port = free_port(), free_port()
     tenants_source = next(m["source"] for m in mounts(gw) if m["target"] == env["TS_GATEWAY_TENANTS_FILE"])
+    # What compose would mount: the secrets at /run/secrets/<name>, the allow-list directory.
+    keys = generate(tmp_path / "keys", ["worker"])
+    password_file = tmp_path / "redis_password"
+    password_file.write_text(env_example["REDIS_PASSWORD"])
+    secrets = {"/run/secrets/redis_password": str(password_file),
+               "/run/secrets/gateway_key_secret": str(keys["gateway_secret"]),
+               env["TS_GATEWAY_AUTHORIZED_WORKERS_DIR"]: str(keys["allow_list"])}
+    env = {k: secrets.get(v, v) for k, v in env.items()}
+    assert env["TS_GATEWAY_CLIENT_CURVE"] == "true"
 
     # Nothing listening yet: the check must fail (within its 3 s poll), not hang or pass.
-    failed = _run_healthcheck(code, f"tcp://0.0.0.0:{client_port}")
+    failed = _run_healthcheck(code, f"tcp://0.0.0.0:{client_port}", env)
     assert failed.returncode != 0
 
     with RedisServer(password=env_example["REDIS_PASSWORD"]) as server:
-        redis_url = urlsplit(env["TS_GATEWAY_REDIS_URL"])._replace(netloc=urlsplit(server.url).netloc).geturl()
-        assert urlsplit(redis_url).password == env_example["REDIS_PASSWORD"]
+        redis_url = urlsplit(env["TS_GATEWAY_REDIS_URL"])._replace(netloc=f"127.0.0.1:{server.port}").geturl()
         proc_env = dict(os.environ) | env | {
             "TS_GATEWAY_REDIS_URL": redis_url,
             "TS_GATEWAY_CLIENT_BIND": f"tcp://127.0.0.1:{client_port}",
@@ -631,23 +659,33 @@ def test_gateway_healthcheck_against_a_real_gateway(compose, env_example, tmp_pa
             deadline = time.monotonic() + 30
             while True:
                 assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
-                result = _run_healthcheck(code, f"tcp://0.0.0.0:{client_port}")
+                result = _run_healthcheck(code, f"tcp://0.0.0.0:{client_port}", env)
                 if result.returncode == 0:
                     break
                 assert time.monotonic() < deadline, f"healthcheck never passed: {result.stderr}"
-            # The example tenants through the real gateway: both key forms authenticate.
+            # The example tenants through the real gateway, over CURVE: both key forms authenticate.
             from gateway.sdk import GatewayClient
 
             for key in ("example-chat-co-key-change-me", "example-lab-co-key-change-me"):
-                with GatewayClient(f"tcp://127.0.0.1:{client_port}", api_key=key, timeout_s=10) as client:
+                with GatewayClient(f"tcp://127.0.0.1:{client_port}", api_key=key, timeout_s=10,
+                                   server_public_key=str(keys["gateway_public"])) as client:
                     info = client.info()
                 assert info.gateway_id and set(info.queue_depths) >= {"P0", "P1", "P2", "P3"}
+            # Without the gateway's public key a client gets no answer at all (the socket speaks only CURVE).
+            with GatewayClient(f"tcp://127.0.0.1:{client_port}", api_key="example-chat-co-key-change-me",
+                               timeout_s=2) as plain, pytest.raises(TimeoutError):
+                plain.info()
         finally:
             rc = stop_process(proc, timeout=15)
             log.close()
         assert rc == 0, (tmp_path / "gateway.log").read_text()
+        assert env_example["REDIS_PASSWORD"] not in (tmp_path / "gateway.log").read_text()
 
 
 def test_compose_healthcheck_commands_are_shell_safe(compose):
     redis_check = compose["services"]["redis"]["healthcheck"]["test"][1]
-    assert shlex.split(redis_check)[0] == "redis-cli"
+    words = shlex.split(redis_check)
+    assert words[0] == "REDISCLI_AUTH=$REDIS_PASSWORD" and words[1] == "redis-cli"
+    # The entrypoint script is shell too: it parses, and hands the compose command's flags on intact.
+    script = compose["services"]["redis"]["entrypoint"][2]
+    assert shlex.split(script)[-2:] == ["/tmp/redis.conf", "$@"]

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from common import process, settings
+from common.sockets import check_worker_keys, secure_worker_sockets
 from common.tracing import setup_tracing
 from worker import metrics
 from worker.service_config import ENV_PREFIX, WorkerConfig
@@ -35,11 +36,13 @@ def main(argv: list[str] | None = None) -> int:
                                **settings.overrides(args, WorkerConfig))
         if not config.model:
             raise settings.ConfigError("no model: set --model, TS_WORKER_MODEL or model in the config file")
+        check_worker_keys(config.curve_secret_key_file, config.gateway_public_key)
         service = build(config)
     except (settings.ConfigError, ValueError) as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGUSR1, lambda *_: service.log_state())  # operators: `kill -USR1 <pid>`
+    secure_worker_sockets(service.sockets, config.curve_secret_key_file, config.gateway_public_key)
     service.connect()
     metrics.serve(config.metrics_bind, service.engine)
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,

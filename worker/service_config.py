@@ -39,6 +39,11 @@ class WorkerConfig:
     metrics_bind: str = ""
     # Seconds between load reports; they also extend the leases of this worker's jobs.
     heartbeat_interval_s: float = 0.5
+    # This worker's CURVE key pair (a .key_secret file from `python -m common.keys`); its public half must
+    # be on the gateways' allow-list. "" connects without CURVE (only an --insecure-workers gateway accepts).
+    curve_secret_key_file: str = ""
+    # The gateways' public key: 40 z85 characters or the path of their .key file.
+    gateway_public_key: str = ""
     # The engine's configuration; its keys are this file's keys too (see the module docstring).
     engine: EngineConfig = field(default_factory=_engine_defaults, metadata=FLATTEN)
 

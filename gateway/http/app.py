@@ -265,7 +265,8 @@ def _validation_error(e: ValidationError) -> HttpError:
 
 
 def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstream | None = None) -> Starlette:
-    upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s)
+    upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s,
+                                    server_public_key=config.gateway_public_key)
     door = FrontDoor(config, prompts, model, upstream)
     routes = [
         Route("/v1/chat/completions", door.chat_completions, methods=["POST"]),

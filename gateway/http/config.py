@@ -16,6 +16,9 @@ class HttpConfig:
     port: int = 8000
     # Client endpoints of the gateways (ZeroMQ); the front door keeps no state of its own.
     gateways: list = field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
+    # The gateways' CURVE public key (z85, or the path of their gateway.key) when their client socket is
+    # encrypted (client_curve, on in compose); "" connects in the clear.
+    gateway_public_key: str = ""
     # The model's tokenizer (directory or hub name): chat templates, prompt token counts for `usage`.
     # It must be the tokenizer the workers' model uses (compose and up.py pass the model path to both).
     tokenizer: str = ""

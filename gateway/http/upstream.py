@@ -25,16 +25,20 @@ class _Entry:
 
 
 class Upstream:
-    def __init__(self, endpoints: list[str], timeout_s: float, max_clients: int = 1024) -> None:
+    def __init__(self, endpoints: list[str], timeout_s: float, max_clients: int = 1024,
+                 server_public_key: str | None = None) -> None:
         if not endpoints:
             raise ValueError("at least one gateway endpoint is needed")
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
+        self.server_public_key = server_public_key or None
         self.max_clients = max_clients
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def _new_client(self, api_key: str) -> AsyncGatewayClient:
-        return AsyncGatewayClient(self.endpoints[0], api_key, timeout_s=self.timeout_s)
+        # Every gateway: the SDK fails over between them.
+        return AsyncGatewayClient(self.endpoints, api_key, timeout_s=self.timeout_s,
+                                  server_public_key=self.server_public_key)
 
     @asynccontextmanager
     async def client(self, api_key: str) -> AsyncIterator[_Entry]:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from common import protocol as P
 from common.errors import Unavailable
-from common.sockets import make_socket
+from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
                                  auto_idempotency_key, backoff_s, endpoint_list, new_request_id, on_submit_reply,
                                  raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
@@ -40,9 +40,11 @@ async def _next(inbox: asyncio.Queue, timeout_s: float):
 class _Connection:
     """One socket to one gateway, and the task that routes what it receives."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, server_public_key: str | bytes | None = None) -> None:
         self.endpoint = endpoint
         self.sock = make_socket(ctx, zmq.DEALER)
+        if server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
+            curve_client(self.sock, server_public_key)
         self.sock.connect(endpoint)
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.dropped = 0  # frames for no waiting request (late answers) or unreadable
@@ -99,7 +101,9 @@ class AsyncGatewayClient:
     from any number of coroutines share one connection per gateway."""
 
     def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
-                 tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2) -> None:
+                 tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2,
+                 server_public_key: str | bytes | None = None) -> None:
+        self.server_public_key = server_public_key  # as GatewayClient's
         self.endpoints = endpoint_list(endpoint)
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -117,7 +121,7 @@ class AsyncGatewayClient:
     def _conn(self) -> _Connection:
         conn = self._conns.get(self.endpoint)
         if conn is None:
-            conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint)
+            conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint, self.server_public_key)
         return conn
 
     def _fail_over(self, why: Exception, from_endpoint: str) -> None:

@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from common import protocol as P
 from common.errors import Unavailable
-from common.sockets import make_socket
+from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
                                  auto_idempotency_key, backoff_s, endpoint_list, new_request_id, on_submit_reply,
                                  raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
@@ -54,8 +54,12 @@ class GatewayClient:
     so it is admitted at most once. Not thread-safe: use one client per thread."""
 
     def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
-                 tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2) -> None:
-        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set)."""
+                 tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2,
+                 server_public_key: str | bytes | None = None) -> None:
+        """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set).
+        ``server_public_key``: the gateways' CURVE public key (z85, or their ``gateway.key`` file) when their
+        client socket is encrypted (``client_curve``)."""
+        self.server_public_key = server_public_key
         self.endpoints = endpoint_list(endpoint)
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -72,6 +76,8 @@ class GatewayClient:
 
     def _new_socket(self, endpoint: str) -> zmq.Socket:
         sock = make_socket(self._ctx, zmq.DEALER)
+        if self.server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
+            curve_client(sock, self.server_public_key)
         sock.connect(endpoint)
         return sock
 

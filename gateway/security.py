@@ -1,0 +1,123 @@
+"""What stands between the gateway's sockets and strangers: CURVE on both sockets, the worker
+allow-list, per-peer byte bounds on the client socket, and the hello rules for workers.
+
+``secure_sockets(gw, config)`` runs after the Gateway is built and before it binds (socket
+options only take effect then). It refuses, with ``ConfigError``, a gateway that would accept
+unauthenticated workers on anything but loopback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import zmq
+
+from common.errors import InvalidRequest
+from common.keys import KeyFileError
+from common.settings import ConfigError
+from common.sockets import (CLIENTS_DOMAIN, WORKERS_DOMAIN, Authenticator, SocketLimits, curve_server,
+                            is_loopback_endpoint)
+
+log = logging.getLogger("gateway.security")
+
+
+def check_config(config) -> None:
+    """Refuse (ConfigError) a configuration that would accept unauthenticated workers beyond loopback."""
+    if config.authorized_workers_dir and config.insecure_workers:
+        raise ConfigError("authorized_workers_dir and insecure_workers contradict each other: choose one")
+    if not config.authorized_workers_dir:
+        if not config.insecure_workers:
+            raise ConfigError("no worker keys: set authorized_workers_dir and curve_secret_key_file (keys from "
+                              "`python -m common.keys`), or --insecure-workers for a loopback-only worker socket")
+        if not is_loopback_endpoint(config.worker_bind):
+            raise ConfigError(f"--insecure-workers only binds loopback; worker_bind is {config.worker_bind}")
+    if (config.authorized_workers_dir or config.client_curve) and not config.curve_secret_key_file:
+        raise ConfigError("CURVE needs the gateway's key pair: set curve_secret_key_file")
+
+
+def secure_sockets(gw, config) -> Authenticator | None:
+    """CURVE and limits on ``gw.worker_sock`` and ``gw.clients``; the ZAP authenticator (or None)."""
+    check_config(config)
+    limits = SocketLimits.per_peer_bytes(config.client_queue_bytes_per_peer, config.client_max_message_bytes)
+    gw.clients.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+    gw.clients.setsockopt(zmq.RCVHWM, limits.recv_hwm)
+    if config.insecure_workers:
+        log.warning("workers are NOT authenticated (insecure_workers): worker socket on %s", config.worker_bind)
+    if not (config.authorized_workers_dir or config.client_curve):
+        return None
+    try:
+        auth = Authenticator(gw.ctx, config.authorized_workers_dir or None)
+    except KeyFileError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        if config.authorized_workers_dir:
+            curve_server(gw.worker_sock, config.curve_secret_key_file, WORKERS_DOMAIN)
+        if config.client_curve:
+            curve_server(gw.clients, config.curve_secret_key_file, CLIENTS_DOMAIN)
+    except KeyFileError as e:
+        auth.stop()
+        raise ConfigError(str(e)) from None
+    return auth
+
+
+class HelloPolicy:
+    """One model per cluster: the first acceptable hello pins model, vocab_size and max_model_len, and a
+    later hello that differs is refused, so no worker can narrow (or widen) what admission accepts.
+    """
+
+    MAX_WORKER_ID_CHARS = 200
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.vocab_size: int | None = None
+        self.max_model_len: int | None = None
+
+    def refusal(self, msg) -> str | None:
+        """Why this hello is refused, or None (and then its values are pinned)."""
+        if not 0 < len(msg.worker_id) <= self.MAX_WORKER_ID_CHARS:
+            return "worker_id must be 1..200 characters"
+        if min(msg.vocab_size, msg.max_model_len, msg.max_num_seqs) < 1 or msg.num_kv_blocks < 0:
+            return "vocab_size, max_model_len and max_num_seqs must be >= 1, num_kv_blocks >= 0"
+        for name, pinned in (("model", self.model), ("vocab_size", self.vocab_size),
+                             ("max_model_len", self.max_model_len)):
+            if pinned is not None and getattr(msg, name) != pinned:
+                return f"{name} {getattr(msg, name)!r} differs from this cluster's {pinned!r}"
+        self.model, self.vocab_size, self.max_model_len = msg.model, msg.vocab_size, msg.max_model_len
+        return None
+
+
+def from_registered_worker(gw, ident: bytes) -> bool:
+    """True if ``ident`` is a worker that completed hello; anything else is dropped and counted."""
+    w = gw.workers.workers.get(ident.decode(errors="replace"))
+    if w is not None and w.identity == ident:
+        return True
+    gw.counters["dropped_no_hello"] += 1
+    if gw.counters["dropped_no_hello"] in (1, 10, 100, 1000) or gw.counters["dropped_no_hello"] % 10_000 == 0:
+        log.warning("dropped %d frame(s) from worker-socket peers that never said hello",
+                    gw.counters["dropped_no_hello"])
+    return False
+
+
+@functools.lru_cache(maxsize=4)
+def longest_token_chars(tokenizer) -> int:
+    """Most characters of text one token can stand for: the longest token string in the vocabulary.
+
+    Byte-level BPE spells each byte as one character and SentencePiece each space as one, so a token's
+    string is never shorter than the text it covers; a prompt longer than max_model_len times this
+    cannot fit the context, whatever it tokenizes to.
+    """
+    return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+
+
+def bounded_tokenize(tokenizer, max_model_len: int):
+    """``tokenize(text)`` that refuses, before tokenizing, a text too long to fit ``max_model_len`` tokens."""
+    limit = max_model_len * longest_token_chars(tokenizer)
+
+    def tokenize(text: str) -> list[int]:
+        if len(text) > limit:
+            raise InvalidRequest(f"the prompt ({len(text)} characters) cannot fit the model's context of "
+                                 f"{max_model_len} tokens", field="prompt")
+        return tokenizer(text).input_ids
+
+    return tokenize
