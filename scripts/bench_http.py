@@ -2,11 +2,14 @@
 
 Starts a real local cluster (scripts/up.py: redis-server, a gateway, workers on the tiny model, and
 the HTTP front door), then sends the same requests (token-id prompts, ``max_tokens`` tokens with
-ignore_eos) through both paths at each concurrency: the async SDK (one client per concurrent
-caller) and ``POST /v1/completions`` (httpx, one connection per caller). Paths alternate within
-each round, so machine noise falls on both alike. Reports requests/s and the latency of whole
-requests (p50 and p99, median over rounds with the min..max spread), and the front door's added
-latency (HTTP p50 minus SDK p50) and throughput ratio. Writes the figures as JSON.
+ignore_eos) through both paths, held open in one event loop: the async SDK (one client per
+concurrent caller) and ``POST /v1/completions`` (httpx, one connection per caller).
+
+- Added latency: one caller, the paths alternating request by request; the median of the paired
+  differences (HTTP minus SDK) and their interquartile range.
+- Throughput: batches at each concurrency, the paths alternating within each round; requests/s and
+  p50/p99 latency (median over rounds, min..max spread), and the HTTP/SDK throughput ratio.
+Writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -31,53 +34,82 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def run_sdk(state: dict, key: str, n: int, concurrency: int, max_tokens: int) -> list[float]:
-    from gateway.sdk import AsyncGatewayClient
+class Paths:
+    """Both ways in, opened once in one event loop (as a long-running application would hold them)."""
 
-    clients = [AsyncGatewayClient(state["gateway"], key, timeout_s=120) for _ in range(concurrency)]
-    latencies: list[float] = []
+    def __init__(self, state: dict, key: str, callers: int, max_tokens: int) -> None:
+        import httpx
 
-    async def caller(client, count: int) -> None:
-        for i in range(count):
-            t0 = time.perf_counter()
-            job = await client.submit(prompt_token_ids=[5, 6, 7, i % 50 + 8], max_tokens=max_tokens,
-                                      ignore_eos=True, tier="P1")
+        from gateway.sdk import AsyncGatewayClient
+
+        self.max_tokens = max_tokens
+        self.sdk = [AsyncGatewayClient(state["gateway"], key, timeout_s=120) for _ in range(callers)]
+        self.http = [httpx.AsyncClient(base_url=state["http"], timeout=120,
+                                       headers={"Authorization": f"Bearer {key}", "X-Priority": "P1"})
+                     for _ in range(callers)]
+
+    async def one(self, path: str, caller: int, i: int) -> float:
+        prompt = [5, 6, 7, i % 50 + 8]
+        t0 = time.perf_counter()
+        if path == "sdk":
+            job = await self.sdk[caller].submit(prompt_token_ids=prompt, max_tokens=self.max_tokens,
+                                                ignore_eos=True, tier="P1")
             await job.result(timeout=120)
-            latencies.append(time.perf_counter() - t0)
+        else:
+            r = await self.http[caller].post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": self.max_tokens, "ignore_eos": True})
+            r.raise_for_status()
+        return time.perf_counter() - t0
 
-    try:
-        await asyncio.gather(*(caller(c, n // concurrency) for c in clients))
-    finally:
-        for c in clients:
+    async def batch(self, path: str, n: int, callers: int) -> dict:
+        """``n`` requests from ``callers`` concurrent callers: requests/s and latency percentiles."""
+        latencies: list[float] = []
+
+        async def caller(c: int) -> None:
+            for i in range(n // callers):
+                latencies.append(await self.one(path, c, i))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(caller(c) for c in range(callers)))
+        wall = time.perf_counter() - t0
+        return {"rps": len(latencies) / wall, "p50_ms": 1000 * percentile(latencies, 0.5),
+                "p99_ms": 1000 * percentile(latencies, 0.99)}
+
+    async def paired(self, n: int) -> dict:
+        """One caller, the two paths alternating request by request: the added latency as the median of
+        paired differences (each pair ran at nearly the same moment, so machine noise mostly cancels)."""
+        diffs, sdk, http = [], [], []
+        for i in range(n):
+            order = ("sdk", "http") if i % 2 == 0 else ("http", "sdk")
+            got = {p: await self.one(p, 0, i) for p in order}
+            sdk.append(got["sdk"])
+            http.append(got["http"])
+            diffs.append(got["http"] - got["sdk"])
+        return {"sdk_p50_ms": 1000 * statistics.median(sdk), "http_p50_ms": 1000 * statistics.median(http),
+                "added_ms_median": 1000 * statistics.median(diffs),
+                "added_ms_iqr": [1000 * percentile(diffs, 0.25), 1000 * percentile(diffs, 0.75)]}
+
+    async def close(self) -> None:
+        for c in self.sdk:
             c.close()
-    return latencies
+        for h in self.http:
+            await h.aclose()
 
 
-async def run_http(state: dict, key: str, n: int, concurrency: int, max_tokens: int) -> list[float]:
-    import httpx
-
-    latencies: list[float] = []
-    headers = {"Authorization": f"Bearer {key}", "X-Priority": "P1"}
-
-    async def caller(count: int) -> None:
-        async with httpx.AsyncClient(base_url=state["http"], timeout=120) as h:
-            for i in range(count):
-                t0 = time.perf_counter()
-                r = await h.post("/v1/completions", headers=headers, json={
-                    "prompt": [5, 6, 7, i % 50 + 8], "max_tokens": max_tokens, "ignore_eos": True})
-                r.raise_for_status()
-                latencies.append(time.perf_counter() - t0)
-
-    await asyncio.gather(*(caller(n // concurrency) for _ in range(concurrency)))
-    return latencies
-
-
-def measure(state: dict, key: str, path: str, n: int, concurrency: int, max_tokens: int) -> dict:
-    fn = run_sdk if path == "sdk" else run_http
-    t0 = time.perf_counter()
-    lat = asyncio.run(fn(state, key, n, concurrency, max_tokens))
-    wall = time.perf_counter() - t0
-    return {"rps": len(lat) / wall, "p50_ms": 1000 * percentile(lat, 0.5), "p99_ms": 1000 * percentile(lat, 0.99)}
+async def run(state: dict, key: str, args, levels: list[int]) -> dict:
+    paths = Paths(state, key, max(levels), args.max_tokens)
+    try:
+        await paths.batch("sdk", 8, 1)  # warm-up: model caches, connections
+        await paths.batch("http", 8, 1)
+        paired = await paths.paired(args.requests)
+        results: dict[str, dict[int, list[dict]]] = {"sdk": {c: [] for c in levels}, "http": {c: [] for c in levels}}
+        for r in range(args.rounds):
+            for c in levels:
+                for path in (("sdk", "http") if r % 2 == 0 else ("http", "sdk")):
+                    results[path][c].append(await paths.batch(path, args.requests, c))
+        return {"paired": paired, "batches": results}
+    finally:
+        await paths.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,16 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)  # waiting for the launcher's state file, bounded
         state = json.loads(state_file.read_text())
         key = state["tenants"]["api-co"]["api_key"]
-        measure(state, key, "sdk", 8, 1, args.max_tokens)  # warm-up: model caches, connections
-        measure(state, key, "http", 8, 1, args.max_tokens)
-        results: dict[str, dict[int, list[dict]]] = {"sdk": {c: [] for c in levels}, "http": {c: [] for c in levels}}
-        for r in range(args.rounds):
-            for c in levels:
-                for path in (("sdk", "http") if r % 2 == 0 else ("http", "sdk")):
-                    results[path][c].append(measure(state, key, path, args.requests, c, args.max_tokens))
+        figures = asyncio.run(run(state, key, args, levels))
     finally:
         up.terminate()
         up.wait(timeout=60)
+    results, paired = figures["batches"], figures["paired"]
+    print(f"one caller, paths alternating per request ({args.requests} pairs): SDK p50 {paired['sdk_p50_ms']:.1f} ms, "
+          f"HTTP p50 {paired['http_p50_ms']:.1f} ms, added {paired['added_ms_median']:+.1f} ms "
+          f"(IQR {paired['added_ms_iqr'][0]:+.1f}..{paired['added_ms_iqr'][1]:+.1f})")
     rows = []
     print(f"{'concurrency':>11} {'path':>5} {'req/s':>16} {'p50 ms':>16} {'p99 ms':>16}")
     for c in levels:
@@ -133,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"concurrency": c, "sdk": summary["sdk"], "http": summary["http"], "rps_ratio": ratio,
                      "added_p50_ms": added})
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": rows}, indent=2))
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "paired": paired,
+                                         "results": rows}, indent=2))
     return 0
 
 
