@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import ServingError
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster, settle, wait_states
 from tests.test_cluster_robustness import reference  # noqa: F401  (fixture)
@@ -23,10 +24,20 @@ def _load(c: DurableCluster, wave: int, n: int = 6) -> list[tuple[str, tuple[lis
     for i in range(n):
         spec = ([wave + 1, i + 1], 40 + 8 * i, 0.0, 1000 * wave + i)
         cl = c.client("lab-co", f"gw-{i % 2}")
-        job = cl.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[3], ignore_eos=True)
+        job = wait_for(lambda: _submit(cl, spec), 60, "a gateway to admit again after the fault", interval=0.2)
         cl.close()
         out.append((job.id, spec))
     return out
+
+
+def _submit(cl, spec):
+    """The job, or None while the gateway answers 'unavailable' (Redis just came back: it retries with backoff)."""
+    try:
+        return cl.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[3], ignore_eos=True)
+    except ServingError as e:
+        if "unavailable" not in str(e):
+            raise
+        return None
 
 
 @pytest.mark.parametrize("victim", ["wk-0", "redis", "gw-0"])
