@@ -1,8 +1,9 @@
 """Preemption benchmark: one scenario under policy fifo and priority, on the same engine and model, in one run.
 
 Also runs the P0 requests alone on an idle engine, the baseline for P0 time to first
-token. Requests arrive on the wall clock as the scenario says; latency and TTFT are
-measured from each request's scheduled arrival. Prints a table per tier and policy
+token. Requests arrive on the wall clock as the scenario says (or, with --clock cpu, on this
+process's CPU time, which other processes on a shared machine cannot stretch); latency and TTFT
+are measured from each request's scheduled arrival. Prints a table per tier and policy
 and writes JSON (see --help of --json).
 """
 
@@ -48,27 +49,52 @@ def make_jobs(scenario: dict, vocab: int, seed: int, tiers: set[str] | None = No
     return sorted(jobs, key=lambda j: (j.arrive_s, j.request_id))
 
 
-def run(engine, jobs: list[Job], ignore_eos: bool, temperature: float, desc: str) -> dict:
+class Clock:
+    """The benchmark's time. ``wall``: time.monotonic(), waiting for arrivals in real time. ``cpu``: this
+    process's CPU time, jumping ahead over idle gaps instead of sleeping: what a step costs the engine
+    itself, so that other processes on a shared machine stretch the run but not its figures (run it
+    with --threads 1, or spinning torch threads count too)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.skipped = 0.0
+        self.t0 = self._raw()
+
+    def _raw(self) -> float:
+        return time.monotonic() if self.kind == "wall" else time.process_time()
+
+    def __call__(self) -> float:
+        return self._raw() - self.t0 + self.skipped
+
+    def wait_until(self, t: float) -> None:
+        if self.kind == "wall":
+            time.sleep(max(0.0, t - self()))
+        else:
+            self.skipped += max(0.0, t - self())
+
+
+def run(engine, jobs: list[Job], ignore_eos: bool, temperature: float, desc: str, clock_kind: str = "wall") -> dict:
     from worker import SamplingParams
 
     pending = list(jobs)
     by_id = {j.request_id: j for j in jobs}
     bar = tqdm(total=sum(j.max_tokens for j in jobs), desc=desc, unit="tok", file=sys.stderr, leave=False)
     step_s: list[float] = []
-    t0 = time.monotonic()
+    clock = Clock(clock_kind)
+    wall0 = time.monotonic()
     while pending or engine.has_unfinished():
-        now = time.monotonic() - t0
+        now = clock()
         while pending and pending[0].arrive_s <= now:
             j = pending.pop(0)
             engine.add_request(j.request_id, j.prompt, SamplingParams(
                 max_tokens=j.max_tokens, temperature=temperature, seed=0, ignore_eos=ignore_eos), tier=j.tier)
         if not engine.has_unfinished():
-            time.sleep(max(0.0, pending[0].arrive_s - now))
+            clock.wait_until(pending[0].arrive_s)
             continue
-        s0 = time.monotonic()
+        s0 = clock()
         outs = engine.step()
-        now = time.monotonic() - t0
-        step_s.append(time.monotonic() - s0)
+        now = clock()
+        step_s.append(now - s0)
         for o in outs:
             j = by_id[o.request_id]
             j.tokens += len(o.new_token_ids)
@@ -86,7 +112,8 @@ def run(engine, jobs: list[Job], ignore_eos: bool, temperature: float, desc: str
         "recomputed_tokens": stats.recomputed_tokens,
         "bytes_swapped": stats.bytes_swapped,
         "declined_decisions": stats.declined,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": time.monotonic() - wall0,
+        "clock_s": clock(),
         "mean_step_s": statistics.fmean(step_s) if step_s else 0.0,
     }
 
@@ -113,16 +140,16 @@ def tier_table(jobs: list[Job]) -> dict:
     return out
 
 
-def prefill_seconds_per_token(engine, vocab: int) -> float:
+def prefill_seconds_per_token(engine, vocab: int, clock_kind: str = "wall") -> float:
     """Time to prefill one long prompt on the idle engine, per token: the price of recompute."""
     from worker import SamplingParams
 
     n = min(512, engine.max_model_len - 1)
     engine.add_request("prefill-probe", [5 + i % (vocab - 5) for i in range(n)], SamplingParams(max_tokens=1))
-    t0 = time.perf_counter()
+    clock = Clock(clock_kind)
     while engine.has_unfinished():
         engine.step()
-    return (time.perf_counter() - t0) / n
+    return clock() / n
 
 
 def ensure_model(scenario: dict, model: Path | None) -> Path:
@@ -145,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the whole comparison this many times on the same model; the report and the JSON "
                          "add each run's goals and their spread (min, median, max)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="measure on the wall clock, or on this process's CPU time (idle gaps skipped): figures "
+                         "that other processes on a shared machine cannot stretch; use with --threads 1")
     ap.add_argument("--json", type=Path, help='write {"policies": {...}, "alone": {...}, "goals": {...}} here '
                                               '(the last run; with --repeat also "runs" and "spread")')
     args = ap.parse_args(argv)
@@ -175,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     sampling = scenario.get("sampling", {})
     ignore_eos, temperature = sampling.get("ignore_eos", True), sampling.get("temperature", 0.0)
 
-    sec_per_prefill_token = prefill_seconds_per_token(Engine(runner, cfg), vocab)  # also warms up
+    sec_per_prefill_token = prefill_seconds_per_token(Engine(runner, cfg), vocab, args.clock)  # also warms up
     runs = []
     for i in range(args.repeat):
-        results = compare(scenario, runner, cfg, vocab, args.seed, ignore_eos, temperature, sec_per_prefill_token)
+        results = compare(scenario, runner, cfg, vocab, args.seed, ignore_eos, temperature, sec_per_prefill_token,
+                          args.clock)
         results["settings"] = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__,
-                               "threads": torch.get_num_threads(), "machine": platform.machine(),
+                               "clock": args.clock, "threads": torch.get_num_threads(), "machine": platform.machine(),
                                "model": str(model_dir), "engine": eng_cfg}
         print_report(results, f" (run {i + 1} of {args.repeat})" if args.repeat > 1 else "")
         runs.append(results)
@@ -197,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(scenario: dict, runner, cfg, vocab: int, seed: int, ignore_eos: bool, temperature: float,
-            sec_per_prefill_token: float) -> dict:
+            sec_per_prefill_token: float, clock: str = "wall") -> dict:
     """One run of the scenario under every policy it compares, and its P0 requests alone on an idle engine."""
     from worker.engine import Engine
 
@@ -205,7 +236,7 @@ def compare(scenario: dict, runner, cfg, vocab: int, seed: int, ignore_eos: bool
     for policy in scenario.get("compare", ["fifo", "priority"]):
         engine = Engine(runner, replace(cfg, policy=policy))
         copies0, copy_s0 = runner.copy_events, runner.copy_seconds
-        r = run(engine, make_jobs(scenario, vocab, seed), ignore_eos, temperature, policy)
+        r = run(engine, make_jobs(scenario, vocab, seed), ignore_eos, temperature, policy, clock)
         # What one preemption event costs, in decode steps: keep is free; swap is the measured copy
         # time (out and back) per swapped victim; recompute is the re-prefill time of what it discarded.
         step = r["mean_step_s"] or float("inf")
@@ -222,7 +253,7 @@ def compare(scenario: dict, runner, cfg, vocab: int, seed: int, ignore_eos: bool
             (copy_s + r["recomputed_tokens"] * sec_per_prefill_token) / events / step if events else 0.0)
         results["policies"][policy] = r
     alone = run(Engine(runner, replace(cfg, policy="priority")),
-                make_jobs(scenario, vocab, seed, tiers={"P0"}), ignore_eos, temperature, "P0 alone")
+                make_jobs(scenario, vocab, seed, tiers={"P0"}), ignore_eos, temperature, "P0 alone", clock)
     results["alone"] = alone["tiers"]
     results["goals"] = goals(results)
     return results
