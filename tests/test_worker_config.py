@@ -114,8 +114,8 @@ def test_the_worker_process_refuses_an_out_of_range_engine_key(tiny_model_dir):
     import sys
 
     done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--low-tier-kv-share", "2"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "low_tier_kv_share" in done.stderr
     done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--max-num-seqs", "x"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "--max-num-seqs" in done.stderr
