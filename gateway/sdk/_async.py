@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import zmq
@@ -165,7 +166,7 @@ class AsyncGatewayClient:
         # but convert anyway so a deadline means the same instant.
         st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
                          chunk_timeout=chunk_timeout,
-                         deadline=None if deadline is None else _monotonic() + (deadline - loop.time()))
+                         deadline=None if deadline is None else time.monotonic() + (deadline - loop.time()))
         inbox: asyncio.Queue = asyncio.Queue()
         conn: _Connection | None = None
         try:
