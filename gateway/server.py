@@ -24,7 +24,7 @@ from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import ClientApi
-from gateway import security
+from gateway import metrics, security
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
 from gateway.dispatch import Dispatcher
@@ -172,6 +172,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                     raise P.ProtocolError(f"{type(msg).__name__} is not accepted on this socket")
             except P.ProtocolError as e:
                 self.counters["malformed"] += 1
+                if sock is self.clients:
+                    metrics.refused(e.code)  # e.g. an unknown API key, refused before the frame is decoded
                 self._send(sock, ident, P.ErrorReply(e.code, str(e)))
                 continue
             to = ident

@@ -247,7 +247,7 @@ def test_the_redis_password_is_in_no_log_and_no_command_line(cluster):
     for pid in [redis_pid, *cluster["gateway_pids"], *(w["pid"] for w in cluster["workers"])]:
         assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
     logs = list(Path(cluster["logs"]).glob("*.log")) + [cluster["test_dir"] / "up.log"]
-    assert len(logs) == 3  # gateway, worker, up.py
+    assert len(logs) == 4  # gateway, worker, the HTTP front door, up.py
     for log in logs:
         assert password not in log.read_text(errors="replace"), log
     state_file = cluster["test_dir"] / "cluster.json"

@@ -42,7 +42,7 @@ def serves_a_job(state: dict, endpoint: str) -> bool:
 
 def test_the_state_file_names_every_process(cluster):
     p = pids(cluster)
-    assert set(p) == {"redis", "gw-0", "gw-1", "wk-0"}
+    assert set(p) == {"redis", "gw-0", "gw-1", "wk-0", "http"}  # http: the front door up.py starts
     assert all(process_running(pid) for pid in p.values())
     st = json.loads(cluster["state_file"].read_text())
     assert st["gateway_pids"] == [p["gw-0"], p["gw-1"]] and st["workers"] == [{"id": "wk-0", "pid": p["wk-0"]}]
@@ -65,8 +65,10 @@ def test_a_kill_9d_process_comes_back_as_itself(cluster, name):
     # Redis answers on its URL with what it held.
     ep0 = cluster["gateways"][0]["endpoint"]
     wait_for(lambda: serves_a_job(cluster, ep0), 120, f"the cluster to serve through gw-0 after {name} restarted")
+    # A restarted gateway learns its workers from their periodic hello (every few seconds), and gw-1
+    # may have served the job meanwhile: wait for wk-0 to be registered at gw-0 again.
     with GatewayClient(ep0, cluster["tenants"]["lab-co"]["api_key"]) as c:
-        info = c.info()
+        info = wait_for(lambda: (i := c.info()).workers == ["wk-0"] and i, 60, "wk-0 to register at gw-0")
     assert info.gateway_id == "gw-0" and info.workers == ["wk-0"]
     assert r.get(marker) == name.encode()
     # Every other process kept running as it was.
