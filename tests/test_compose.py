@@ -647,6 +647,7 @@ def test_gateway_healthcheck_against_a_real_gateway(compose, env_example, tmp_pa
             "TS_GATEWAY_REDIS_URL": redis_url,
             "TS_GATEWAY_CLIENT_BIND": f"tcp://127.0.0.1:{client_port}",
             "TS_GATEWAY_WORKER_BIND": f"tcp://127.0.0.1:{worker_port}",
+            "TS_GATEWAY_METRICS_BIND": f"127.0.0.1:{free_port()}",  # compose's fixed 9101 may be taken here
             "TS_GATEWAY_TENANTS_FILE": str(ROOT / tenants_source),
             "TS_GATEWAY_TOKENIZER": "",  # no hub access in tests
             "TS_GATEWAY_KEY_PREFIX": f"compose-test-{os.getpid()}",

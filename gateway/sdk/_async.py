@@ -67,7 +67,12 @@ class _Connection:
             inbox.put_nowait(msg)
 
     async def send(self, msg) -> None:
-        await self.sock.send(P.encode(msg))
+        try:
+            await self.sock.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            # No pipe to queue on (a gateway that refused our handshake) or a full one: never block the caller;
+            # the wait for the answer times out and the call retries or fails over like on a silent gateway.
+            self.dropped += 1
 
     def close(self) -> None:
         if not self._reader.get_loop().is_closed():

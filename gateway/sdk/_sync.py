@@ -76,6 +76,9 @@ class GatewayClient:
 
     def _new_socket(self, endpoint: str) -> zmq.Socket:
         sock = make_socket(self._ctx, zmq.DEALER)
+        # A gateway that refused our handshake (say, CURVE without its key) leaves no pipe to queue on: a send
+        # would block for ever. Bounded, it fails like a silent gateway.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, math.ceil(1000 * self.timeout_s)))
         if self.server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
             curve_client(sock, self.server_public_key)
         sock.connect(endpoint)
@@ -96,7 +99,11 @@ class GatewayClient:
             if self.endpoint not in self._socks:
                 self._socks[self.endpoint] = self._new_socket(self.endpoint)
             request_ids.add(rid := new_request_id())
-            self._socks[self.endpoint].send(P.encode(with_request_id(msg, rid)))
+            try:
+                self._socks[self.endpoint].send(P.encode(with_request_id(msg, rid)))
+            except zmq.Again:
+                error = TimeoutError(f"gateway {self.endpoint} took no request within {self.timeout_s}s")
+                continue
             reply = self._reply_to(request_ids)
             if reply is None:
                 error = TimeoutError(f"gateway {self.endpoint} did not answer within {self.timeout_s}s")
@@ -137,7 +144,15 @@ class GatewayClient:
             while st.done is None:
                 if sock is None:
                     sock = self._new_socket(self.endpoint)
-                    sock.send(P.encode(st.request()))
+                    try:
+                        sock.send(P.encode(st.request()))
+                    except zmq.Again:
+                        pause = st.on_failure(TimeoutError(f"gateway {self.endpoint} took no stream request"))
+                        sock.close(linger=0)
+                        sock = None
+                        time.sleep(pause)
+                        self._fail_over(TimeoutError("no stream request taken"))
+                        continue
                 if sock.poll(math.ceil(1000 * st.wait_s())):
                     try:
                         chunk = st.on_frame(P.decode(sock.recv()))
