@@ -95,7 +95,8 @@ class Cluster:
         password_file = self.tmp / "redis-password"
         password_file.touch(mode=0o600)
         password_file.write_text(self.redis.password)
-        key_paths = curve_keys.generate(self.tmp / "keys", [f"wk-{i}" for i in range(a.workers)])
+        # At least one worker key: a gateway refuses to start with an empty allow-list (--workers 0 starts one).
+        key_paths = curve_keys.generate(self.tmp / "keys", [f"wk-{i}" for i in range(max(1, a.workers))])
         tenants = write_tenants(self.tmp / "tenants.toml")
         # CPU workers split the cores; each torch pool spinning on all of them would thrash.
         threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))

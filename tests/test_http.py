@@ -22,7 +22,7 @@ from common.sockets import free_port
 from gateway.http.prompts import plain_chat_text
 from gateway.http.schemas import Message
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import ROOT, job_hash, local_cluster, snapshot, stop_process, wait_for
+from tests.cluster_helpers import ROOT, assert_unchanged, job_hash, local_cluster, snapshot, stop_process, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_refusals_store_nothing(cluster):
     r = httpx.post(cluster["http"] + "/v1/completions", content=b"x" * (5 * 2**20), timeout=30,
                    headers={"Authorization": f"Bearer {key(cluster, 'chat-co')}"})
     assert_error(r, 413, "invalid_request_error")
-    assert snapshot(cluster) == before
+    assert_unchanged(before, snapshot(cluster))
 
 
 def test_p0_quota_429_with_retry_after(cluster):
@@ -317,35 +317,17 @@ def test_disconnect_before_the_answer_cancels_the_job(cluster):
 # -- overload and queue expiry (a cluster of one slot whose P2 queue timeout is half a second) -----------------------
 
 
-def test_overloaded_503_expired_504_and_health_without_workers(tiny_model_dir, tmp_path):
+def test_expired_504_and_health_without_workers(tiny_model_dir, tmp_path):
     # A cluster without workers: nothing is ever dispatched, so P2 jobs wait out their 1 s queue timeout.
     with local_cluster(tmp_path, tiny_model_dir, workers=0,
                        env={"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 1}'}) as c:
         r = httpx.get(c["http"] + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["status"] == "no_workers"
         with GatewayClient(c["gateway"], key(c, "batch-co")) as batch:
-            # Queued P2 jobs add a second each to the estimate (the floor drain rate before any is measured):
-            # two put the next one over the 1 s timeout. They expire meanwhile, so a slow machine may need
-            # another round; each round's request is either refused (503) or waits and expires (504).
-            flood, over = [], None
-            for _ in range(10):
-                for _ in range(2):
-                    try:
-                        flood.append(batch.submit(prompt_token_ids=[5], max_tokens=1, tier="P2"))
-                    except Overloaded:
-                        pass
-                jobs_before = job_ids(c)
-                r = post(c, "/v1/completions", {"prompt": [6], "max_tokens": 1}, tenant="batch-co")
-                if r.status_code == 503:
-                    over = r
-                    assert job_ids(c) == jobs_before  # refused: nothing stored
-                    break
-                assert_error(r, 504, "timeout_error")
-            assert over is not None, "never overloaded"
-            assert_error(over, 503, "overloaded_error")
-            assert int(over.headers["Retry-After"]) >= 1
-            assert float(over.headers["X-Estimated-Wait-Seconds"]) > 1
-            assert "X-Request-Id" not in over.headers
+            # No worker means no measured capacity, so the wait estimate (issue 12) never sheds here: the 503
+            # path needs a cluster whose measured capacity puts the estimate past the timeout (not tested yet
+            # end to end). Queued P2 jobs wait out their 1 s timeout.
+            flood = [batch.submit(prompt_token_ids=[5], max_tokens=1, tier="P2") for _ in range(2)]
             # Once the flood has expired, a P2 request is admitted, waits, and expires: 504, whole or streamed
             # (a stream's status line waits for its first token).
             wait_for(lambda: all(job_hash(c, j.id)["state"] == "expired" for j in flood), 60, "the flood to expire")

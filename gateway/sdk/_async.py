@@ -60,6 +60,13 @@ class _Connection:
                 self.dropped += 1
                 log.warning("gateway %s sent an unreadable frame: %s", self.endpoint, e)
                 continue
+            if msg.request_id is None and isinstance(msg, P.ErrorReply):
+                # The gateway could not read one of our frames far enough to find its request id (an unknown
+                # API key is refused before the rest is decoded). Every call here shares that key, so every
+                # waiting call gets the answer rather than waiting out its timeout.
+                for waiting in list(self.inboxes.values()):
+                    waiting.put_nowait(msg)
+                continue
             inbox = self.inboxes.get(msg.request_id)
             if inbox is None:
                 self.dropped += 1
