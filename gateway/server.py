@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import msgpack
 import redis
 import zmq
 
@@ -172,9 +173,12 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                     raise P.ProtocolError(f"{type(msg).__name__} is not accepted on this socket")
             except P.ProtocolError as e:
                 self.counters["malformed"] += 1
+                to = ident
                 if sock is self.clients:
                     metrics.refused(e.code)  # e.g. an unknown API key, refused before the frame is decoded
-                self._send(sock, ident, P.ErrorReply(e.code, str(e)))
+                    rid = _request_id_of(frame)
+                    to = (ident, rid) if rid is not None else ident
+                self._send(sock, to, P.ErrorReply(e.code, str(e)))
                 continue
             to = ident
             if sock is self.clients:
@@ -234,3 +238,16 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
 def tier_timeouts(config: GatewayConfig) -> dict[Tier, float | None]:
     return {parse_tier(k): v for k, v in config.tier_timeouts_s.items()} | {
         t: None for t in ALL_TIERS if t.value not in config.tier_timeouts_s}
+
+
+def _request_id_of(frame: bytes) -> str | None:
+    """The request id of a client frame refused before it was decoded, so the error reaches its caller.
+    Only small frames are read again: a flood of large ones costs no more than before."""
+    if len(frame) > 64 * 1024:
+        return None
+    try:
+        body = msgpack.unpackb(frame, raw=False).get("b")
+        rid = body.get("request_id") if isinstance(body, dict) else None
+    except Exception:  # noqa: BLE001 - unreadable: the error goes out without an id
+        return None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= P.MAX_REQUEST_ID_LEN else None
