@@ -137,7 +137,8 @@ class Cluster:
                  "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
                  "http": http, "metrics": self.metrics,
                  "keys": {"dir": str(self.tmp / "keys"), "gateway_public": str(key_paths["gateway_public"]),
-                          "worker_secrets": {f"wk-{i}": str(key_paths[f"worker:wk-{i}"]) for i in range(a.workers)}}}
+                          "worker_secrets": {f"wk-{i}": str(key_paths[f"worker:wk-{i}"])
+                                             for i in range(max(1, a.workers))}}}
         for g in gateways:
             self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
         if http:
