@@ -18,7 +18,8 @@ use one per thread.
 Liveness: while a job is queued the gateway sends a keepalive every few seconds, so ``timeout_s`` (the
 longest silence accepted from a gateway, and the wait for an answer to one call) must exceed the gateway's
 ``keepalive_interval_s`` (2 s by default). A silent gateway is replaced by the next endpoint in the list
-(at most ``retries`` times in a row); a stream resumes there from its next token index. Each ``submit()``
+(at most ``retries`` times in a row; ``Unavailable`` is waited out with backoff for up to ``timeout_s``); a
+stream resumes there from its next token index. Each ``submit()``
 carries an idempotency key (the caller's, or one made for the call), so its retries admit the job once.
 
 Importing this package does not import torch, transformers or redis.

@@ -17,10 +17,9 @@ import zmq.asyncio
 from opentelemetry import trace
 
 from common import protocol as P
-from common.errors import Unavailable
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
-                                 auto_idempotency_key, backoff_s, endpoint_list, new_request_id, on_submit_reply,
+                                 RetryBudget, auto_idempotency_key, endpoint_list, new_request_id, on_submit_reply,
                                  raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
 
 log = logging.getLogger("gateway.sdk")
@@ -146,27 +145,22 @@ class AsyncGatewayClient:
     async def _call(self, msg):
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
         sent: list[tuple[_Connection, str]] = []
-        error: Exception | None = None
+        budget = RetryBudget(self.retries, self.timeout_s)
         try:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    await asyncio.sleep(backoff_s(attempt, error))
-                    self._fail_over(error, sent[-1][0].endpoint)
+            while True:
                 conn, rid = self._conn(), new_request_id()
                 conn.inboxes[rid] = inbox
                 sent.append((conn, rid))
                 await conn.send(with_request_id(msg, rid))
                 reply = await _next(inbox, self.timeout_s)
-                if reply is None:
-                    error = TimeoutError(f"gateway {conn.endpoint} did not answer within {self.timeout_s}s")
-                    continue
                 try:
+                    if reply is None:
+                        raise TimeoutError(f"gateway {conn.endpoint} did not answer within {self.timeout_s}s")
                     raise_for(reply)
-                except Unavailable as e:
-                    error = e
-                    continue
-                return reply
-            raise error
+                    return reply
+                except RETRYABLE as e:
+                    await asyncio.sleep(budget.pause_s(e))
+                    self._fail_over(e, conn.endpoint)
         finally:
             for conn, rid in sent:
                 conn.inboxes.pop(rid, None)

@@ -99,17 +99,41 @@ def auto_idempotency_key() -> str:
     return "sdk-" + secrets.token_hex(16)
 
 
-def backoff_s(attempt: int, error: Exception) -> float:
-    """Pause before retry ``attempt`` (1, 2, ...): none after a silent gateway (the next one is tried at once),
-    else exponential with jitter, or what the gateway asked for."""
-    if isinstance(error, TimeoutError):
-        return 0.0
-    asked = getattr(error, "retry_after_s", None)
-    return asked if asked else min(2.0, 0.1 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-
-
 # Failures that another attempt (on the next gateway) may cure; every other error is final.
 RETRYABLE = (TimeoutError, Unavailable)
+
+
+class RetryBudget:
+    """Whether a failed attempt may be retried, and after what pause.
+
+    A silent gateway (TimeoutError): up to ``retries`` times in a row, at once, on the next gateway. An
+    unavailable cluster (its Redis unreachable): retried after the pause the gateway asks for (else 0.1 s
+    doubling to 2 s, with jitter) until the pauses add up to ``budget_s``, so a Redis blip is waited out.
+    """
+
+    def __init__(self, retries: int, budget_s: float) -> None:
+        self.retries, self.budget_s = retries, budget_s
+        self.reset()
+
+    def reset(self) -> None:
+        """The gateway answered: count from zero again."""
+        self.silent = self.unavailable = 0
+        self.waited_s = 0.0
+
+    def pause_s(self, error: Exception) -> float:
+        """The pause before the next attempt; re-raises ``error`` when the budget is spent."""
+        if isinstance(error, TimeoutError):
+            self.silent += 1
+            if self.silent > self.retries:
+                raise error
+            return 0.0
+        self.unavailable += 1
+        pause = getattr(error, "retry_after_s", None) or min(2.0, 0.1 * 2 ** (self.unavailable - 1)) * \
+            random.uniform(0.5, 1.0)
+        if self.waited_s + pause > self.budget_s:
+            raise error
+        self.waited_s += pause
+        return pause
 
 
 def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
@@ -156,7 +180,7 @@ class StreamState:
     Three clocks: ``chunk_timeout`` (the caller's limit on the wait between token chunks; keepalives do not
     count), ``deadline`` (the caller's limit on the whole wait) and the client's ``timeout_s`` (the limit on
     silence from the gateway: keepalives do count, so only a dead or unreachable gateway reaches it, and
-    then the stream resumes from its next index on the next gateway, at most ``retries`` times in a row).
+    then the stream resumes from its next index on the next gateway, as RetryBudget allows).
     """
 
     def __init__(self, job_id: str, api_key: str, from_index: int, *, liveness_s: float, retries: int,
@@ -164,10 +188,10 @@ class StreamState:
         self.job_id, self.api_key = job_id, api_key
         self.next = from_index
         self.done: P.JobDone | None = None
-        self.liveness_s, self.retries = liveness_s, retries
+        self.liveness_s = liveness_s
         self.chunk_timeout, self.deadline = chunk_timeout, deadline
         self.request_id: str | None = None
-        self.failures = 0
+        self.budget = RetryBudget(retries, liveness_s)
         now = time.monotonic()
         self.last_frame = self.last_chunk = now
 
@@ -194,7 +218,7 @@ class StreamState:
             return None  # an earlier subscription's frame
         self.last_frame = time.monotonic()
         raise_for(msg)
-        self.failures = 0  # the gateway answered: retries count again from zero
+        self.budget.reset()
         if isinstance(msg, P.JobDone):
             self.done = msg
             return None
@@ -220,8 +244,5 @@ class StreamState:
         return True
 
     def on_failure(self, error: Exception) -> float:
-        """Count a failed subscription; re-raise when retries are spent, else the pause before the next."""
-        self.failures += 1
-        if self.failures > self.retries:
-            raise error
-        return backoff_s(self.failures, error)
+        """A failed subscription: the pause before the next (re-raises ``error`` when retries are spent)."""
+        return self.budget.pause_s(error)

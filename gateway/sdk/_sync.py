@@ -11,10 +11,9 @@ import zmq
 from opentelemetry import trace
 
 from common import protocol as P
-from common.errors import Unavailable
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
-                                 auto_idempotency_key, backoff_s, endpoint_list, new_request_id, on_submit_reply,
+                                 RetryBudget, auto_idempotency_key, endpoint_list, new_request_id, on_submit_reply,
                                  raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
 
 log = logging.getLogger("gateway.sdk")
@@ -49,9 +48,10 @@ class Job(JobBase):
 
 class GatewayClient:
     """A blocking client of one cluster. ``endpoint``: one gateway, or a list of the cluster's gateways to fail
-    over between. A call that gets no answer within ``timeout_s`` (or an ``Unavailable``) is retried up to
-    ``retries`` times, each on the next gateway; a submission keeps its idempotency key across its retries,
-    so it is admitted at most once. Not thread-safe: use one client per thread."""
+    over between. A call that gets no answer within ``timeout_s`` is retried up to ``retries`` times in a row,
+    each on the next gateway; one answered ``Unavailable`` is retried with backoff for up to ``timeout_s``. A
+    submission keeps its idempotency key across its retries, so it is admitted at most once. Not thread-safe:
+    use one client per thread."""
 
     def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
                  tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2,
@@ -91,11 +91,8 @@ class GatewayClient:
 
     def _call(self, msg):
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
-        error: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(backoff_s(attempt, error))
-                self._fail_over(error)
+        budget = RetryBudget(self.retries, self.timeout_s)
+        while True:
             if self.endpoint not in self._socks:
                 self._socks[self.endpoint] = self._new_socket(self.endpoint)
             request_ids.add(rid := new_request_id())
@@ -105,16 +102,14 @@ class GatewayClient:
                 error = TimeoutError(f"gateway {self.endpoint} took no request within {self.timeout_s}s")
                 continue
             reply = self._reply_to(request_ids)
-            if reply is None:
-                error = TimeoutError(f"gateway {self.endpoint} did not answer within {self.timeout_s}s")
-                continue
             try:
+                if reply is None:
+                    raise TimeoutError(f"gateway {self.endpoint} did not answer within {self.timeout_s}s")
                 raise_for(reply)
-            except Unavailable as e:
-                error = e
-                continue
-            return reply
-        raise error
+                return reply
+            except RETRYABLE as e:
+                time.sleep(budget.pause_s(e))
+                self._fail_over(e)
 
     def _reply_to(self, request_ids: set[str]):
         """The first frame answering one of ``request_ids`` within timeout_s, on any gateway's socket; None
