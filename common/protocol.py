@@ -162,7 +162,8 @@ class InfoReply:
 
 @dataclass(frozen=True)
 class ErrorReply:
-    code: str  # unauthorized | forbidden | invalid_request | quota_exceeded | overloaded | not_found | protocol
+    code: str  # unauthorized | forbidden | invalid_request | quota_exceeded | not_found | protocol
+    #            | overloaded (estimated wait over the tier's timeout, the tenant's cap, or Redis full: nothing stored)
     #            | unavailable (Redis unreachable: nothing stored, retry) | internal
     message: str
     field: str | None = None

@@ -12,12 +12,13 @@ key                     type         contents and lifetime
 ``q:P``                 sorted set   queued job ids of tier P, score = enqueue time in ms. A job
                                      keeps that score when it ages into a higher tier, so it
                                      lands ahead of newer jobs there. Member while queued.
-``job:<id>``            hash         the job (fields below). No TTL while queued, dispatched or
-                                     dead; after done / failed / expired / cancelled it expires
-                                     ``idempotency_ttl`` later (so a duplicate submission inside
-                                     the idempotency window still finds it) and its payload is
-                                     dropped. Dead-lettered jobs keep payload, no TTL: an
-                                     operator inspects and removes them.
+``job:<id>``            hash         the job (fields below). No TTL while queued or dispatched;
+                                     after done / failed / expired / cancelled it expires
+                                     ``result_ttl`` later (default: the idempotency TTL; the
+                                     gateway's ``result_ttl_s`` 1 h) and its payload is dropped.
+                                     A duplicate submission whose job has expired gets the job id
+                                     (its status is then not found). Dead-lettered jobs keep their
+                                     payload for an operator, and expire ``result_ttl`` later too.
 ``tok:<id>``            stream       the tokens of a running job, appended in batches by the gateway
                                      holding its lease (entry fields ``i`` = index of the first
                                      token, ``t`` = msgpack list), read by gateways streaming it to
@@ -25,11 +26,15 @@ key                     type         contents and lifetime
                                      cancelled (the result is then in the job hash).
 ``inflight``            sorted set   dispatched job id -> lease expiry in ms. Member while
                                      dispatched; heartbeats move the expiry forward.
-``dead``                sorted set   dead-lettered job id -> time of dead-lettering in ms.
-                                     Permanent until an operator removes it.
+``dead``                sorted set   dead-lettered job id -> time of dead-lettering in ms. Keeps
+                                     the newest ``dead_letter_max``; the oldest are dropped with
+                                     their hashes. An entry may outlive its (expired) hash.
 ``idem:<tenant>:<key>`` string       job id admitted under this idempotency key; TTL
                                      ``idempotency_ttl`` (default 24 h) from admission. The
                                      tenant is percent-encoded so ':' cannot make names collide.
+``tenant-jobs:<tenant>`` sorted set  the tenant's admitted job ids -> admission ms, kept only under a
+                                     per-tenant cap (``tenant_max_jobs``); finished ones are pruned
+                                     by admit.lua when the set reaches the cap. At most cap members.
 ``quota:<tenant>``      hash         P0 token bucket: ``tokens`` (float), ``ts_ms`` (last
                                      update). Expires when the bucket would be full again (a
                                      missing bucket *is* a full one), so idle tenants cost
@@ -120,6 +125,9 @@ class KeySpace:
 
     def quota(self, tenant: str) -> str:
         return f"{self.base}:quota:{quote(tenant, safe='')}"
+
+    def tenant_jobs(self, tenant: str) -> str:
+        return f"{self.base}:tenant-jobs:{quote(tenant, safe='')}"
 
     @property
     def drain(self) -> str:

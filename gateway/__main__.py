@@ -71,7 +71,8 @@ def build(config: GatewayConfig):
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     queue = RedisQueue(client, KeySpace(prefix=config.key_prefix), tier_timeouts_s=tier_timeouts(config),
-                       idempotency_ttl_s=config.idempotency_ttl_s)
+                       idempotency_ttl_s=config.idempotency_ttl_s, result_ttl_s=config.result_ttl_s,
+                       tenant_max_jobs=config.tenant_max_jobs, dead_letter_max=config.dead_letter_max)
     return Gateway(config, queue, tenants, tokenizer)
 
 

@@ -5,6 +5,7 @@ A mixin of gateway.server.Gateway: it uses the gateway's queue, tenants, sockets
 
 from __future__ import annotations
 
+import logging
 import random
 import uuid
 
@@ -15,8 +16,11 @@ from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, security
-from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec
+from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, StoreFull, TenantFull
 from gateway.spans import GatewaySpans
+
+log = logging.getLogger("gateway")
+REDIS_FULL_LOG_EVERY_S = 60.0  # a full Redis refuses every submission: say so once a minute, not each time
 
 
 class ClientApi:
@@ -63,6 +67,17 @@ class ClientApi:
             self.counters["refused_quota"] += 1
             return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
                                 retry_after_s=result.retry_after_s)
+        if isinstance(result, TenantFull):
+            self.counters["refused_tenant_full"] += 1
+            return P.ErrorReply("overloaded", f"tenant {t.name!r} already holds {result.cap} unfinished jobs (its "
+                                "cap, tenant_max_jobs); nothing was stored, retry when some have finished")
+        if isinstance(result, StoreFull):
+            # Redis is reachable (reads, streams and cancels still work), just full: no "unavailable" back-off.
+            self.counters["refused_redis_full"] += 1
+            if now - self._redis_full_logged_at >= REDIS_FULL_LOG_EVERY_S:
+                self._redis_full_logged_at = now
+                log.warning("admissions refused: Redis is full (%s); raise maxmemory or free memory", result.detail)
+            return P.ErrorReply("overloaded", "the queue store (Redis) is full; nothing was stored, retry later")
         if isinstance(result, Overloaded):
             self.counters["refused_overloaded"] += 1
             return P.ErrorReply("overloaded", f"estimated wait {result.estimated_wait_s:.1f}s exceeds the "

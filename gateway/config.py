@@ -58,6 +58,12 @@ class GatewayConfig:
     metrics_bind: str = ""
     # Idempotency keys are remembered this long.
     idempotency_ttl_s: int = 86400
+    # Finished and dead-lettered jobs (state, result tokens) are kept this long for status and stream requests.
+    result_ttl_s: int = 3600
+    # Most unfinished (queued or running) jobs one tenant may hold, over all tiers; past it, "overloaded". 0: no cap.
+    tenant_max_jobs: int = 10000
+    # The dead-letter set keeps the newest this many jobs.
+    dead_letter_max: int = 10000
     # The gateways' CURVE key pair (a .key_secret file from `python -m common.keys`): workers (and, with
     # client_curve, clients) must know its public half.
     curve_secret_key_file: str = ""

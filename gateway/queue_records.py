@@ -70,7 +70,19 @@ class Overloaded:
     timeout_s: float  # that tier's queue timeout
 
 
-AdmitResult = Union[Admitted, QuotaRefused, Overloaded]
+@dataclass(frozen=True)
+class TenantFull:
+    cap: int  # the tenant already holds this many unfinished jobs (queued or dispatched, all tiers)
+
+
+@dataclass(frozen=True)
+class StoreFull:
+    """Redis is at its maxmemory (policy noeviction) and refused the admission's first write."""
+
+    detail: str  # Redis's own words
+
+
+AdmitResult = Union[Admitted, QuotaRefused, Overloaded, TenantFull, StoreFull]
 
 
 @dataclass(frozen=True)

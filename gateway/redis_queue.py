@@ -21,7 +21,7 @@ from common.redis_keys import KeySpace, load_scripts
 from common.tiers import ALL_TIERS, Tier
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, JobRecord, JobState, Overloaded, QuotaRefused,
-    QuotaSpec, Settled,
+    QuotaSpec, Settled, StoreFull, TenantFull,
 )
 
 # Queue timeout per tier in seconds (None: waits forever); also the admission limit on the
@@ -29,6 +29,7 @@ from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API
 DEFAULT_TIER_TIMEOUTS_S: dict[Tier, float | None] = {Tier.P0: 30.0, Tier.P1: 60.0, Tier.P2: 300.0, Tier.P3: None}
 DEFAULT_AGING_INTERVAL_S = 60.0  # a job waiting this long in P2/P3 moves up one tier
 DEFAULT_IDEMPOTENCY_TTL_S = 86_400
+DEFAULT_DEAD_LETTER_MAX = 10_000
 # Drain rate assumed for a tier the gateway has no measurement for (or measured ~0):
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
@@ -45,6 +46,12 @@ def _ms(seconds: float | None) -> str:
     return "-1" if seconds is None else str(int(round(seconds * 1000)))
 
 
+def _out_of_memory(e: redis.ResponseError) -> bool:
+    """Redis at maxmemory under noeviction refused a write. Redis 7 answers OOM (redis-py's OutOfMemoryError);
+    6.2 wraps a script's refused call in an ERR that quotes it."""
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in str(e)
+
+
 class RedisQueue:
     """The queue API over one KeySpace. Stateless apart from configuration: any number of
     RedisQueue objects (in any number of gateways) may share a prefix."""
@@ -57,7 +64,13 @@ class RedisQueue:
         tier_timeouts_s: Mapping[Tier, float | None],
         idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
         drain_tau_s: float = DEFAULT_DRAIN_TAU_S,
+        result_ttl_s: int | None = None,
+        tenant_max_jobs: int = 0,
+        dead_letter_max: int = DEFAULT_DEAD_LETTER_MAX,
     ) -> None:
+        """``result_ttl_s``: how long a finished or dead job (its tokens included) is kept (None: the
+        idempotency TTL); ``tenant_max_jobs``: most unfinished jobs one tenant may hold over all tiers (0: no
+        cap); ``dead_letter_max``: the dead-letter set keeps the newest this many."""
         missing = [t.value for t in ALL_TIERS if t not in tier_timeouts_s]
         if missing:
             raise ValueError(f"tier_timeouts_s lacks {', '.join(missing)}")
@@ -65,13 +78,19 @@ class RedisQueue:
             raise ValueError(f"queue timeouts must be positive or None, got {dict(tier_timeouts_s)}")
         if idempotency_ttl_s < 1 or drain_tau_s <= 0:
             raise ValueError("idempotency_ttl_s must be >= 1 and drain_tau_s > 0")
+        if (result_ttl_s is not None and result_ttl_s < 1) or tenant_max_jobs < 0 or dead_letter_max < 1:
+            raise ValueError(f"result_ttl_s and dead_letter_max must be >= 1 and tenant_max_jobs >= 0, got "
+                             f"{result_ttl_s}, {dead_letter_max}, {tenant_max_jobs}")
+        self.tenant_max_jobs = tenant_max_jobs
+        self.dead_letter_max = dead_letter_max
         self.client = client
         self.keys = keys
         self.tier_timeouts_s = {t: tier_timeouts_s[t] for t in ALL_TIERS}
         self.idempotency_ttl_s = idempotency_ttl_s
         self.drain_tau_s = drain_tau_s
         self._scripts = load_scripts(client)
-        self._retention_ms = str(idempotency_ttl_s * 1000)  # finished jobs outlive their idempotency key
+        # Apart from the idempotency TTL: a long deduplication window need not keep every output that long.
+        self._retention_ms = str((result_ttl_s or idempotency_ttl_s) * 1000)
 
     # --- admission -------------------------------------------------------------------------
     def admit(
@@ -88,7 +107,7 @@ class RedisQueue:
         if not all(math.isfinite(r) for r in rates):
             raise ValueError(f"drain rates must be finite, got {dict(drain_rate_per_s)}")
         keys = [*self.keys.queues(), self.keys.job(job_id), self.keys.quota(tenant), self.keys.aging,
-                self.keys.deadlines]  # fmt: skip
+                self.keys.deadlines, self.keys.tenant_jobs(tenant)]  # fmt: skip
         if idempotency_key is not None:
             keys.append(self.keys.idem(tenant, idempotency_key))
         args = [
@@ -96,12 +115,18 @@ class RedisQueue:
             str(self.idempotency_ttl_s * 1000), *(_ms(self.tier_timeouts_s[t]) for t in ALL_TIERS),
             *(repr(r) for r in rates), repr(quota.rate_per_s) if quota else "0",
             repr(quota.burst) if quota else "0", quota.on_exhausted if quota else "refuse",
+            str(self.tenant_max_jobs),
         ]  # fmt: skip
         if estimate_s is not None:
             if not math.isfinite(estimate_s) or estimate_s < 0:
                 raise ValueError(f"estimate_s must be finite and >= 0, got {estimate_s}")
             args.append(repr(float(estimate_s)))
-        reply = self._scripts["admit"](keys=keys, args=args)
+        try:
+            reply = self._scripts["admit"](keys=keys, args=args)
+        except redis.ResponseError as e:
+            if _out_of_memory(e):  # the script's first write was refused: nothing was stored
+                return StoreFull(str(e))
+            raise
         kind = reply[0].decode()
         if kind == "admitted":
             return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]),
@@ -115,6 +140,8 @@ class RedisQueue:
             return self._duplicate(reply[1].decode(), Tier(tier), rates)
         if kind == "exists":
             raise DuplicateRequest(job_id)
+        if kind == "tenant_full":
+            return TenantFull(int(reply[1]))
         raise RuntimeError(f"admit.lua returned {reply!r}")
 
     def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
@@ -127,7 +154,7 @@ class RedisQueue:
             pipe.zrank(q, job_id)
         raw, *rest = pipe.execute()
         depths, ranks = rest[:4], rest[4:]
-        if not raw:  # cannot happen while job retention >= idempotency TTL; answer honestly anyway
+        if not raw:  # the result expired before its idempotency key (result_ttl_s < idempotency_ttl_s)
             return Admitted(job_id, fallback_tier, 0.0, True, None)
         job = JobRecord.from_redis(raw)
         if job.state is not JobState.QUEUED or ranks[job.tier.rank] is None:
@@ -210,7 +237,8 @@ class RedisQueue:
             return []
         keys = [*self.keys.queues(), self.keys.inflight, self.keys.dead, self.keys.aging, self.keys.deadlines,
                 *(self.keys.job(i) for i in ids)]  # fmt: skip
-        flat = self._scripts["requeue"](keys=keys, args=[str(now_ms), str(max_attempts), *ids])
+        flat = self._scripts["requeue"](keys=keys, args=[str(now_ms), str(max_attempts), self._retention_ms,
+                                                          str(self.dead_letter_max), *ids])
         return [Settled(flat[i].decode(), flat[i + 1].decode(), flat[i + 2].decode(), int(flat[i + 3]))
                 for i in range(0, len(flat), 4)]
 

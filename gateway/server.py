@@ -82,6 +82,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._last_tokens_io = 0.0
         self._redis_backoff_s = 0.0  # > 0 while Redis is unreachable: wait this long between tries
         self._redis_retry_at = 0.0
+        self._redis_full_logged_at = float("-inf")  # when a full Redis was last logged (client_api)
         self.ctx = zmq.Context.instance()
         self.clients = make_socket(self.ctx, zmq.ROUTER)
         self.worker_sock = make_socket(self.ctx, zmq.ROUTER)

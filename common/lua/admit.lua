@@ -1,12 +1,13 @@
 -- admit.lua: admit one job atomically: idempotency, P0 quota, wait estimate, enqueue.
--- A refusal (quota, overload, duplicate, id in use) writes nothing and charges nothing.
+-- A refusal (quota, overload, tenant cap, duplicate, id in use) writes nothing and charges nothing.
 --
 -- KEYS[1..4]  queue zsets of P0..P3
 -- KEYS[5]     job hash of the new job
 -- KEYS[6]     quota hash of the tenant (touched only when ARGV[16] > 0 and the tier is P0)
 -- KEYS[7]     aging index zset
 -- KEYS[8]     deadlines index zset
--- KEYS[9]     idempotency key (present only when the request carries one)
+-- KEYS[9]     the tenant's unfinished-jobs zset (used only when ARGV[19] > 0)
+-- KEYS[10]    idempotency key (present only when the request carries one)
 -- ARGV[1]     job id
 -- ARGV[2]     tenant
 -- ARGV[3]     tier requested by the client (P0..P3)
@@ -19,7 +20,8 @@
 -- ARGV[16]    quota rate, tokens/s (0 = no quota)
 -- ARGV[17]    quota burst (bucket capacity, >= 1)
 -- ARGV[18]    quota exhausted policy: "refuse" | "downgrade" (to P1)
--- ARGV[19]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
+-- ARGV[19]    most unfinished (queued or dispatched) jobs the tenant may hold, all tiers; 0 = no cap
+-- ARGV[20]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
 --
 -- Returns one of:
 --   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3}
@@ -28,6 +30,7 @@
 --   {"quota", retry_after_s}                         P0 bucket empty, policy refuse
 --   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
 --   {"exists"}                                       the job id is already in use
+--   {"tenant_full", cap}                             the tenant holds cap unfinished jobs
 -- (floats are returned as strings: a Lua number would be truncated to an integer.)
 --
 -- Estimate: sum over the tiers r at or above the job's tier of depth(r) / rate(r): each
@@ -40,14 +43,42 @@ local now = clock_ms(ARGV[6])
 local idem_ttl_ms = tonumber(ARGV[7])
 local quota_rate, quota_burst, on_exhausted = tonumber(ARGV[16]), tonumber(ARGV[17]), ARGV[18]
 
-if #KEYS >= 9 then
-    local existing = redis.call('GET', KEYS[9])
+if #KEYS >= 10 then
+    local existing = redis.call('GET', KEYS[10])
     if existing then
         return {'duplicate', existing}
     end
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then
     return {'exists'}
+end
+
+-- Per-tenant cap. No other script keeps this count: at the cap, entries whose job has finished (or
+-- whose hash has expired) are pruned here, the oldest 16 and a random 32 per attempt, so the set
+-- converges on the tenant's unfinished jobs at a bounded cost per admission. The pruning is written
+-- with the admission, never before a refusal: a refusal writes nothing, and the first write stays the
+-- job's own (which a full Redis, maxmemory with noeviction, refuses before anything is changed).
+local tenant_cap = tonumber(ARGV[19]) or 0
+local gone = {}
+if tenant_cap > 0 and redis.call('ZCARD', KEYS[9]) >= tenant_cap then
+    local job_prefix = string.sub(KEYS[5], 1, #KEYS[5] - #job_id)
+    local sample = redis.call('ZRANGE', KEYS[9], 0, 15)
+    for _, id in ipairs(redis.call('ZRANDMEMBER', KEYS[9], 32)) do
+        sample[#sample + 1] = id
+    end
+    local seen = {}
+    for _, id in ipairs(sample) do
+        if not seen[id] then
+            seen[id] = true
+            local state = redis.call('HGET', job_prefix .. id, 'state')
+            if state ~= 'queued' and state ~= 'dispatched' then
+                gone[#gone + 1] = id
+            end
+        end
+    end
+    if redis.call('ZCARD', KEYS[9]) - #gone >= tenant_cap then
+        return {'tenant_full', tenant_cap}
+    end
 end
 
 -- P0 token bucket: compute the refilled level; write it only once the job is admitted.
@@ -77,8 +108,8 @@ for r = 0, rank do
     ahead = ahead + depth
     estimate = estimate + depth / tonumber(ARGV[12 + r])
 end
-if ARGV[19] then
-    estimate = tonumber(ARGV[19])
+if ARGV[20] then
+    estimate = tonumber(ARGV[20])
 end
 local timeout_ms = tonumber(ARGV[8 + rank])
 if timeout_ms >= 0 and estimate * 1000 > timeout_ms then
@@ -102,7 +133,13 @@ if timeout_ms >= 0 then
     redis.call('HSET', KEYS[5], 'deadline_ms', now + timeout_ms)
     redis.call('ZADD', KEYS[8], now + timeout_ms, job_id)
 end
-if #KEYS >= 9 then
-    redis.call('SET', KEYS[9], job_id, 'PX', idem_ttl_ms)
+if #KEYS >= 10 then
+    redis.call('SET', KEYS[10], job_id, 'PX', idem_ttl_ms)
+end
+if tenant_cap > 0 then
+    for _, id in ipairs(gone) do
+        redis.call('ZREM', KEYS[9], id)
+    end
+    redis.call('ZADD', KEYS[9], now, job_id)
 end
 return {'admitted', tier, tostring(estimate), ahead, by_tier[1], by_tier[2], by_tier[3], by_tier[4]}

@@ -12,15 +12,18 @@
 -- KEYS[9..]   job hashes
 -- ARGV[1]     now, ms
 -- ARGV[2]     max attempts
--- ARGV[3..]   job ids, in the order of KEYS[9..]
+-- ARGV[3]     retention of a dead job's hash, ms (as for finished jobs)
+-- ARGV[4]     most entries the dead zset keeps (the oldest are dropped, with their hashes)
+-- ARGV[5..]   job ids, in the order of KEYS[9..]
 --
 -- Returns: flat {job id, "queued" | "dead", worker that held it, its attempt, ...} for the jobs
 -- settled (the gateway tells that worker to stop the lost attempt).
 
 local now, max_attempts = tonumber(ARGV[1]), tonumber(ARGV[2])
+local retention_ms, dead_max = tonumber(ARGV[3]), tonumber(ARGV[4])
 local settled = {}
 for i = 9, #KEYS do
-    local job_key, job_id = KEYS[i], ARGV[i - 6]
+    local job_key, job_id = KEYS[i], ARGV[i - 4]
     local expiry = tonumber(redis.call('ZSCORE', KEYS[5], job_id))
     if expiry and expiry <= now then
         local f = redis.call('HMGET', job_key, 'state', 'attempt', 'tier', 'enqueued_at_ms',
@@ -33,6 +36,18 @@ for i = 9, #KEYS do
                 redis.call('HSET', job_key, 'state', 'dead', 'finished_at_ms', now,
                     'reason', 'lease expired ' .. attempt .. ' times')
                 redis.call('ZADD', KEYS[6], now, job_id)
+                -- Kept for the operator (payload included), but not for ever: Redis must stay bounded.
+                redis.call('PEXPIRE', job_key, retention_ms)
+                local over = redis.call('ZCARD', KEYS[6]) - dead_max
+                if over > 0 then
+                    local job_prefix = string.sub(job_key, 1, #job_key - #job_id)
+                    for _, old in ipairs(redis.call('ZRANGE', KEYS[6], 0, over - 1)) do
+                        if redis.call('HGET', job_prefix .. old, 'state') == 'dead' then
+                            redis.call('DEL', job_prefix .. old)
+                        end
+                    end
+                    redis.call('ZREMRANGEBYRANK', KEYS[6], 0, over - 1)
+                end
                 settled[#settled + 1] = job_id
                 settled[#settled + 1] = 'dead'
                 settled[#settled + 1] = f[7] or ''
