@@ -1,59 +1,101 @@
-"""Fault injection under load (issue 9): 2 gateways, 2 workers, one Redis (AOF everysec); kill -9 of a
-worker, of Redis and of the admitting gateway while jobs stream, each restarted with the same identity,
-ports and data directory (by the test: the harness plays the supervisor). Every job must end done with
-all its tokens, exactly max_tokens for ignore_eos jobs, equal to the reference engine's, and be readable
-through either gateway.
+"""Fault injection under load (issue 9) on the cluster a user runs: `scripts/up.py --gateways 2 --workers 2`
+(one Redis with AOF everysec, CURVE workers). Under load, kill -9 a worker, Redis or the gateway that admitted
+half the jobs; up.py, the supervisor, restarts it with the same identity, ports and data (the test only waits
+for the new pid in the state file). Every job ends done with exactly max_tokens tokens, equal to the reference
+engine's, for the clients that waited through the fault and through each gateway on its own.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
+import time
+
 import pytest
 
-from common.errors import ServingError
-from tests.cluster_helpers import wait_for
-from tests.durable_cluster import DurableCluster, settle, wait_states
+from gateway.sdk import GatewayClient
+from tests.cluster_helpers import job_hash, local_cluster, process_running, wait_for
 from tests.test_cluster_robustness import reference  # noqa: F401  (fixture)
-from tests.test_durability import assert_whole
 
 pytestmark = pytest.mark.faults
 
 
-def _load(c: DurableCluster, wave: int, n: int = 6) -> list[tuple[str, tuple[list[int], int, float, int]]]:
-    """Submit ``n`` jobs alternately through both gateways; (job id, reference spec) each."""
+def _pids(state: dict) -> dict[str, int]:
+    return json.loads(state["state_file"].read_text())["pids"]
+
+
+def _client(state: dict, first: int, **kw) -> GatewayClient:
+    """A client of both gateways, starting with gw-``first``: it fails over to the other one."""
+    eps = [g["endpoint"] for g in state["gateways"]]
+    return GatewayClient(eps[first:] + eps[:first], state["tenants"]["lab-co"]["api_key"], timeout_s=10, **kw)
+
+
+def _load(state: dict, wave: int, n: int = 6) -> list[tuple[str, tuple[list[int], int, float, int]]]:
+    """``n`` jobs admitted alternately through gw-0 and gw-1: (job id, reference spec) each."""
     out = []
     for i in range(n):
         spec = ([wave + 1, i + 1], 40 + 8 * i, 0.0, 1000 * wave + i)
-        cl = c.client("lab-co", f"gw-{i % 2}")
-        job = wait_for(lambda: _submit(cl, spec), 60, "a gateway to admit again after the fault", interval=0.2)
-        cl.close()
+        with _client(state, i % 2) as cl:  # waits out 'unavailable' while Redis restarts
+            job = cl.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[3], ignore_eos=True)
         out.append((job.id, spec))
     return out
 
 
-def _submit(cl, spec):
-    """The job, or None while the gateway answers 'unavailable' (Redis just came back: it retries with backoff)."""
-    try:
-        return cl.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[3], ignore_eos=True)
-    except ServingError as e:
-        if "unavailable" not in str(e):
-            raise
-        return None
+class Waiter(threading.Thread):
+    """A client that re-attaches to one job and waits for its result through the fault (one client each:
+    a GatewayClient is not thread-safe)."""
+
+    def __init__(self, state: dict, job_id: str, first: int) -> None:
+        super().__init__(daemon=True)
+        self.state, self.job_id, self.first = state, job_id, first
+        self.result = self.error = None
+
+    def run(self) -> None:
+        try:
+            with _client(self.state, self.first, retries=20) as cl:
+                self.result = cl.job(self.job_id).result(timeout=300)
+        except BaseException as e:  # reported by the test thread
+            self.error = e
 
 
 @pytest.mark.parametrize("victim", ["wk-0", "redis", "gw-0"])
 def test_kill_9_under_load_every_job_ends_whole(tmp_path, tiny_model_dir, reference, victim):  # noqa: F811
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=2, lease_s=4.0) as c:
-        jobs = _load(c, 0)
-        wait_for(lambda: sum(c.state(j) == "dispatched" for j, _ in jobs) >= 2, 120, "jobs running")
-        settle(1.2)  # AOF everysec: admitted more than a second before the kill
-        c.kill(victim)
-        settle(1.0)
-        c.restart(victim)
-        if victim.startswith("gw"):
-            c.wait_workers(victim)
-        jobs += _load(c, 1)  # more load once it is back
-        wait_states(c, [j for j, _ in jobs], {"done", "failed", "dead", "expired", "cancelled"}, 600)
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, gateways=2, lease_s=4.0) as state:
+        state["state_file"] = tmp_path / "cluster.json"
+        jobs = _load(state, 0)
+        waiters = [Waiter(state, job_id, i % 2) for i, (job_id, _) in enumerate(jobs)]
+        for w in waiters:
+            w.start()
+        wait_for(lambda: sum(job_hash(state, j).get("state") == "dispatched" for j, _ in jobs) >= 2, 120,
+                 "jobs running")
+        # AOF everysec: what was admitted more than a second before the kill is on disk.
+        time.sleep(1.2)
+        old = _pids(state)
+        os.kill(old[victim], signal.SIGKILL)
+        new = wait_for(lambda: (p := _pids(state))[victim] != old[victim] and p, 60, f"up.py to restart {victim}")
+        assert process_running(new[victim])
+        log = (tmp_path / "up.log").read_text()
+        assert f"{victim} (pid {old[victim]}) exited with code -9; restarting" in log
+        jobs += _load(state, 1)  # more load once it is back
+        for i, (job_id, _) in enumerate(jobs[len(waiters):]):
+            waiters.append(Waiter(state, job_id, i % 2))
+            waiters[-1].start()
+        for w in waiters:
+            w.join(timeout=300)
+            assert not w.is_alive(), f"no result for {w.job_id} within 300 s"
         want = reference([spec for _, spec in jobs])
-        for (job_id, spec), tokens in zip(jobs, want):
-            assert len(tokens) == spec[1]
-            assert_whole(c, "lab-co", job_id, tokens)
+        for w, (job_id, spec), tokens in zip(waiters, jobs, want):
+            assert w.error is None, (job_id, w.error)
+            assert len(tokens) == spec[1] and w.result.token_ids == tokens, job_id
+        # Whole through each gateway on its own, streamed from the start once: any gateway serves any job.
+        for g in state["gateways"]:
+            with GatewayClient(g["endpoint"], state["tenants"]["lab-co"]["api_key"], timeout_s=10) as cl:
+                for (job_id, _), tokens in zip(jobs, want):
+                    job = cl.job(job_id)
+                    chunks = list(job.stream(timeout=60))
+                    assert [i for c in chunks for i in range(c.index, c.index + len(c.token_ids))] == \
+                        list(range(len(tokens))), (g["id"], job_id)
+                    assert [t for c in chunks for t in c.token_ids] == tokens, (g["id"], job_id)
+                    assert job.result(timeout=60).token_ids == tokens, (g["id"], job_id)

@@ -324,9 +324,8 @@ def test_expired_504_and_health_without_workers(tiny_model_dir, tmp_path):
         r = httpx.get(c["http"] + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["status"] == "no_workers"
         with GatewayClient(c["gateway"], key(c, "batch-co")) as batch:
-            # No worker means no measured capacity, so the wait estimate (issue 12) never sheds here: the 503
-            # path needs a cluster whose measured capacity puts the estimate past the timeout (not tested yet
-            # end to end). Queued P2 jobs wait out their 1 s timeout.
+            # No worker means no measured capacity, so the wait estimate (issue 12) never sheds here (the 503
+            # is test_overloaded_503_names_the_estimated_wait). Queued P2 jobs wait out their 1 s timeout.
             flood = [batch.submit(prompt_token_ids=[5], max_tokens=1, tier="P2") for _ in range(2)]
             # Once the flood has expired, a P2 request is admitted, waits, and expires: 504, whole or streamed
             # (a stream's status line waits for its first token).
@@ -336,6 +335,37 @@ def test_expired_504_and_health_without_workers(tiny_model_dir, tmp_path):
                 assert_error(r, 504, "timeout_error")
                 assert r.headers["X-Tier"] == "P2"
                 assert "queue timeout" in job_hash(c, r.headers["X-Request-Id"])["reason"]
+
+
+def test_overloaded_503_names_the_estimated_wait(tiny_model_dir, tmp_path):
+    # One slot held by a long P3 job, and long P2 jobs queued behind it until the estimate from the worker's
+    # measured capacity passes P2's 5 s timeout: then a P2 request gets 503 with the estimate, and nothing
+    # is stored. How many jobs that takes depends on the machine, not the outcome.
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
+                       env={"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 5}'}) as c:
+        with GatewayClient(c["gateway"], key(c, "lab-co")) as lab, GatewayClient(c["gateway"], key(c, "batch-co")) as b:
+            blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
+            wait_for(lambda: job_hash(c, blocker.id)["state"] == "dispatched", 60, "the blocker to run")
+            queued = []
+            for _ in range(200):
+                try:
+                    queued.append(b.submit(prompt_token_ids=[6], max_tokens=2000, tier="P2", ignore_eos=True))
+                except Overloaded:
+                    break
+            else:
+                pytest.fail("200 jobs of 2,000 tokens each fit in a 5 s wait")
+            before = snapshot(c)
+            for stream in (False, True):
+                r = post(c, "/v1/completions", {"prompt": [6], "max_tokens": 2000, "stream": stream},
+                         tenant="batch-co", headers={"X-Priority": "P2"})
+                err = assert_error(r, 503, "overloaded_error")
+                assert err["code"] == "overloaded"
+                assert float(r.headers["X-Estimated-Wait-Seconds"]) > 5, r.headers
+                assert int(r.headers["Retry-After"]) >= 5, r.headers  # retry once the estimated wait has passed
+            assert_unchanged(before, snapshot(c))
+            for j in queued:
+                b.cancel(j.id)
+            lab.cancel(blocker.id)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------

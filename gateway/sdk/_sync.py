@@ -98,13 +98,13 @@ class GatewayClient:
             request_ids.add(rid := new_request_id())
             try:
                 self._socks[self.endpoint].send(P.encode(with_request_id(msg, rid)))
-            except zmq.Again:
-                error = TimeoutError(f"gateway {self.endpoint} took no request within {self.timeout_s}s")
-                continue
-            reply = self._reply_to(request_ids)
+            except zmq.Again:  # no pipe to the gateway: as silent as one that never answers
+                reply, silence = None, "took no request"
+            else:
+                reply, silence = self._reply_to(request_ids), "did not answer"
             try:
                 if reply is None:
-                    raise TimeoutError(f"gateway {self.endpoint} did not answer within {self.timeout_s}s")
+                    raise TimeoutError(f"gateway {self.endpoint} {silence} within {self.timeout_s}s")
                 raise_for(reply)
                 return reply
             except RETRYABLE as e:
