@@ -125,12 +125,12 @@ class FrontDoor:
                                  max_tokens: int) -> Response:
         prompt_param = "messages" if chat else "prompt"
         try:
+            # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
             async with self.upstream.client(key) as up:
-                async with up.lock:
-                    job = await up.client.submit(
-                        prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
-                        top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
-                        ignore_eos=body.ignore_eos)
+                job = await up.client.submit(
+                    prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
+                    top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
+                    ignore_eos=body.ignore_eos)
         except Unauthorized as e:
             self.upstream.forget(key)
             raise errors.from_serving_error(e) from None
@@ -215,7 +215,7 @@ class FrontDoor:
         """Cancel a job from its own task: the caller may itself be in the middle of being cancelled."""
         async def cancel() -> None:
             try:
-                async with self.upstream.client(key) as up, up.lock:
+                async with self.upstream.client(key) as up:
                     await up.client.cancel(job_id)
             except (ServingError, TimeoutError) as e:
                 log.warning("could not cancel job %s: %s", job_id, e)

@@ -8,7 +8,6 @@ cannot fill the table). Nothing here outlives a restart: jobs live in the gatewa
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,8 +19,6 @@ class _Entry:
     def __init__(self, client: AsyncGatewayClient) -> None:
         self.client = client
         self.users = 0
-        # Serialises submit/cancel/info on the client: its request socket carries one call at a time.
-        self.lock = asyncio.Lock()
 
 
 class Upstream:
