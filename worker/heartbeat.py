@@ -1,7 +1,9 @@
 """The worker's heartbeat, on its own thread: leases must not depend on how long an engine step takes.
 
-The step loop publishes a load snapshot (cheap, once per step at most every half interval); this
-thread sends the latest snapshot every ``interval_s`` and a WorkerHello every ``hello_every_s``.
+The step loop publishes a load snapshot (cheap, once per step at most every half interval, and
+before a step whenever jobs came or went, so a job is listed before its first step, which may be
+a prefill longer than its lease); this thread sends the latest snapshot every ``interval_s`` and a
+WorkerHello every ``hello_every_s``.
 A ZeroMQ socket is not thread-safe, so every use of the worker's sockets (here and in the step
 loop) happens under one lock; the step itself runs without it.
 """

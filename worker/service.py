@@ -101,15 +101,22 @@ class WorkerService:
                 for sock, _ in poller.poll(timeout=0 if busy else 20):
                     self._drain(sock)
                 self._retry_unsent()
+            # Before the step too: the heartbeat thread sends only what was last published, and a job
+            # just dispatched must be in it before a step that may outlast the job's lease (its prefill).
+            self._publish()
             if self.engine.has_unfinished():
                 self._step()
-            now = self.clock()
-            if self._beat_pending or now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
-                self._refresh_snapshot(now)
-            if self._beat_pending:
-                self._beat_pending = False
-                with self._lock:
-                    self._beat()
+            self._publish()
+
+    def _publish(self) -> None:
+        """Refresh the snapshot the heartbeat thread sends; send it now if jobs came or went."""
+        now = self.clock()
+        if self._beat_pending or now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
+            self._refresh_snapshot(now)
+        if self._beat_pending:
+            self._beat_pending = False
+            with self._lock:
+                self._beat()
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):
