@@ -103,21 +103,22 @@ def traced_run(tiny_model_dir, tmp_path_factory):
                 return GatewayClient(c["gateway"], c["tenants"][tenant]["api_key"], timeout_s=60,
                                      tracer_provider=client_provider)
             lab, chat = client("lab-co"), client("chat-co")
-            flood = [lab.submit(prompt_token_ids=[5, i], max_tokens=1500, ignore_eos=True) for i in range(4)]
+            flood = [lab.submit(prompt_token_ids=[5, i], max_tokens=1500, ignore_eos=True) for i in range(3)]
             wait_for(lambda: sum(job_hash(c, j.id)["state"] == "dispatched" for j in flood) == 2, 30,
                      "two P3 jobs running")
             wait_for(lambda: all(len(list(_first_tokens(j))) for j in flood[:1]), 30, "tokens flowing")
-            urgent = chat.submit(prompt_token_ids=[9, 9], max_tokens=16, ignore_eos=True, tier="P0")
-            # Three more P0 turns at once. The worker has two slots and a gateway sends a job only where it can
-            # run or preempt, so once two P0s hold both slots the others wait in Redis: the last one queues
-            # behind at least one more P0.
-            more = [chat.submit(prompt_token_ids=[9, i], max_tokens=16, ignore_eos=True, tier="P0") for i in range(3)]
+            urgent = chat.submit(prompt_token_ids=[9, 9], max_tokens=64, ignore_eos=True, tier="P0")
+            # Three more P0 turns at once (the tenant's P0 burst allows four in all), all long enough to outlive
+            # the submissions. The worker has two slots and a gateway sends a job only where it can run or
+            # preempt (a P0 never preempts a P0), so once two P0s hold both slots the other two wait in Redis,
+            # the last behind the third.
+            more = [chat.submit(prompt_token_ids=[9, i], max_tokens=64, ignore_eos=True, tier="P0") for i in range(3)]
             results = {j.id: j.result(timeout=120) for j in [urgent] + more + flood}
             wait_for(lambda: any(s["name"] == "scheduler.preemption" for s in receiver.spans()), 30,
                      "the decision span to be exported")
         # The cluster has stopped: every process flushed its spans on the way out.
         yield {"spans": receiver.spans(), "resource_spans": receiver.resource_spans, "urgent": urgent.id,
-               "queued_p0": more[-1].id,
+               "more_p0": [j.id for j in more],
                "flood": [j.id for j in flood], "results": results}
     finally:
         receiver.close()
@@ -196,7 +197,7 @@ def test_explain_names_the_preempting_request_from_a_file_and_from_jaeger(traced
     assert data["suspended_s"] > 0
     # Nothing is left unexplained on real spans: every interval is queued, running, suspended or in transit
     # (to the gateway, admission, dispatch, to the worker, delivery), and they add up to the total.
-    for rid in [victim, urgent, traced_run["queued_p0"]]:
+    for rid in [victim, urgent, *traced_run["more_p0"]]:
         assert explain.main([rid, "--spans", str(spans_file), "--json"]) == 0
         d = json.loads(capsys.readouterr().out)
         assert d["other_s"] < 0.002, (rid, d["transit"], d["other_s"])
@@ -207,9 +208,24 @@ def test_explain_names_the_preempting_request_from_a_file_and_from_jaeger(traced
 def test_explain_on_a_queued_p0_request_names_what_was_ahead(traced_run, tmp_path, capsys):
     spans_file = tmp_path / "spans.jsonl"
     spans_file.write_text("".join(json.dumps({"resourceSpans": [rs]}) + "\n" for rs in traced_run["resource_spans"]))
-    job = traced_run["queued_p0"]
-    admit = next(s for s in traced_run["spans"] if s["name"] == "gateway.admit" and s["attrs"].get("request.id") == job)
-    assert int(admit["attrs"]["queue.ahead.P0"]) >= 1  # it really queued behind another P0
+    admits = {s["attrs"]["request.id"]: s for s in traced_run["spans"]
+              if s["name"] == "gateway.admit" and s["attrs"].get("request.id") in traced_run["more_p0"]}
+    # The P0 that found the most P0s queued ahead of it at admission: at least one (it really queued).
+    job = max(admits, key=lambda j: int(admits[j]["attrs"]["queue.ahead.P0"]))
+
+    def timeline():
+        """Per P0, its admission, dispatch and worker spans in ms from the first: the failure message."""
+        ids = [traced_run["urgent"], *traced_run["more_p0"]]
+        own = [s for s in traced_run["spans"] if s["attrs"].get("request.id") in ids and s["name"] in
+               ("gateway.admit", "gateway.dispatch", "worker.request", "worker.prefill")]
+        t0 = min(int(s["startTimeUnixNano"]) for s in own)
+        def ms(ns: str) -> int:
+            return round((int(ns) - t0) / 1e6)
+
+        return {i[:6]: sorted((ms(s["startTimeUnixNano"]), ms(s["endTimeUnixNano"]), s["name"])
+                              for s in own if s["attrs"]["request.id"] == i) for i in ids}
+
+    assert int(admits[job]["attrs"]["queue.ahead.P0"]) >= 1, timeline()
     assert explain.main([job, "--spans", str(spans_file)]) == 0
     text = capsys.readouterr().out
     assert "behind" in text and "P0" in text

@@ -238,8 +238,11 @@ class WorkerService:
         low_running = any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING for r in e.scheduler.running)
         cost = 0.0 if free_slots or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
         may_preempt = e.scheduler.preemption.config.may_preempt
-        victims = {t.value: sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
-                                for r in e.scheduler.running) for t in ALL_TIERS}
+        # An urgent job already here but not yet running (added since the last step) will take a victim of its
+        # own: counting that victim as free would let a gateway send one more urgent job to wait behind it.
+        claimed = sum(r.tier.rank <= 1 for r in e.scheduler.waiting)
+        victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
+                                       for r in e.scheduler.running) - claimed) for t in ALL_TIERS}
         held = list(self.jobs) + [m.job_id for _, m in self._unsent]
         self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
                                       held, cost, victims, *self.rates.rates(), self.rates.work())
