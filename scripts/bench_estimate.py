@@ -180,14 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--mix takes four shares: P0,P1,P2,P3")
     jobs = plan(load_trace(args.trace, args.start, args.arrivals), args)
 
-    from scripts.up import Cluster
+    from scripts.up import Cluster, cluster_args
 
     os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
     if args.no_bias_correction:
         os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "false"
-    cluster = Cluster(argparse.Namespace(
-        workers=args.workers, gateways=1, lease_s=10.0, model=args.model, max_running=args.max_running, kv_blocks=0,
-        aging_interval=60.0, ready_timeout=180.0, spans_file=None, policy="priority"))
+    cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
+                                   ready_timeout=180.0, http=False))
     try:
         state = cluster.start()
         print(f"cluster up: {args.workers} workers x {args.max_running} slots ({args.model}); replaying "

@@ -24,8 +24,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.redis_server import redact_url  # noqa: E402
 from gateway.sdk import GatewayClient  # noqa: E402
-from scripts.up import Cluster  # noqa: E402
+from scripts.up import Cluster, cluster_args as up_cluster_args  # noqa: E402
 
 # (tier, tenant, count, max_tokens, first arrival s, interval s)
 WORKLOAD = [
@@ -88,8 +89,8 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 
 def cluster_args(policy: str, spans_file: Path) -> Namespace:
-    return Namespace(workers=2, gateways=1, lease_s=10.0, model="tiny", max_running=4, kv_blocks=0,
-                     aging_interval=60.0, ready_timeout=120.0, spans_file=spans_file, policy=policy)
+    # No HTTP front door: the demo drives the cluster through the SDK.
+    return up_cluster_args(workers=2, max_running=4, spans_file=spans_file, policy=policy, http=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster(cluster_args(policy, spans[policy]))
         try:
             state = cluster.start()
-            print(f"{policy}: cluster up (redis {state['redis']}, gateway {state['gateway']}, 2 workers)",
+            print(f"{policy}: cluster up (redis {redact_url(state['redis'])}, gateway {state['gateway']}, 2 workers)",
                   file=sys.stderr)
             runs[policy] = run_workload(state, fifo=policy == "fifo", desc=f"{policy:>8}")
         finally:

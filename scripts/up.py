@@ -243,7 +243,18 @@ class Cluster:
             self.redis.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def cluster_args(**options) -> argparse.Namespace:
+    """up.py's options for a Cluster started in-process (the demo, benchmarks): its defaults with ``options``
+    set, so such a script keeps working when up.py gains an option. An unknown option is a TypeError."""
+    args = parser().parse_args(["--state-file", os.devnull])
+    for name, value in options.items():
+        if not hasattr(args, name):
+            raise TypeError(f"scripts/up.py has no option {name!r}")
+        setattr(args, name, value)
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__)
     ap.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                     help="start the OpenAI-compatible HTTP front door (state file key `http`: its base URL)")
@@ -261,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the workers' scheduling policy (fifo: no tiers, no preemption; for comparisons)")
     ap.add_argument("--spans-file", type=Path, help="OTLP-JSON lines file for every process's spans (default: in the "
                     "log folder); ignored when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     cluster = Cluster(args)
     stopping = {"now": False}
 
