@@ -60,7 +60,8 @@ end
 -- job's own (which a full Redis, maxmemory with noeviction, refuses before anything is changed).
 local tenant_cap = tonumber(ARGV[19]) or 0
 local gone = {}
-if tenant_cap > 0 and redis.call('ZCARD', KEYS[9]) >= tenant_cap then
+local held = tenant_cap > 0 and redis.call('ZCARD', KEYS[9]) or 0
+if tenant_cap > 0 and held >= tenant_cap then
     local job_prefix = string.sub(KEYS[5], 1, #KEYS[5] - #job_id)
     local sample = redis.call('ZRANGE', KEYS[9], 0, 15)
     for _, id in ipairs(redis.call('ZRANDMEMBER', KEYS[9], 32)) do
@@ -76,7 +77,7 @@ if tenant_cap > 0 and redis.call('ZCARD', KEYS[9]) >= tenant_cap then
             end
         end
     end
-    if redis.call('ZCARD', KEYS[9]) - #gone >= tenant_cap then
+    if held - #gone >= tenant_cap then
         return {'tenant_full', tenant_cap}
     end
 end
