@@ -45,6 +45,7 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
             raise AssertionError(f"up.py exited {proc.returncode}: {(tmp_path / 'up.log').read_text()[-3000:]}")
         state = json.loads(state_file.read_text())
         state["redis_client"] = redis.Redis.from_url(state["redis"])
+        state["state_file"] = state_file
         yield state
     finally:
         stop_process(proc, timeout=30)
@@ -83,6 +84,17 @@ def process_running(pid: int) -> bool:
 def job_hash(state: dict, job_id: str) -> dict[str, str]:
     raw = state["redis_client"].hgetall(f"{state['key_prefix']}:{{c}}:job:{job_id}")
     return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+
+
+def job_ids(state: dict) -> set[str]:
+    """The ids of every job hash in Redis (a refusal adds none)."""
+    prefix = f"{state['key_prefix']}:{{c}}:job:"
+    return {k.decode()[len(prefix):] for k in state["redis_client"].scan_iter(match=prefix + "*", count=1000)}
+
+
+def state_pids(state: dict) -> dict[str, int]:
+    """up.py's current pids, as its supervisor rewrites them in the state file."""
+    return json.loads(state["state_file"].read_text())["pids"]
 
 
 def snapshot(state: dict) -> dict[bytes, bytes]:

@@ -7,7 +7,6 @@ engine's, for the clients that waited through the fault and through each gateway
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -16,14 +15,10 @@ import time
 import pytest
 
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import job_hash, local_cluster, process_running, wait_for
+from tests.cluster_helpers import job_hash, local_cluster, process_running, state_pids, wait_for
 from tests.test_cluster_robustness import reference  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.faults
-
-
-def _pids(state: dict) -> dict[str, int]:
-    return json.loads(state["state_file"].read_text())["pids"]
 
 
 def _client(state: dict, first: int, **kw) -> GatewayClient:
@@ -63,7 +58,6 @@ class Waiter(threading.Thread):
 @pytest.mark.parametrize("victim", ["wk-0", "redis", "gw-0"])
 def test_kill_9_under_load_every_job_ends_whole(tmp_path, tiny_model_dir, reference, victim):  # noqa: F811
     with local_cluster(tmp_path, tiny_model_dir, workers=2, gateways=2, lease_s=4.0) as state:
-        state["state_file"] = tmp_path / "cluster.json"
         jobs = _load(state, 0)
         waiters = [Waiter(state, job_id, i % 2) for i, (job_id, _) in enumerate(jobs)]
         for w in waiters:
@@ -72,9 +66,9 @@ def test_kill_9_under_load_every_job_ends_whole(tmp_path, tiny_model_dir, refere
                  "jobs running")
         # AOF everysec: what was admitted more than a second before the kill is on disk.
         time.sleep(1.2)
-        old = _pids(state)
+        old = state_pids(state)
         os.kill(old[victim], signal.SIGKILL)
-        new = wait_for(lambda: (p := _pids(state))[victim] != old[victim] and p, 60, f"up.py to restart {victim}")
+        new = wait_for(lambda: (p := state_pids(state))[victim] != old[victim] and p, 60, f"up.py to restart {victim}")
         assert process_running(new[victim])
         log = (tmp_path / "up.log").read_text()
         assert f"{victim} (pid {old[victim]}) exited with code -9; restarting" in log

@@ -22,7 +22,8 @@ from common.sockets import free_port
 from gateway.http.prompts import plain_chat_text
 from gateway.http.schemas import Message
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import ROOT, assert_unchanged, job_hash, local_cluster, snapshot, stop_process, wait_for
+from tests.cluster_helpers import (ROOT, assert_unchanged, job_hash, job_ids, local_cluster, snapshot, stop_process,
+                                   wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -267,11 +268,6 @@ def test_p0_quota_429_with_retry_after(cluster):
 
 
 # -- the client goes away --------------------------------------------------------------------------------------
-
-
-def job_ids(c: dict) -> set[str]:
-    prefix = f"{c['key_prefix']}:{{c}}:job:"
-    return {k.decode()[len(prefix):] for k in c["redis_client"].scan_iter(match=prefix + "*")}
 
 
 def test_stream_disconnect_cancels_the_job(cluster):

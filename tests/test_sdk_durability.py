@@ -23,7 +23,7 @@ import zmq
 
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, GatewayClient, Job, NotFound
-from tests.cluster_helpers import ROOT, job_hash, local_cluster, stop_process, wait_for
+from tests.cluster_helpers import ROOT, job_hash, job_ids, local_cluster, stop_process, wait_for
 
 KEEPALIVE_ENV = {"TS_GATEWAY_KEEPALIVE_INTERVAL_S": "0.3"}
 
@@ -160,11 +160,6 @@ def two_gateways(tiny_model_dir, tmp_path_factory):
         yield state
 
 
-def job_ids_in_redis(state: dict) -> set[str]:
-    prefix = f"{state['key_prefix']}:{{c}}:job:"
-    return {k.decode()[len(prefix):] for k in state["redis_client"].scan_iter(match=prefix + "*", count=1000)}
-
-
 @contextmanager
 def stopped(pid: int):
     """The process frozen (SIGSTOP): alive to the kernel, silent to its peers, like a hung gateway."""
@@ -197,7 +192,7 @@ def test_a_submit_retried_after_a_timeout_creates_no_duplicate(two_gateways):
     c = two_gateways
     gw0 = c["gateways"][0]["endpoint"]
     client = GatewayClient(gw0, c["tenants"]["lab-co"]["api_key"], timeout_s=1.0, retries=20)
-    before = job_ids_in_redis(c)
+    before = job_ids(c)
     out: dict = {}
     with Failovers() as failovers, stopped(c["pids"]["gw-0"]):
         submitter = threading.Thread(target=lambda: out.update(job=client.submit(prompt_token_ids=[11, 12],
@@ -209,7 +204,7 @@ def test_a_submit_retried_after_a_timeout_creates_no_duplicate(two_gateways):
     submitter.join(timeout=60)
     assert "job" in out, "submit() did not succeed once the gateway answered again"
     # All attempts reached the gateway; one job was admitted, the others found its idempotency key.
-    assert job_ids_in_redis(c) - before == {out["job"].id}
+    assert job_ids(c) - before == {out["job"].id}
     assert out["job"].duplicate is False  # its own earlier attempt is not someone else's submission
     assert len(out["job"].result(timeout=120).token_ids) == 3
     client.close()

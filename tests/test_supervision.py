@@ -15,19 +15,15 @@ import pytest
 from common.errors import ServingError
 from gateway.sdk import GatewayClient
 from scripts import supervisor as sv
-from tests.cluster_helpers import local_cluster, process_running, wait_for
+from tests.cluster_helpers import local_cluster, process_running, state_pids, wait_for
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("supervised")
     with local_cluster(tmp, tiny_model_dir, workers=1, gateways=2) as state:
-        state["state_file"], state["up_log"] = tmp / "cluster.json", tmp / "up.log"
+        state["up_log"] = tmp / "up.log"
         yield state
-
-
-def pids(state: dict) -> dict[str, int]:
-    return json.loads(state["state_file"].read_text())["pids"]
 
 
 def serves_a_job(state: dict, endpoint: str) -> bool:
@@ -41,7 +37,7 @@ def serves_a_job(state: dict, endpoint: str) -> bool:
 
 
 def test_the_state_file_names_every_process(cluster):
-    p = pids(cluster)
+    p = state_pids(cluster)
     assert set(p) == {"redis", "gw-0", "gw-1", "wk-0", "http"}  # http: the front door up.py starts
     assert all(process_running(pid) for pid in p.values())
     st = json.loads(cluster["state_file"].read_text())
@@ -53,9 +49,9 @@ def test_a_kill_9d_process_comes_back_as_itself(cluster, name):
     r = cluster["redis_client"]
     marker = f"{cluster['key_prefix']}:test-marker:{name}"
     r.set(marker, name)  # in the AOF once SET has answered (appendfsync everysec writes before replying)
-    old = pids(cluster)
+    old = state_pids(cluster)
     os.kill(old[name], signal.SIGKILL)
-    new = wait_for(lambda: (p := pids(cluster))[name] != old[name] and p, 60, f"{name} to be restarted")
+    new = wait_for(lambda: (p := state_pids(cluster))[name] != old[name] and p, 60, f"{name} to be restarted")
     assert process_running(new[name])
     log = cluster["up_log"].read_text()
     # Restarted at once (a first death gets no backoff pause), and said so.

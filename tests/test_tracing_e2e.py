@@ -103,7 +103,7 @@ def traced_run(tiny_model_dir, tmp_path_factory):
                 return GatewayClient(c["gateway"], c["tenants"][tenant]["api_key"], timeout_s=60,
                                      tracer_provider=client_provider)
             lab, chat = client("lab-co"), client("chat-co")
-            flood = [lab.submit(prompt_token_ids=[5, i], max_tokens=1500, ignore_eos=True) for i in range(3)]
+            flood = [lab.submit(prompt_token_ids=[5, i], max_tokens=1500, ignore_eos=True) for i in range(4)]
             wait_for(lambda: sum(job_hash(c, j.id)["state"] == "dispatched" for j in flood) == 2, 30,
                      "two P3 jobs running")
             wait_for(lambda: all(len(list(_first_tokens(j))) for j in flood[:1]), 30, "tokens flowing")
@@ -219,6 +219,7 @@ def test_explain_on_a_queued_p0_request_names_what_was_ahead(traced_run, tmp_pat
         own = [s for s in traced_run["spans"] if s["attrs"].get("request.id") in ids and s["name"] in
                ("gateway.admit", "gateway.dispatch", "worker.request", "worker.prefill")]
         t0 = min(int(s["startTimeUnixNano"]) for s in own)
+
         def ms(ns: str) -> int:
             return round((int(ns) - t0) / 1e6)
 
