@@ -10,6 +10,7 @@ and writes JSON (see --help of --json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -195,10 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     eng_cfg = scenario.get("engine", {})
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=eng_cfg.get("max_running_sequences", 16),
-                       block_size=eng_cfg.get("block_size", 16), num_kv_blocks=eng_cfg.get("num_kv_blocks"),
-                       swap_space_mb=eng_cfg.get("swap_space_mb", 256),
+    # The scenario's other engine keys are EngineConfig's own (p0_reserve_slots, max_num_batched_tokens, ...).
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    extra = {k: v for k, v in eng_cfg.items() if k not in ("max_running_sequences", "isolate_p0_prefill")}
+    if set(extra) - known:
+        ap.error(f"scenario engine keys not in EngineConfig: {', '.join(sorted(set(extra) - known))}")
+    cfg = EngineConfig(**{"block_size": 16, "swap_space_mb": 256, **extra}, device=args.device, dtype=args.dtype,
+                       max_num_seqs=eng_cfg.get("max_running_sequences", 16),
                        isolate_p0_prefill=eng_cfg.get("isolate_p0_prefill", not args.mixed_p0_prefill))
+    cfg.validate()
     model_dir = ensure_model(scenario, args.model)
     runner = ModelRunner(load_model(model_dir, cfg), cfg)  # one model and KV pool for every run
     vocab = runner.info.vocab_size

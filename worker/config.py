@@ -14,6 +14,12 @@ class ConfigError(ValueError):
     """A configuration value is out of range; raised before anything is loaded."""
 
 
+def check_p0_reserve_slots(reserve: int, max_num_seqs: int) -> None:
+    if not 0 <= reserve < max_num_seqs:
+        raise ConfigError(f"p0_reserve_slots must be in [0, max_num_seqs) so the other tiers keep a slot; "
+                          f"got {reserve} with max_num_seqs {max_num_seqs}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Most sequences in one forward step (the batch "slots").
@@ -30,11 +36,15 @@ class SchedulerConfig:
     # step), as SGLang runs prefill batches: where a step's time grows with its tokens (CPUs, big
     # batches) the urgent request's first token comes sooner. Never two such steps in a row.
     isolate_p0_prefill: bool = False
+    # Batch slots only P0 may use: P1..P3 together hold at most max_num_seqs - p0_reserve_slots, so a new
+    # P0 finds a free slot while fewer P0s than this run, even when the rest is work it may not preempt.
+    p0_reserve_slots: int = 0
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_p0_reserve_slots(self.p0_reserve_slots, self.max_num_seqs)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # A request recomputed after preemption re-prefills prompt + output in one step: without
             # chunking that step can need up to max_model_len tokens, or the request would wait forever.
@@ -80,6 +90,9 @@ class EngineConfig:
     guard_max_generated: int | None = None
     # KV blocks only P0 may use, so a P0 request never waits for P2/P3 work to drain.
     p0_reserve_blocks: int = 0
+    # Batch slots only P0 may use, so a P0 request does not wait for a slot behind P1 work, which it may
+    # not preempt (the default matrix), while fewer P0s than this run.
+    p0_reserve_slots: int = 0
     # Most of the KV pool P2 and P3 together may hold (fraction in (0, 1]).
     low_tier_kv_share: float = 1.0
     # Host memory for swapped-out KV blocks; 0 disables swap (preemption then keeps or recomputes).
@@ -132,6 +145,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0 (or unset), got {getattr(self, name)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        check_p0_reserve_slots(self.p0_reserve_slots, self.max_num_seqs)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in _DTYPES:

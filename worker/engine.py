@@ -41,6 +41,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 eos_token_ids=info.eos_token_ids,
                 isolate_p0_prefill=config.isolate_p0_prefill,
+                p0_reserve_slots=config.p0_reserve_slots,
             ),
             self.blocks,
             make_policy(config.policy),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 
-from common.tiers import ALL_TIERS
+from common.tiers import ALL_TIERS, Tier
 from worker.preemption import DeclineReason, PreemptionDecision, PreemptMode, Trigger
 from worker.request import Request, RequestStatus
 from worker.scheduler_types import BlockCopy
@@ -116,6 +116,8 @@ class GivingWay:
     def _make_room_for_waiting(self) -> None:
         """Phase 0: preempt for waiting requests that outrank running ones and cannot start."""
         slots = self.config.max_num_seqs - len(self.running)
+        # Slots P1..P3 may still take: the P0 slot reserve is not theirs.
+        low_slots = self._slot_limit(Tier.P3) - sum(r.tier is not Tier.P0 for r in self.running)
         spare = 0  # blocks already promised to earlier waiting requests in this pass
         for w in list(self.waiting):
             if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:
@@ -123,23 +125,29 @@ class GivingWay:
             missing = self._missing(w, self._tokens_this_step(w, self.config.max_num_batched_tokens) or 1,
                                     starting=True)
             usable = self._usable_free(w) - spare
-            if slots >= 1 and missing <= usable:
+            urgent = w.tier is Tier.P0
+
+            def free_slots() -> int:
+                return slots if urgent else min(slots, low_slots)
+
+            if free_slots() >= 1 and missing <= usable:
                 slots -= 1
+                low_slots -= not urgent
                 spare += missing
                 continue
             if not any(self.preemption.config.may_preempt(w.tier, r.tier) for r in self.running):
                 if any(r.tier.rank > w.tier.rank for r in self.running):
-                    self._decide(w, Trigger.SLOT if slots < 1 else Trigger.KV_MEMORY, None, None,
+                    self._decide(w, Trigger.SLOT if free_slots() < 1 else Trigger.KV_MEMORY, None, None,
                                  DeclineReason.NO_LOWER_TIER)
                 return
-            trigger = (Trigger.SLOT if slots < 1 else
+            trigger = (Trigger.SLOT if free_slots() < 1 else
                        Trigger.RESERVE if missing <= self.blocks.num_free - spare else Trigger.KV_MEMORY)
             victims, why = self.preemption.candidates(w, self.running, self.step_index)
             lacking = max(0, missing - usable)
             donors = [d for d in self._keep_donors(w) if self.preemption.config.may_preempt(w.tier, d.tier)
                       ] if lacking else []
             can_free = sum(len(self.blocks.block_table(r.request_id)) for r in donors + victims)
-            if not victims and slots < 1 or lacking > can_free:
+            if not victims and free_slots() < 1 or lacking > can_free:
                 self._decide(w, trigger, None, None, why or DeclineReason.INSUFFICIENT)
                 return
             for d in donors:
@@ -147,11 +155,13 @@ class GivingWay:
                     break
                 lacking -= self._preempt(d, w, trigger, blocks_needed=True)
             for v in victims:
-                if slots >= 1 and lacking <= 0:
+                if free_slots() >= 1 and lacking <= 0:
                     break
                 slots += 1
+                low_slots += v.tier is not Tier.P0
                 lacking -= self._preempt(v, w, trigger, blocks_needed=lacking > 0)
             slots -= 1
+            low_slots -= not urgent
             spare += missing
 
     def _keep_donors(self, beneficiary: Request) -> list[Request]:

@@ -143,8 +143,7 @@ class Scheduler(GivingWay):
             if i < len(self.running) and self.running[i] is req:  # else it gave way itself
                 i += 1
 
-        while (self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and self._has_slot(self.waiting[0]):
             req = self.waiting[0]
             if urgent_only and (req.tier is not Tier.P0 or req.started):
                 break
@@ -163,6 +162,17 @@ class Scheduler(GivingWay):
         out = SchedulerOutput(chunks, self._preempted, self._copies, self._new_decisions)
         self._preempted, self._copies, self._new_decisions = [], [], []
         return out
+
+    def _slot_limit(self, tier: Tier) -> int:
+        """Most running requests of ``tier``'s kind (P0, or every other tier together) the batch may hold."""
+        if tier is Tier.P0:
+            return self.config.max_num_seqs
+        return self.config.max_num_seqs - self.config.p0_reserve_slots
+
+    def _has_slot(self, req: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return req.tier is Tier.P0 or sum(r.tier is not Tier.P0 for r in self.running) < self._slot_limit(req.tier)
 
     def _isolate_p0_prefill(self) -> bool:
         """Whether this step runs a new P0's prefill with running P0s only (lower tiers wait one step).

@@ -21,7 +21,7 @@ import zmq
 from common import protocol as P
 from common.errors import InvalidRequest
 from common.sockets import make_socket
-from common.tiers import ALL_TIERS
+from common.tiers import ALL_TIERS, Tier
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
 from worker.request import RequestStatus, SamplingParams
@@ -234,15 +234,20 @@ class WorkerService:
             running[r.tier.value] += 1
         for r in e.scheduler.waiting:
             waiting[r.tier.value] += 1
-        free_slots = max(0, e.config.max_num_seqs - len(e.scheduler.running) - len(e.scheduler.waiting))
+        here = e.scheduler.running + e.scheduler.waiting
+        any_free = max(0, e.config.max_num_seqs - len(here))
+        # Slots any tier may take; the P0 slot reserve's free ones are offered to P0 alone, as victims are.
+        free_slots = min(any_free, max(0, e.config.max_num_seqs - e.config.p0_reserve_slots
+                                       - sum(r.tier is not Tier.P0 for r in here)))
         low_running = any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING for r in e.scheduler.running)
-        cost = 0.0 if free_slots or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
+        cost = 0.0 if any_free or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
         may_preempt = e.scheduler.preemption.config.may_preempt
         # An urgent job already here but not yet running (added since the last step) will take a victim of its
         # own: counting that victim as free would let a gateway send one more urgent job to wait behind it.
         claimed = sum(r.tier.rank <= 1 for r in e.scheduler.waiting)
         victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
                                        for r in e.scheduler.running) - claimed) for t in ALL_TIERS}
+        victims[Tier.P0.value] += any_free - free_slots
         held = list(self.jobs) + [m.job_id for _, m in self._unsent]
         self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
                                       held, cost, victims, *self.rates.rates(), self.rates.work())

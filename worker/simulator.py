@@ -161,6 +161,9 @@ def _check_step(s: Scheduler, out: SchedulerOutput, violations: list[str]) -> No
         violations.append(f"step {s.step_index}: block accounting broken: {e}")
     if out.num_batched_tokens > s.config.max_num_batched_tokens or len(s.running) > s.config.max_num_seqs:
         violations.append(f"step {s.step_index}: batch limits exceeded")
+    non_p0_running = sum(r.tier is not Tier.P0 for r in s.running)
+    if non_p0_running > s.config.max_num_seqs - s.config.p0_reserve_slots:
+        violations.append(f"step {s.step_index}: P0 slot reserve breached ({non_p0_running} slots outside P0)")
     if pc.p0_reserve_blocks:
         non_p0 = sum(len(s.blocks.block_table(r.request_id)) for r in s.running + s.waiting if r.tier is not Tier.P0)
         if non_p0 > max(0, s.blocks.num_blocks - pc.p0_reserve_blocks):
@@ -255,9 +258,11 @@ def random_case(rng: random.Random, policy: str = "priority") -> Case:
     )
     chunked = rng.random() < 0.8
     max_len = 4096 if chunked else 256
-    sched = SchedulerConfig(max_num_seqs=rng.randint(1, 8), enable_chunked_prefill=chunked, max_model_len=max_len,
+    max_num_seqs = rng.randint(1, 8)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked, max_model_len=max_len,
                             max_num_batched_tokens=rng.choice([8, 32, 128]) if chunked else max_len,
-                            isolate_p0_prefill=rng.random() < 0.5)
+                            isolate_p0_prefill=rng.random() < 0.5,
+                            p0_reserve_slots=min(max_num_seqs - 1, rng.choice([0, 0, 1, 3])))
     arrivals = random_trace(rng, rng.randint(2, 24), max_prompt=rng.choice([8, 64, 160]),
                             max_new=rng.choice([4, 32, 64]), span_s=rng.choice([0.05, 0.5, 2.0]))
 
