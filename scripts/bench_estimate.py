@@ -1,7 +1,10 @@
 """Replay an arrival trace through a real local cluster and judge the gateway's wait estimates.
 
 Starts a real redis-server, one gateway and N workers (scripts/up.py) and submits the trace's
-arrivals on their schedule (time compressed by --speedup), each with the trace's context tokens
+arrivals on their schedule, compressed so that their work keeps --load (default 0.8) of the batch
+slots busy at the rates the workers measured at start-up (the rates the gateway estimates with),
+so that the replay loads the cluster alike on any machine; or by a fixed --speedup. Each job has
+the trace's context tokens
 as its prompt and its generated tokens as max_tokens (both times --token-scale), at a tier drawn
 with the --mix shares (seeded). For every admitted job it compares the estimate the gateway
 returned at admission with the job's real wait (JobResult.queued_s: admission until its first
@@ -22,6 +25,7 @@ import csv
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -37,6 +41,8 @@ from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
 
 TIERS = ("P0", "P1", "P2", "P3")
+DEFAULT_LOAD = 0.8
+CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
 TENANT_OF = {"P0": "chat-co", "P1": "api-co", "P2": "batch-co", "P3": "lab-co"}  # scripts/up.py's dev tenants
 
 
@@ -65,15 +71,43 @@ def plan(trace, args) -> list[dict]:
         out = max(1, round(gen * args.token_scale))
         prompt = max(1, min(round(ctx * args.token_scale), args.max_len - out))
         tier = rng.choices(TIERS, weights)[0]
-        jobs.append({"i": i, "at": at / args.speedup, "tier": tier, "prompt_tokens": prompt, "max_tokens": out,
+        jobs.append({"i": i, "at": at / (args.speedup or 1.0), "tier": tier, "prompt_tokens": prompt, "max_tokens": out,
                      "prompt_token_ids": [rng.randrange(3, 500) for _ in range(prompt)]})
     return jobs
+
+
+def calibrated_rates(logs: Path, workers: int, timeout_s: float = 60.0) -> list[tuple[float, float, int]]:
+    """(prefill, decode tokens/s per sequence, slots) of each worker: its start-up calibration, as logged and
+    as told to the gateway, which estimates waits with these rates."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for i in range(workers):
+            path = logs / f"worker-{i}.log"
+            match = CALIBRATED.search(path.read_text()) if path.exists() else None
+            if match:
+                found.append((float(match[1]), float(match[2]), int(match[3])))
+        if len(found) == workers:
+            return found
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_estimate: no calibration line from every worker in {logs}")
+        time.sleep(0.2)
+
+
+def offered_load(jobs: list[dict], rates: list[tuple[float, float, int]]) -> float:
+    """Share of the cluster's slots the jobs' work keeps busy over their arrival span: each job holds a slot
+    for prompt / prefill rate + max_tokens / decode rate (the workers' mean rates; ignore_eos)."""
+    prefill = statistics.fmean(r[0] for r in rates)
+    decode = statistics.fmean(r[1] for r in rates)
+    slots = sum(r[2] for r in rates)
+    work = sum(j["prompt_tokens"] / prefill + j["max_tokens"] / decode for j in jobs)
+    span = max(1e-9, jobs[-1]["at"] - jobs[0]["at"])
+    return work / span / slots
 
 
 async def replay(state: dict, jobs: list[dict], timeout_s: float) -> list[dict]:
     clients = {t: AsyncGatewayClient(state["gateway"], state["tenants"][TENANT_OF[t]]["api_key"], timeout_s=60)
                for t in TIERS}
-    locks = {t: asyncio.Lock() for t in TIERS}  # one request at a time per client socket
     bar = tqdm(total=len(jobs), desc="replay", unit="job", file=sys.stderr)
     t0 = time.monotonic()
 
@@ -81,10 +115,10 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float) -> list[dict]:
         rec = {k: v for k, v in job.items() if k != "prompt_token_ids"}
         await asyncio.sleep(max(0.0, t0 + job["at"] - time.monotonic()))
         try:
-            async with locks[job["tier"]]:
-                handle = await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"],
-                                                           max_tokens=job["max_tokens"], tier=job["tier"],
-                                                           ignore_eos=True, seed=job["i"])
+            # Concurrent submissions on one client: the SDK matches each reply to its request.
+            handle = await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"],
+                                                       max_tokens=job["max_tokens"], tier=job["tier"],
+                                                       ignore_eos=True, seed=job["i"])
             rec.update(outcome="admitted", estimate_s=handle.estimated_wait_s, admitted_tier=handle.tier)
             result = await handle.result(timeout=timeout_s)
             rec.update(outcome="done", wait_s=result.queued_s, total_s=result.total_s,
@@ -161,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, required=True, help="CSV: TIMESTAMP, ContextTokens, GeneratedTokens")
     ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
     ap.add_argument("--start", type=int, default=0, help="first row to replay")
-    ap.add_argument("--speedup", type=float, default=1.0, help="time compression of the arrival schedule")
+    ap.add_argument("--load", type=float, default=None,
+                    help=f"compress the arrival schedule so its work keeps this share of the cluster's slots busy, "
+                         f"by the rates the workers measured at start-up (default {DEFAULT_LOAD} unless --speedup "
+                         f"is given): the same load on any machine")
+    ap.add_argument("--speedup", type=float, default=None,
+                    help="compress the arrival schedule by this factor instead (1: the trace's own pace)")
     ap.add_argument("--token-scale", type=float, default=0.25, help="prompt and output tokens are scaled by this")
     ap.add_argument("--max-len", type=int, default=2048, help="prompt + output are capped to this (the context)")
     ap.add_argument("--mix", default="10,20,30,40", help="shares of P0,P1,P2,P3")
@@ -178,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if len(args.mix.split(",")) != 4:
         ap.error("--mix takes four shares: P0,P1,P2,P3")
+    if args.load is not None and args.speedup is not None:
+        ap.error("give --load or --speedup, not both")
+    if (args.load is not None and args.load <= 0) or (args.speedup is not None and args.speedup <= 0):
+        ap.error("--load and --speedup must be > 0")
+    if args.speedup is None and args.load is None:
+        args.load = DEFAULT_LOAD
     jobs = plan(load_trace(args.trace, args.start, args.arrivals), args)
 
     from scripts.up import Cluster, cluster_args
@@ -189,8 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                                    ready_timeout=180.0, http=False))
     try:
         state = cluster.start()
+        rates = calibrated_rates(Path(state["logs"]), args.workers)
+        if args.load is not None:
+            args.speedup = args.load / offered_load(jobs, rates)
+            for job in jobs:
+                job["at"] /= args.speedup
         print(f"cluster up: {args.workers} workers x {args.max_running} slots ({args.model}); replaying "
-              f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s", file=sys.stderr)
+              f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s (speedup {args.speedup:.2f}: offered load "
+              f"{offered_load(jobs, rates):.2f} of the slots)", file=sys.stderr)
         records = asyncio.run(replay(state, jobs, args.job_timeout))
     finally:
         cluster.stop()

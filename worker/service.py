@@ -64,7 +64,11 @@ class WorkerService:
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
             sock.connect(endpoint)
-        calibrate(self.engine, self.rates)  # the first heartbeat carries measured rates
+        prefill, decode = calibrate(self.engine, self.rates)  # the first heartbeat carries measured rates
+        # Logged in this form for operators and for scripts/bench_estimate.py --load, which sizes its
+        # replay from the capacity the gateways are told.
+        log.info("calibrated: prefill %.1f tokens/s, decode %.1f tokens/s per sequence, %d slots",
+                 prefill, decode, self.engine.config.max_num_seqs)
         self._hello()
 
     def close(self) -> None:
