@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-running", type=int, default=2, help="batch slots per worker")
-    ap.add_argument("--model", default="tiny", help="tiny | bench | a model directory")
+    ap.add_argument("--model", default="bench",
+                    help="tiny | bench | a model directory (bench: jobs of seconds, so waits are long enough to judge)")
     ap.add_argument("--min-wait", type=float, default=0.5, help="judge jobs that waited at least this long (s)")
     ap.add_argument("--job-timeout", type=float, default=900.0, help="longest wait for one job's result (s)")
     ap.add_argument("--no-bias-correction", action="store_true",
