@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny | bench | a model directory (bench: jobs of seconds, so waits are long enough to judge)")
     ap.add_argument("--min-wait", type=float, default=0.5, help="judge jobs that waited at least this long (s)")
     ap.add_argument("--job-timeout", type=float, default=900.0, help="longest wait for one job's result (s)")
-    ap.add_argument("--no-bias-correction", action="store_true",
-                    help="the gateway's model alone, without the per-tier correction it learns from finished jobs")
+    ap.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
+                    help="the gateway's per-tier correction learned from finished jobs on top of its model "
+                         "(wait_bias_correction; default: the gateway's own default, off)")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
     args = ap.parse_args(argv)
@@ -229,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.up import Cluster, cluster_args
 
     os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
-    if args.no_bias_correction:
-        os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "false"
+    if args.bias_correction is not None:
+        os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "true" if args.bias_correction else "false"
     cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
                                    ready_timeout=180.0, http=False))
     try:
