@@ -44,7 +44,7 @@ class GatewayConfig:
     # Scale wait estimates per tier by the ratio of actual to estimated waits learned from finished jobs
     # (gateway/estimate.py BiasCorrection); false: the model's estimate as it is. Off by default: the
     # ratio it learns is one wait old, so it learns a burst's onset and multiplies the estimates made
-    # after it (on the replayed trace at load 0.8: 59 % median error with it, 32-36 % without; BENCHMARKS.md).
+    # after it (on the replayed trace at load 0.8: 59 % median error with it, 36-44 % without; BENCHMARKS.md).
     wait_bias_correction: bool = False
     # Drain rate (jobs/s per tier) assumed before any is measured, for wait estimates.
     default_drain_rate_per_s: float = 1.0
