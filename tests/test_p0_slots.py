@@ -110,7 +110,7 @@ def test_the_simulator_checks_the_reserve_and_its_random_cases_use_it():
 
 def test_the_simulator_reports_a_breached_reserve(monkeypatch):
     # A checker that cannot fail proves nothing: let non-P0 work take every slot and it must say so.
-    monkeypatch.setattr(Scheduler, "_slot_limit", lambda self, tier: self.config.max_num_seqs)
+    monkeypatch.setattr(Scheduler, "_low_slots_free", lambda self: self.config.max_num_seqs - len(self.running))
     arrivals = [Arrival(f"p3-{i}", 0.0, 8, 8, Tier.P3) for i in range(4)]
     res = simulate(arrivals, num_blocks=64, block_size=16, preemption=PreemptionConfig(bytes_per_block=1),
                    sched=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096,

@@ -116,8 +116,7 @@ class GivingWay:
     def _make_room_for_waiting(self) -> None:
         """Phase 0: preempt for waiting requests that outrank running ones and cannot start."""
         slots = self.config.max_num_seqs - len(self.running)
-        # Slots P1..P3 may still take: the P0 slot reserve is not theirs.
-        low_slots = self._slot_limit(Tier.P3) - sum(r.tier is not Tier.P0 for r in self.running)
+        low_slots = self._low_slots_free()  # the P0 slot reserve is not theirs
         spare = 0  # blocks already promised to earlier waiting requests in this pass
         for w in list(self.waiting):
             if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:

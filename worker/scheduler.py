@@ -163,16 +163,15 @@ class Scheduler(GivingWay):
         self._preempted, self._copies, self._new_decisions = [], [], []
         return out
 
-    def _slot_limit(self, tier: Tier) -> int:
-        """Most running requests of ``tier``'s kind (P0, or every other tier together) the batch may hold."""
-        if tier is Tier.P0:
-            return self.config.max_num_seqs
-        return self.config.max_num_seqs - self.config.p0_reserve_slots
+    def _low_slots_free(self) -> int:
+        """Slots P1..P3 may still take: they hold at most max_num_seqs - p0_reserve_slots together."""
+        held = sum(r.tier is not Tier.P0 for r in self.running)
+        return self.config.max_num_seqs - self.config.p0_reserve_slots - held
 
     def _has_slot(self, req: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        return req.tier is Tier.P0 or sum(r.tier is not Tier.P0 for r in self.running) < self._slot_limit(req.tier)
+        return req.tier is Tier.P0 or self._low_slots_free() > 0
 
     def _isolate_p0_prefill(self) -> bool:
         """Whether this step runs a new P0's prefill with running P0s only (lower tiers wait one step).
