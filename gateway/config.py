@@ -42,7 +42,7 @@ class GatewayConfig:
     # Queue timeouts per tier in seconds (None: no timeout); past it a queued job ends as expired.
     tier_timeouts_s: dict = field(default_factory=lambda: {"P0": 30.0, "P1": 60.0, "P2": 300.0, "P3": None})
     # Scale wait estimates per tier by the ratio of actual to estimated waits learned from finished jobs
-    # (gateway/estimate.py BiasCorrection); false: the model's estimate as it is. Off by default: the
+    # (gateway/wait_learning.py BiasCorrection); false: the model's estimate as it is. Off by default: the
     # ratio it learns is one wait old, so it learns a burst's onset and multiplies the estimates made
     # after it (on the replayed trace at load 0.8: 59 % median error with it, 36-44 % without; BENCHMARKS.md).
     wait_bias_correction: bool = False

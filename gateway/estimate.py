@@ -1,43 +1,48 @@
 """How long a job will wait: admission until its first prefill starts on a worker.
 
-The estimate replays, in tokens, the work that will run before the job on the slots that
-exist (no job-count rates, no floors):
+The estimate replays, in tokens, the dispatches that will happen before the job, on the slots
+that exist (no job-count rates, no floors):
 
 - every batch slot of every worker is busy for the rest of the work it holds that the job
-  may not preempt (a P2 waits behind running P3 work; a P0 does not, it preempts it);
-- held work that will start before the job and then the queued jobs ahead of it (higher
-  tiers, then its own tier in queue order) each take the slot that frees first. P0 and P1
-  go to a full worker and preempt there, so only held work of their tier or higher starts
-  before them; P2 and P3 go only where a slot is free, after all held work (a suspended job
-  holds its slot's credit);
+  may not preempt (a P2 waits behind running P3 work; a P0 does not, it preempts it). Work
+  waiting in a worker that has a free slot for it starts in the worker's next step: it counts
+  as running;
+- held work that will start before the job takes the slot that frees first. P0 and P1 go to a
+  full worker and preempt there, so only held work of their tier or higher starts before them;
+  P2 and P3 go only where a slot is free, after all held work (a suspended job holds its
+  slot's credit);
+- then, each time a slot frees, the queues hand it to their first job, as Redis would: the
+  highest tier, then the oldest. Queued jobs and the jobs still to come of the tiers above
+  the job's (their measured arrival rates, as evenly spaced mean jobs) both take slots; the
+  job's wait ends at the first slot it is first in line for;
+- aging moves a P2 or P3 job up a tier each aging interval with its enqueue time, so from then
+  on it is ahead of every newer job of its new tier, and an older P3 that ages into a P2
+  job's tier goes ahead of it;
 - a job holds a slot for prompt / prefill rate + expected output / decode rate, with the
-  per-sequence rates each worker measured (worker/calibration.py, in every heartbeat);
-- expected output is learned per tenant and tier from finished jobs, as a share of
-  max_tokens (so it never exceeds max_tokens);
-- higher tiers that arrive while it waits overtake it: with ``rho`` the share of the slots
-  their measured arrivals keep busy, the wait stretches to ``w / (1 - rho)``. A P2 or P3 job
-  that waits an aging interval moves up a tier with its enqueue time, so from then on only the
-  tiers above its new one overtake it: ``rho`` is given per aging interval waited.
+  per-sequence rates each worker measured (worker/calibration.py, in every heartbeat).
 
-The wait is the time the first slot frees. Pure functions here; ``gateway/wait_estimator.py``
-feeds them from Redis and the worker registry.
+Pure functions here; what is learned (expected output lengths, arrival rates) is in
+``gateway/wait_learning.py``; ``gateway/wait_estimator.py`` feeds both from Redis and the
+worker registry.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.tiers import ALL_TIERS, Tier
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 # Tiers the gateway dispatches to a full worker (which then preempts for them); others wait for a free slot.
 PREEMPTIVE_DISPATCH = frozenset({Tier.P0, Tier.P1})
-MAX_RHO = 0.8  # beyond this share of overtaking work only aging gives a finite wait: cap it there
-MIN_HISTORY_S = 10.0  # arrival rates are averaged over at least this long
-DEFAULT_OUTPUT_SHARE = 1.0  # before any job of a tier finished: assume it uses all of max_tokens
+# Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
+# slots: beyond it the wait has no finite expectation.
+MAX_RHO = 0.8
+MAX_DISPATCHES = 20_000  # replayed per estimate at most (a bound on its cost, far beyond any real queue)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class Rates:
 class Work:
     """One job's work still to do, in tokens."""
 
-    tier: Tier
+    tier: Tier  # the tier it was admitted at: it preempts and ages from there
     prefill: float
     decode: float  # expected tokens still to generate
 
@@ -81,129 +86,120 @@ class WorkerView:
     rates: Rates
     held: list[Held] = field(default_factory=list)
 
+    def next_step(self) -> list[Held]:
+        """The held work as the worker's next step leaves it: waiting work starts where a slot is free
+        (by tier, suspended first, as the scheduler takes it)."""
+        free = self.slots - sum(h.status == RUNNING for h in self.held)
+        if free <= 0:
+            return self.held
+        queued = sorted((h for h in self.held if h.status != RUNNING), key=lambda h: (h.work.tier.rank, h.status))
+        return ([h for h in self.held if h.status == RUNNING] + [replace(h, status=RUNNING) for h in queued[:free]]
+                + queued[free:])
 
-def wait_s(tier: Tier, workers: Sequence[WorkerView], queued_ahead: Iterable[Work], *,
-           overtaking_slot_s_per_s: float | Sequence[float] = 0.0, aging_interval_s: float = math.inf,
-           handoff_s: float = 0.0) -> float:
-    """Seconds until the first slot is free for a job of ``tier`` (see the module docstring).
 
-    ``queued_ahead``: the queued jobs that will be dispatched before it, in dispatch order.
-    ``overtaking_slot_s_per_s``: slot-seconds of higher-tier work arriving per second; a sequence
-    gives it for each aging interval waited (the last one holds from then on).
+@dataclass(frozen=True)
+class Queued:
+    """A job in the Redis queues."""
+
+    work: Work
+    enqueued_s: float  # when it was admitted, relative to now (<= 0): its place in line, kept by aging
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Jobs of one tier still to come: ``per_s`` a second, each a mean ``work``."""
+
+    work: Work
+    per_s: float
+
+
+def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float) -> int:
+    """The queue a job admitted at ``tier`` is in at time ``t``: P2 and P3 move up one tier per aging
+    interval waited, up to P1."""
+    if tier.rank < 2 or not math.isfinite(aging_interval_s):
+        return tier.rank
+    return max(1, tier.rank - int((t - enqueued_s) // aging_interval_s))
+
+
+def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
+           arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf, handoff_s: float = 0.0) -> float:
+    """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
+
+    ``queued``: the other jobs in the queues, in queue order; only those that may go before it matter.
+    ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
     ``handoff_s``: a queued job's delay between a slot freeing and its prefill starting.
     """
     if not workers:
         return math.inf
     heap: list[tuple[float, int]] = []  # (free at, worker index)
     for i, w in enumerate(workers):
-        free = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in w.held if h.blocks(tier)),
+        held = w.next_step()
+        free = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.blocks(tier)),
                       reverse=True)[:w.slots]
         slots = free + [0.0] * (w.slots - len(free))
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
-        for h in sorted((h for h in w.held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
+        for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=slots.__getitem__)
             slots[j] += w.rates.seconds(h.work.prefill, h.work.decode)
         heap += [(t, i) for t in slots]
     heapq.heapify(heap)
-    for work in queued_ahead:
+    line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s)
+    for _ in range(MAX_DISPATCHES):
         t, i = heapq.heappop(heap)
+        work = line.first_before_the_job(t)
+        if work is None:
+            return max(0.0, t)
         heapq.heappush(heap, (t + handoff_s + workers[i].rates.seconds(work.prefill, work.decode), i))
-    first_free = heap[0][0]
-    if first_free <= 0:
-        return 0.0
-    slots = sum(w.slots for w in workers)
-    phases = [overtaking_slot_s_per_s] if isinstance(overtaking_slot_s_per_s, (int, float)) else overtaking_slot_s_per_s
-    # While higher tiers keep a share rho of the slots busy, the work ahead drains at (1 - rho) per second.
-    left, t = first_free, 0.0
-    for k, rate in enumerate(phases):
-        last = k == len(phases) - 1
-        # Before its last aging a job may make no progress at all (it then waits for the aging); after it,
-        # a finite estimate needs some.
-        drain = 1 - min(MAX_RHO if last else 1.0, max(0.0, rate) / slots)
-        span = math.inf if last else aging_interval_s
-        if left <= drain * span:
-            return t + left / drain
-        left -= drain * span
-        t += span
-    return t
+    return max(0.0, heap[0][0])
 
 
-class BiasCorrection:
-    """A per-tier factor learned from finished jobs: how far their actual waits ran from their estimates.
+class _Line:
+    """Who is first in line at a given time: the queues by tier, oldest first, with aging; arrivals join
+    at the back of their tier. Per tier admitted, jobs stay in age order (the older one has aged at least
+    as far), so the first in line is always one of the per-tier heads."""
 
-    What the model leaves out (dispatch hand-offs, batch effects on the rates, how bursty the
-    overtaking arrivals are) shows up as a steady ratio; this learns it as a decayed mean of
-    log(actual / estimate) over jobs where either side was at least ``min_s`` (tiny waits say
-    nothing about a ratio), bounded to 0.5x..2x so the model, not the correction, carries the estimate.
-    """
+    def __init__(self, tier: Tier, enqueued_s: float, queued: Iterable[Queued], arrivals: Iterable[Arrivals],
+                 workers: Sequence[WorkerView], aging_interval_s: float) -> None:
+        self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
+        by_tier: dict[Tier, list[Queued]] = {t: [] for t in ALL_TIERS}
+        for q in queued:
+            by_tier[q.work.tier].append(q)
+        self.heads = {t: deque(sorted(qs, key=lambda q: q.enqueued_s)) for t, qs in by_tier.items()}
+        # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
+        streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
+        # Arrivals that overtake it for good: capped (see MAX_RHO).
+        final = 1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else tier.rank
+        slots = sum(w.slots for w in workers)
+        mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
+                     sum(w.rates.decode_tps * w.slots for w in workers) / slots)
+        for_good = sum(a.per_s * mean.seconds(a.work.prefill, a.work.decode) for a in streams
+                       if a.work.tier.rank < final)
+        scale = min(1.0, MAX_RHO * slots / for_good) if for_good > 0 else 1.0
+        self.streams = {a.work.tier: (a.work, a.per_s * (scale if a.work.tier.rank < final else 1.0))
+                        for a in streams}
+        self.arrived = dict.fromkeys(self.streams, 0)  # arrivals of each tier dispatched so far
 
-    DECAY = 0.05
-    LIMIT = math.log(2.0)
+    def _head(self, tier: Tier, t: float) -> tuple[float, Work] | None:
+        if self.heads[tier]:
+            q = self.heads[tier][0]
+            return q.enqueued_s, q.work
+        if tier in self.streams:
+            work, per_s = self.streams[tier]
+            at = (self.arrived[tier] + 0.5) / per_s  # evenly spaced, the first half a gap from now
+            if at <= t:
+                return at, work
+        return None
 
-    def __init__(self, min_s: float = 0.5) -> None:
-        self.min_s = min_s
-        self._log: dict[Tier, float] = {}
-
-    def learn(self, tier: Tier, estimate_s: float, actual_s: float) -> None:
-        if max(estimate_s, actual_s) < self.min_s:
-            return
-        x = math.log(max(actual_s, 0.05) / max(estimate_s, 0.05))
-        old = self._log.get(tier)
-        self._log[tier] = x if old is None else (1 - self.DECAY) * old + self.DECAY * x
-
-    def factor(self, tier: Tier) -> float:
-        return math.exp(min(self.LIMIT, max(-self.LIMIT, self._log.get(tier, 0.0))))
-
-
-class OutputLengths:
-    """Expected output length: a decayed mean share of max_tokens per (tenant, tier), then per tier."""
-
-    DECAY = 0.1
-
-    def __init__(self) -> None:
-        self._share: dict[tuple[str | None, Tier], float] = {}
-
-    def learn(self, tenant: str, tier: Tier, max_tokens: int, generated: int) -> None:
-        if max_tokens < 1:
-            return
-        share = min(1.0, max(0.0, generated / max_tokens))
-        for key in ((tenant, tier), (None, tier)):
-            old = self._share.get(key)
-            self._share[key] = share if old is None else (1 - self.DECAY) * old + self.DECAY * share
-
-    def expected(self, tenant: str | None, tier: Tier, max_tokens: int, generated: int = 0) -> float:
-        """Tokens still to generate: the learned share of max_tokens, at least one more, at most what is left."""
-        share = self._share.get((tenant, tier), self._share.get((None, tier), DEFAULT_OUTPUT_SHARE))
-        left = max_tokens - generated
-        return float(min(left, max(1.0, share * max_tokens - generated))) if left > 0 else 0.0
-
-
-class ArrivalRates:
-    """Decayed arrival rate of work per tier, in tokens per second (prefill and expected decode)."""
-
-    def __init__(self, tau_s: float, start: float) -> None:
-        self.tau_s = tau_s
-        self.start = start
-        self._level = {t: [0.0, 0.0] for t in ALL_TIERS}  # decayed sums of prefill, decode tokens
-        self._at = start
-
-    def _decay(self, now: float) -> None:
-        if now > self._at:
-            f = math.exp(-(now - self._at) / self.tau_s)
-            for v in self._level.values():
-                v[0] *= f
-                v[1] *= f
-            self._at = now
-
-    def add(self, tier: Tier, prefill: float, decode: float, now: float) -> None:
-        self._decay(now)
-        self._level[tier][0] += prefill
-        self._level[tier][1] += decode
-
-    def tokens_per_s(self, tier: Tier, now: float) -> tuple[float, float]:
-        self._decay(now)
-        # A young gateway has seen less than tau of history: scale up, or early rates read low (but not
-        # from a second's history, where one arrival would read as a flood).
-        seen = 1 - math.exp(-max(MIN_HISTORY_S, now - self.start) / self.tau_s)
-        p, d = self._level[tier]
-        return p / self.tau_s / seen, d / self.tau_s / seen
+    def first_before_the_job(self, t: float) -> Work | None:
+        """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None."""
+        best, best_key = None, (rank_at(self.tier, self.enqueued_s, t, self.aging), self.enqueued_s)
+        for tier in ALL_TIERS:
+            head = self._head(tier, t)
+            if head is not None and (key := (rank_at(tier, head[0], t, self.aging), head[0])) <= best_key:
+                best, best_key = tier, key
+        if best is None:
+            return None
+        if self.heads[best]:
+            return self.heads[best].popleft().work
+        self.arrived[best] += 1
+        return self.streams[best][0]

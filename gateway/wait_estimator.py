@@ -1,10 +1,11 @@
 """The gateway's wait estimates (gateway/estimate.py) fed from Redis and the workers' reports,
 and the measured wait of each job (admission until its first prefill started on a worker).
 
-What it reads: the queued job ids ahead (one pipelined ZRANGE per tier), each job's tokens
-(kept from admission, or read once from its payload for jobs other gateways admitted), and
-the latest WorkerLoad of every worker (rates and held work). What it learns: output lengths
-from finished jobs, arrival rates per tier from admissions.
+What it reads: the queued jobs that may go before the job, with their enqueue scores (one
+pipelined read of the queues and Redis's clock), each job's tokens (kept from admission, or
+read once from its payload for jobs other gateways admitted), and the latest WorkerLoad of
+every worker (rates and held work). What it learns: output lengths from finished jobs,
+arrival rates per tier from admissions.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 import msgpack
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.estimate import (RUNNING, ArrivalRates, BiasCorrection, Held, OutputLengths, Rates, Work, WorkerView,
-                              wait_s)
+from gateway.estimate import RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
+from gateway.wait_learning import ArrivalRates, BiasCorrection, OutputLengths
 
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
 FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
@@ -26,6 +27,7 @@ FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
 PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
 ARRIVAL_TAU_S = 30.0
 MAX_KNOWN_JOBS = 200_000  # job token counts kept in memory (oldest dropped first)
+MAX_LOWER_READ = 1000  # oldest jobs read per lower tier (they may age past the job): bounds an estimate's cost
 
 
 @dataclass(frozen=True)
@@ -79,39 +81,46 @@ class WaitEstimator:
 
     def for_new(self, tenant: str, tier: Tier, now: float) -> float:
         """The wait of a job admitted now at ``tier``: it goes last in its tier."""
-        return self._estimate(tier, self._queued_ahead(tier, None), now)
+        return self._estimate(tier, None, None, now)
 
     def for_queued(self, job_id: str, tier: Tier, now: float) -> float:
         """The wait still ahead of a queued job, from where it stands in the queues now."""
         score = self.queue.client.zscore(self.queue.keys.queue(tier), job_id)
         if score is None:
             return 0.0  # dispatched (or gone) meanwhile
-        return self._estimate(tier, self._queued_ahead(tier, score), now)
+        info = self._infos([job_id]).get(job_id)
+        return self._estimate(info.tier if info else tier, job_id, score, now)
 
-    def _queued_ahead(self, tier: Tier, score: float | None) -> list[str]:
+    def _queued(self, tier: Tier, score: float | None) -> tuple[list[tuple[str, float]], float]:
+        """The queued jobs that may go before a job of ``tier`` enqueued at ``score`` (None: now), with their
+        scores, and Redis's clock (ms): every higher queue, the older jobs of its own and, as they may age
+        past it, of the lower ones (none ever ages into P0)."""
         pipe = self.queue.client.pipeline(transaction=False)
-        for t in ALL_TIERS[:tier.rank]:
-            pipe.zrange(self.queue.keys.queue(t), 0, -1)
-        if score is None:
-            pipe.zrange(self.queue.keys.queue(tier), 0, -1)
-        else:
-            pipe.zrangebyscore(self.queue.keys.queue(tier), "-inf", f"({score}")
-        return [i.decode() for ids in pipe.execute() for i in ids]
+        pipe.time()
+        ranks = range(len(ALL_TIERS)) if tier.rank >= 1 else range(1)
+        before = "+inf" if score is None else f"({score}"
+        for r in ranks:
+            key = self.queue.keys.queue(ALL_TIERS[r])
+            if r < tier.rank:
+                pipe.zrange(key, 0, -1, withscores=True)
+            elif r == tier.rank:
+                pipe.zrangebyscore(key, "-inf", before, withscores=True)
+            else:  # the oldest age first: a bounded read of them is what can age past it
+                pipe.zrangebyscore(key, "-inf", before, start=0, num=MAX_LOWER_READ, withscores=True)
+        (sec, usec), *found = pipe.execute()
+        return [(i.decode(), s) for ids in found for i, s in ids], int(sec) * 1000 + int(usec) / 1000
 
-    def _estimate(self, tier: Tier, ahead_ids: list[str], now: float) -> float:
+    def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float) -> float:
         views = self._worker_views()
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
-        infos = self._infos(ahead_ids)
-        ahead = [self._work(infos[i]) for i in ahead_ids if i in infos]
-        slots = sum(v.slots for v in views)
-        mean = Rates(sum(v.rates.prefill_tps * v.slots for v in views) / slots,
-                     sum(v.rates.decode_tps * v.slots for v in views) / slots)
-        # Per aging interval waited: P3 -> P2 -> P1 (never into P0; P1 does not age).
-        ranks = [tier.rank - k for k in range(max(1, tier.rank))] if tier.rank >= 2 else [tier.rank]
-        overtaking = [sum(mean.seconds(*self.arrivals.tokens_per_s(t, now)) for t in ALL_TIERS[:r]) for r in ranks]
-        est = wait_s(tier, views, ahead, overtaking_slot_s_per_s=overtaking, aging_interval_s=self.aging_interval_s,
-                     handoff_s=self.handoff_s)
+        found, now_ms = self._queued(tier, score)
+        infos = self._infos([i for i, _ in found])
+        queued = [Queued(self._work(infos[i]), (s - now_ms) / 1000) for i, s in found if i in infos and i != job_id]
+        enqueued_s = 0.0 if score is None else (score - now_ms) / 1000
+        est = wait_s(tier, views, queued, enqueued_s=enqueued_s,
+                     arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
+                     aging_interval_s=self.aging_interval_s, handoff_s=self.handoff_s)
         return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
 
     def _work(self, info: JobInfo, generated: int = 0, prefill: int | None = None) -> Work:

@@ -119,7 +119,8 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float) -> list[dict]:
             handle = await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"],
                                                        max_tokens=job["max_tokens"], tier=job["tier"],
                                                        ignore_eos=True, seed=job["i"])
-            rec.update(outcome="admitted", estimate_s=handle.estimated_wait_s, admitted_tier=handle.tier)
+            rec.update(outcome="admitted", job_id=handle.id, estimate_s=handle.estimated_wait_s,
+                       admitted_tier=handle.tier)
             result = await handle.result(timeout=timeout_s)
             rec.update(outcome="done", wait_s=result.queued_s, total_s=result.total_s,
                        preemptions=result.preemptions)

@@ -48,3 +48,25 @@ def test_first_prefill_start_and_held_work(tiny_model_dir):
     run(engine, tracker)
     assert tracker.prefill_start_s("a") > started["b"]
     assert all(r > 0 for r in tracker.rates())
+
+
+def test_a_step_that_changes_what_runs_is_reported_at_once(tiny_model_dir):
+    # Gateways send P0/P1 jobs to a full worker only on the victims its report lists, and estimate waits from
+    # what it runs: a P3 that just started (a victim now) must not wait for the next heartbeat to be seen.
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_num_seqs=1, num_kv_blocks=64))
+    service = WorkerService(WorkerConfig(worker_id="wk-b", gateways=["tcp://127.0.0.1:9"], model="tiny"), engine)
+    try:
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), tier="P3")
+        service._step()  # "a" starts
+        assert service._beat_pending
+        service._beat_pending = False
+        service._step()  # "a" decodes: nothing new to say before the heartbeat
+        assert not service._beat_pending
+        engine.add_request("b", [4, 5], SamplingParams(max_tokens=5, ignore_eos=True), tier="P0")
+        service._step()  # "b" takes the slot, "a" gives way
+        assert service._beat_pending and [r.request_id for r in engine.scheduler.running] == ["b"]
+    finally:
+        service.close()

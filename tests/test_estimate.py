@@ -1,4 +1,5 @@
-"""The wait estimate's model (gateway/estimate.py): slots, preemptibility, queue order, overtaking, learning."""
+"""The wait estimate's model (gateway/estimate.py): slots, preemptibility, queue order, overtaking, aging;
+and what it learns (gateway/wait_learning.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import math
 import pytest
 
 from common.tiers import Tier
-from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, ArrivalRates, BiasCorrection, Held, OutputLengths, Rates, Work,
-                              WorkerView, wait_s)
+from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView,
+                              rank_at, wait_s)
+from gateway.wait_learning import ArrivalRates, BiasCorrection, OutputLengths
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 RATES = Rates(prefill_tps=1000.0, decode_tps=100.0)  # 1 s per 100 output tokens, 0.1 s per 100 prompt tokens
@@ -36,7 +38,7 @@ def test_a_p2_waits_for_running_p3_it_may_not_preempt_and_a_p0_does_not():
 
 def test_queued_work_ahead_takes_the_first_free_slots_in_order():
     w = WorkerView(2, RATES, [running(P3, 100), running(P3, 200)])  # free at 1 s and 2 s
-    ahead = [Work(P2, 100, 100), Work(P2, 0, 300)]  # 1.1 s then 3 s
+    ahead = [Queued(Work(P2, 100, 100), -2.0), Queued(Work(P2, 0, 300), -1.0)]  # 1.1 s then 3 s
     # The first takes the slot free at 1 s (until 2.1 s), the second the one free at 2 s (until 5 s).
     assert wait_s(P2, [w], ahead) == pytest.approx(2.1)
     assert wait_s(P2, [w], ahead, handoff_s=0.05) == pytest.approx(2.15)
@@ -56,14 +58,53 @@ def test_held_work_that_starts_first_counts_lower_tiers_do_not():
 def test_slots_of_several_workers_and_their_own_rates():
     slow = WorkerView(1, Rates(1000.0, 10.0), [running(P3, 100)])  # free at 10 s
     fast = WorkerView(1, RATES, [running(P3, 100)])  # free at 1 s
-    assert wait_s(P2, [slow, fast], [Work(P2, 0, 100)]) == pytest.approx(2.0)
+    assert wait_s(P2, [slow, fast], [Queued(Work(P2, 0, 100), -1.0)]) == pytest.approx(2.0)
 
 
-def test_higher_tier_arrivals_stretch_the_wait():
-    w = WorkerView(2, RATES, [running(P3, 100), running(P3, 100)])
-    assert wait_s(P2, [w], [], overtaking_slot_s_per_s=1.0) == pytest.approx(1.0 / (1 - 0.5))
-    assert wait_s(P2, [w], [], overtaking_slot_s_per_s=100.0) == pytest.approx(1.0 / (1 - MAX_RHO))
-    assert wait_s(P2, [WorkerView(2, RATES)], [], overtaking_slot_s_per_s=1.0) == 0.0  # a free slot now
+def test_higher_tier_arrivals_take_slots_before_it_and_lower_or_newer_ones_never():
+    w = WorkerView(1, RATES, [running(P3, 100)])  # free at 1 s
+    p0s = Arrivals(Work(P0, 0, 100), per_s=0.5)  # a 1 s job at 1 s, 3 s, 5 s...
+    # The P0 that came at 1 s takes the slot (until 2 s), then the one that came at 1.5... none: the P2 goes at 2 s.
+    assert wait_s(P2, [w], [], arrivals=[p0s]) == pytest.approx(2.0)
+    assert wait_s(P2, [w], [], arrivals=[Arrivals(Work(P0, 0, 100), per_s=2.0)]) > 2.0
+    for newer in (Arrivals(Work(P2, 0, 100), per_s=2.0), Arrivals(Work(P3, 0, 100), per_s=2.0)):
+        assert wait_s(P2, [w], [], arrivals=[newer]) == pytest.approx(1.0)
+    assert wait_s(P2, [WorkerView(2, RATES)], [], arrivals=[p0s]) == 0.0  # a free slot now
+
+
+def test_arrivals_that_overtake_for_good_are_capped_so_the_wait_stays_finite():
+    w = WorkerView(1, RATES, [running(P3, 100)])
+    flood = Arrivals(Work(P0, 0, 100), per_s=10.0)  # ten times the slot
+    wait = wait_s(P2, [w], [], arrivals=[flood])
+    assert math.isfinite(wait) and 1.0 < wait <= 1.0 / (1 - MAX_RHO) + 1.0
+
+
+def test_aging_puts_a_job_ahead_of_newer_jobs_of_the_tier_it_joins():
+    assert [rank_at(P3, -1.0, t, 10.0) for t in (0.0, 9.0, 9.5, 19.0, 40.0)] == [3, 2, 2, 1, 1]
+    assert rank_at(P1, -100.0, 0.0, 10.0) == 1 and rank_at(P3, -100.0, 0.0, math.inf) == 3
+    w = WorkerView(1, RATES, [running(P3, 100)])  # free at 1 s
+    p2s = Arrivals(Work(P2, 0, 100), per_s=4.0)  # four times the slot: a P3 never gets it before it ages
+    assert wait_s(P3, [w], [], arrivals=[p2s], aging_interval_s=10.0) == pytest.approx(10.0, abs=1.0)
+    # Admitted 9 s ago: it joins P2 in a second and is then ahead of every P2 that came since.
+    assert wait_s(P3, [w], [], enqueued_s=-9.0, arrivals=[p2s], aging_interval_s=10.0) == pytest.approx(1.0, abs=1.0)
+    # Without aging they overtake it for good: capped (see above), they leave it a gap later than the slot's.
+    assert 1.0 < wait_s(P3, [w], [], arrivals=[p2s]) < 10.0
+
+
+def test_an_older_lower_tier_job_that_ages_first_goes_ahead():
+    w = WorkerView(1, RATES, [running(P3, 500)])  # free at 5 s
+    old_p3 = Queued(Work(P3, 0, 300), enqueued_s=-7.0)  # joins P2 at 3 s, ahead of a P2 admitted now
+    assert wait_s(P2, [w], [old_p3], aging_interval_s=10.0) == pytest.approx(8.0)
+    assert wait_s(P2, [w], [old_p3], aging_interval_s=100.0) == pytest.approx(5.0)  # still a P3 at 5 s
+    assert wait_s(P2, [w], [Queued(Work(P3, 0, 300), enqueued_s=-1.0)], aging_interval_s=10.0) == pytest.approx(5.0)
+
+
+def test_work_waiting_in_a_worker_with_a_free_slot_starts_there_first():
+    # Sent to the free slot and not yet stepped: by the time a P0 gets there, the P1 runs, and P0 may not preempt it.
+    w = WorkerView(1, RATES, [Held(Work(P1, 0, 200), WAITING, 0)])
+    assert wait_s(P0, [w], []) == pytest.approx(2.0)
+    w = WorkerView(1, RATES, [Held(Work(P3, 0, 200), WAITING, BY_P0_P1)])
+    assert wait_s(P0, [w], []) == 0.0 and wait_s(P2, [w], []) == pytest.approx(2.0)
 
 
 def test_output_lengths_are_learned_per_tenant_and_tier_and_bounded_by_max_tokens():
@@ -84,13 +125,14 @@ def test_output_lengths_are_learned_per_tenant_and_tier_and_bounded_by_max_token
 def test_arrival_rates_decay_and_do_not_read_a_young_gateway_as_a_flood():
     rates = ArrivalRates(tau_s=30.0, start=0.0)
     rates.add(P0, 100, 50, now=0.5)
-    prefill, decode = rates.tokens_per_s(P0, now=0.5)
-    assert 0 < prefill < 12 and decode == pytest.approx(prefill / 2)  # spread over about 10 s, not 0.5 s
-    for k in range(600):  # 10 tokens every 0.1 s for a minute: 100 tokens/s
+    a = rates.arrivals(P0, now=0.5)
+    assert 0 < a.per_s < 0.12 and a.work == Work(P0, 100, 50)  # one job, spread over about 10 s, not 0.5 s
+    for k in range(600):  # a 10-token job every 0.1 s for a minute
         rates.add(P1, 10, 0, now=1 + k / 10)
-    assert rates.tokens_per_s(P1, now=61)[0] == pytest.approx(100, rel=0.1)
-    assert rates.tokens_per_s(P1, now=361)[0] < 1  # five minutes of silence
-    assert rates.tokens_per_s(P2, now=61) == (0.0, 0.0)
+    a = rates.arrivals(P1, now=61)
+    assert a.per_s == pytest.approx(10, rel=0.1) and a.work.prefill == pytest.approx(10)
+    assert rates.arrivals(P1, now=361).per_s < 0.1  # five minutes of silence
+    assert rates.arrivals(P2, now=61).per_s == 0.0
 
 
 def test_bias_correction_learns_a_steady_ratio_within_bounds_from_informative_jobs():
@@ -108,12 +150,10 @@ def test_bias_correction_learns_a_steady_ratio_within_bounds_from_informative_jo
     assert bias.factor(P3) == pytest.approx(2.0)  # bounded: the model carries the estimate
 
 
-def test_aging_ends_overtaking_by_the_tier_the_job_joins():
-    w = WorkerView(1, RATES, [running(P3, 100)])  # 1 s of work ahead
-    # Overtakers hold half the slot in P3 and a quarter once it aged into P2 (after 1 s): 0.5 s of progress in
-    # the first second, the other 0.5 s at 0.75 per second.
-    assert wait_s(P3, [w], [], overtaking_slot_s_per_s=[0.5, 0.25, 0.0], aging_interval_s=1.0) == pytest.approx(
-        1 + 0.5 / 0.75)
-    assert wait_s(P3, [w], [], overtaking_slot_s_per_s=[0.5, 0.25, 0.0]) == pytest.approx(2.0)  # no aging
-    # Swamped in P3: no progress until it ages (after 1 s), then all of its work.
-    assert wait_s(P3, [w], [], overtaking_slot_s_per_s=[100.0, 0.0], aging_interval_s=1.0) == pytest.approx(2.0)
+def test_an_estimate_replays_a_bounded_number_of_dispatches(monkeypatch):
+    import gateway.estimate as estimate
+
+    monkeypatch.setattr(estimate, "MAX_DISPATCHES", 100)
+    w = WorkerView(1, RATES, [running(P3, 100)])
+    backlog = [Queued(Work(P2, 0, 100), -1.0 - k) for k in range(1000)]  # 1000 s of work ahead
+    assert wait_s(P2, [w], backlog) == pytest.approx(101.0)  # where the replay stopped: a floor, finite

@@ -183,8 +183,13 @@ class WorkerService:
 
     def _step(self) -> None:
         self.rates.before_step()
+        before = self._running_ids()
         outs = self.engine.step()
         self.rates.after_step(outs)
+        if self._running_ids() != before:
+            # A job started, resumed or gave way: gateways send P0/P1 jobs on the victims a report lists
+            # and estimate waits from what runs, so report it now, not up to a heartbeat interval later.
+            self._beat_soon()
         now = self.clock()
         with self._lock:
             for out in outs:
@@ -207,6 +212,9 @@ class WorkerService:
                         prefill_start_s=self.rates.prefill_start_s(job.job_id)))
                     self.rates.forget(job.job_id)
                     self._beat_soon()  # report the free slot now, not at the next beat: the wait estimate counts on it
+
+    def _running_ids(self) -> set[str]:
+        return {r.request_id for r in self.engine.scheduler.running}
 
     def log_state(self) -> None:
         """Log every request the engine holds (on SIGUSR1): what an operator needs when a job seems stuck."""
