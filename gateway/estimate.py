@@ -182,10 +182,10 @@ class _Line:
     def _head(self, tier: Tier, t: float) -> tuple[float, Work] | None:
         if self.heads[tier]:
             q = self.heads[tier][0]
-            return q.enqueued_s, q.work
+            return (q.enqueued_s, q.work) if q.enqueued_s <= t else None  # (a job not yet admitted waits its turn)
         if tier in self.streams:
             work, per_s = self.streams[tier]
-            at = (self.arrived[tier] + 0.5) / per_s  # evenly spaced, the first half a gap from now
+            at = (self.arrived[tier] + 1) / per_s  # the k-th to come k gaps from now, as a Poisson stream has it
             if at <= t:
                 return at, work
         return None

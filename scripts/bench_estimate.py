@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "jobs": records}, indent=1))
+                                         "calibrated": rates, "jobs": records}, indent=1))
     return 0
 
 

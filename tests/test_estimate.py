@@ -62,33 +62,33 @@ def test_slots_of_several_workers_and_their_own_rates():
 
 
 def test_higher_tier_arrivals_take_slots_before_it_and_lower_or_newer_ones_never():
-    w = WorkerView(1, RATES, [running(P3, 100)])  # free at 1 s
-    p0s = Arrivals(Work(P0, 0, 100), per_s=0.5)  # a 1 s job at 1 s, 3 s, 5 s...
-    # The P0 that came at 1 s takes the slot (until 2 s), then the one that came at 1.5... none: the P2 goes at 2 s.
-    assert wait_s(P2, [w], [], arrivals=[p0s]) == pytest.approx(2.0)
-    assert wait_s(P2, [w], [], arrivals=[Arrivals(Work(P0, 0, 100), per_s=2.0)]) > 2.0
+    p0s = Arrivals(Work(P0, 0, 100), per_s=0.5)  # 1 s jobs, the k-th k gaps from now: at 2 s, 4 s, 6 s...
+    free_at_1 = WorkerView(1, RATES, [running(P3, 100)])
+    assert wait_s(P2, [free_at_1], [], arrivals=[p0s]) == pytest.approx(1.0)  # the first P0 is not there yet
+    free_at_2 = WorkerView(1, RATES, [running(P3, 200)])
+    assert wait_s(P2, [free_at_2], [], arrivals=[p0s]) == pytest.approx(3.0)  # the P0 of 2 s goes first
     for newer in (Arrivals(Work(P2, 0, 100), per_s=2.0), Arrivals(Work(P3, 0, 100), per_s=2.0)):
-        assert wait_s(P2, [w], [], arrivals=[newer]) == pytest.approx(1.0)
+        assert wait_s(P2, [free_at_2], [], arrivals=[newer]) == pytest.approx(2.0)
     assert wait_s(P2, [WorkerView(2, RATES)], [], arrivals=[p0s]) == 0.0  # a free slot now
 
 
 def test_arrivals_that_overtake_for_good_are_capped_so_the_wait_stays_finite():
-    w = WorkerView(1, RATES, [running(P3, 100)])
-    flood = Arrivals(Work(P0, 0, 100), per_s=10.0)  # ten times the slot
-    wait = wait_s(P2, [w], [], arrivals=[flood])
-    assert math.isfinite(wait) and 1.0 < wait <= 1.0 / (1 - MAX_RHO) + 1.0
+    w = WorkerView(1, RATES, [running(P3, 200)])  # free at 2 s
+    flood = Arrivals(Work(P0, 0, 100), per_s=10.0)  # ten times the slot, capped to MAX_RHO of it
+    # At 0.8 a second the k-th comes at 1.25 k s: four take the slot before a gap opens at 6 s.
+    assert MAX_RHO == 0.8 and wait_s(P2, [w], [], arrivals=[flood]) == pytest.approx(6.0)
 
 
 def test_aging_puts_a_job_ahead_of_newer_jobs_of_the_tier_it_joins():
     assert [rank_at(P3, -1.0, t, 10.0) for t in (0.0, 9.0, 9.5, 19.0, 40.0)] == [3, 2, 2, 1, 1]
     assert rank_at(P1, -100.0, 0.0, 10.0) == 1 and rank_at(P3, -100.0, 0.0, math.inf) == 3
-    w = WorkerView(1, RATES, [running(P3, 100)])  # free at 1 s
+    w = WorkerView(1, RATES, [running(P3, 200)])  # free at 2 s
     p2s = Arrivals(Work(P2, 0, 100), per_s=4.0)  # four times the slot: a P3 never gets it before it ages
-    assert wait_s(P3, [w], [], arrivals=[p2s], aging_interval_s=10.0) == pytest.approx(10.0, abs=1.0)
-    # Admitted 9 s ago: it joins P2 in a second and is then ahead of every P2 that came since.
-    assert wait_s(P3, [w], [], enqueued_s=-9.0, arrivals=[p2s], aging_interval_s=10.0) == pytest.approx(1.0, abs=1.0)
-    # Without aging they overtake it for good: capped (see above), they leave it a gap later than the slot's.
-    assert 1.0 < wait_s(P3, [w], [], arrivals=[p2s]) < 10.0
+    assert wait_s(P3, [w], [], arrivals=[p2s], aging_interval_s=10.0) == pytest.approx(10.0)
+    # Admitted 9 s ago: it is a P2 from 1 s on, ahead of every P2 that came since, and takes the slot at 2 s.
+    assert wait_s(P3, [w], [], enqueued_s=-9.0, arrivals=[p2s], aging_interval_s=10.0) == pytest.approx(2.0)
+    # Without aging they overtake it for good: capped as above, they leave it the slot at 6 s.
+    assert wait_s(P3, [w], [], arrivals=[p2s]) == pytest.approx(6.0)
 
 
 def test_an_older_lower_tier_job_that_ages_first_goes_ahead():

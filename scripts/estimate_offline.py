@@ -1,0 +1,155 @@
+"""Judge the wait model offline, in seconds: trace segments through a reference dispatch simulation.
+
+bench_estimate.py judges the real cluster, one 500-job replay in about six minutes. This runs the
+same arrivals (the same tiers, tokens and --load pacing) through a small reference simulation of
+dispatch (slots, Redis order: tier then age, aging every --aging-interval; job durations from
+the given per-sequence rates; no preemption, so P0/P1 wait for a free slot like the rest) and
+asks gateway/estimate.py's wait_s, at every arrival, with the state the simulation had then and
+a forecast of the arrivals to come:
+
+  rates   the gateway's own: each tier's decayed arrival rate (gateway/wait_learning.py)
+  exact   the arrivals that really came: checks the model's replay against the simulation (0 error)
+  oracle  each tier's real rate over the job's real wait (the best any rate forecast could do)
+  none    no arrivals to come
+
+It prints, per segment and over all segments, the median relative error and the share within
+2x for the jobs that waited at least --min-wait, as bench_estimate.py does. Many segments of
+one trace, not one: a forecast tuned to one stretch of arrivals is fitted to the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.tiers import Tier  # noqa: E402
+from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, rank_at, wait_s  # noqa: E402
+from gateway.wait_learning import ArrivalRates  # noqa: E402
+from scripts.bench_estimate import load_trace, plan  # noqa: E402
+
+SECONDS = Rates(prefill_tps=math.inf, decode_tps=1.0)  # Work(decode=s) holds a slot for s seconds
+FORECASTS = ("rates", "exact", "oracle", "none")
+
+
+def simulate(jobs: list[dict], slots: int, aging_s: float, dur) -> tuple[dict, dict]:
+    """Each job's wait, and what the queues and slots held when it arrived."""
+    free = [0.0] * slots  # heap of the times the slots free
+    queue: list[dict] = []
+    waits: dict[int, float] = {}
+    seen: dict[int, tuple[list[float], list[dict]]] = {}
+
+    def dispatch_until(limit: float) -> None:
+        while queue and free[0] <= limit:
+            t = free[0]
+            job = min(queue, key=lambda j: (rank_at(Tier(j["tier"]), j["at"], t, aging_s), j["at"]))
+            queue.remove(job)
+            waits[job["i"]] = t - job["at"]
+            heapq.heapreplace(free, t + dur(job))
+
+    for job in jobs:
+        dispatch_until(job["at"])
+        free = [max(f, job["at"]) for f in free]  # an idle slot is free from now
+        heapq.heapify(free)
+        seen[job["i"]] = ([f - job["at"] for f in free], list(queue))
+        queue.append(job)
+        dispatch_until(job["at"])
+    dispatch_until(math.inf)
+    return waits, seen
+
+
+def estimates(jobs: list[dict], waits: dict, seen: dict, a, dur) -> list[tuple[str, float, float]]:
+    """(tier, estimate, wait) of every job, the estimate from wait_s with the chosen forecast."""
+    rates = ArrivalRates(a.tau, jobs[0]["at"])
+    out = []
+    for job in jobs:
+        tier, now = Tier(job["tier"]), job["at"]
+        busy, queued = seen[job["i"]]
+        view = WorkerView(a.slots, SECONDS, [Held(Work(Tier.P3, 0, f), RUNNING, 0) for f in busy if f > 0])
+        line = [Queued(Work(Tier(q["tier"]), 0, dur(q)), q["at"] - now) for q in queued]
+        arrivals: list[Arrivals] = []
+        if a.forecast == "rates":
+            for t in Tier:
+                r = rates.arrivals(t, now)
+                arrivals.append(Arrivals(Work(t, 0, r.work.decode), r.per_s))
+        elif a.forecast == "exact":  # future jobs as queued jobs admitted later (wait_s waits for them)
+            line += [Queued(Work(Tier(f["tier"]), 0, dur(f)), f["at"] - now) for f in jobs if f["at"] > now]
+        elif a.forecast == "oracle":
+            span = max(1.0, waits[job["i"]])
+            for t in Tier:
+                came = [f for f in jobs if now < f["at"] <= now + span and f["tier"] == t.value]
+                if came:
+                    arrivals.append(Arrivals(Work(t, 0, statistics.fmean(map(dur, came))), len(came) / span))
+        out.append((job["tier"], wait_s(tier, [view], line, arrivals=arrivals, aging_interval_s=a.aging_interval),
+                    waits[job["i"]]))
+        rates.add(tier, 0, dur(job), now)
+    return out
+
+
+def judge(rows: list[tuple[str, float, float]], min_wait: float) -> dict[str, tuple[float, float, int] | None]:
+    def stats(rs):
+        rs = [(e, w) for _, e, w in rs if w >= min_wait]
+        if not rs:
+            return None
+        return (statistics.median(abs(e - w) / w for e, w in rs), sum(w / 2 <= e <= 2 * w for e, w in rs) / len(rs),
+                len(rs))
+
+    return {"all": stats(rows), **{t: stats([r for r in rows if r[0] == t]) for t in ("P1", "P2", "P3")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=ROOT / "data/azure-2023/AzureLLMInferenceTrace_conv.csv")
+    ap.add_argument("--arrivals", type=int, default=500, help="rows per segment")
+    ap.add_argument("--segments", type=int, default=19, help="segments, --arrivals * 2 rows apart")
+    ap.add_argument("--load", type=float, default=0.8, help="pace each segment so its work keeps this share busy")
+    ap.add_argument("--forecast", choices=FORECASTS, default="rates")
+    ap.add_argument("--tau", type=float, default=30.0, help="decay time of the arrival rates (s), as the gateway's")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--prefill-tps", type=float, default=1300.0, help="per sequence (the bench model here: ~1300)")
+    ap.add_argument("--decode-tps", type=float, default=37.5, help="per sequence (the bench model here: ~37.5)")
+    ap.add_argument("--aging-interval", type=float, default=60.0)
+    ap.add_argument("--token-scale", type=float, default=0.25)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--mix", default="10,20,30,40")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--min-wait", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    a.speedup = None
+
+    def dur(job: dict) -> float:
+        return job["prompt_tokens"] / a.prefill_tps + job["max_tokens"] / a.decode_tps
+
+    per_segment = []
+    for k in range(a.segments):
+        try:
+            jobs = plan(load_trace(a.trace, 2 * k * a.arrivals, a.arrivals), a)
+        except SystemExit:
+            break  # the trace ended
+        span = max(1e-9, jobs[-1]["at"] - jobs[0]["at"])
+        speedup = a.load / (sum(map(dur, jobs)) / span / a.slots)
+        for job in jobs:
+            job["at"] /= speedup
+        waits, seen = simulate(jobs, a.slots, a.aging_interval, dur)
+        result = judge(estimates(jobs, waits, seen, a, dur), a.min_wait)
+        per_segment.append(result)
+        print(f"rows {2 * k * a.arrivals:>6}: " + "  ".join(
+            f"{t} {100 * s[0]:5.1f} % / {100 * s[1]:5.1f} % ({s[2]})" for t, s in result.items() if s), flush=True)
+    print(f"\n{len(per_segment)} segments, forecast {a.forecast}: mean (worst) median error / within 2x")
+    for t in ("all", "P1", "P2", "P3"):
+        xs = [r[t] for r in per_segment if r[t]]
+        if xs:
+            print(f"  {t:<4} {100 * statistics.fmean(x[0] for x in xs):5.1f} % ({100 * max(x[0] for x in xs):5.1f} %)"
+                  f"  {100 * statistics.fmean(x[1] for x in xs):5.1f} % ({100 * min(x[1] for x in xs):5.1f} %)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
