@@ -116,8 +116,10 @@ class WaitEstimator:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
         found, now_ms = self._queued(tier, score)
         infos = self._infos([i for i, _ in found])
-        queued = [Queued(self._work(infos[i]), (s - now_ms) / 1000) for i, s in found if i in infos and i != job_id]
-        enqueued_s = 0.0 if score is None else (score - now_ms) / 1000
+        # Admitted by now: another gateway may admit between the clock read and the queue reads.
+        queued = [Queued(self._work(infos[i]), min(0.0, (s - now_ms) / 1000)) for i, s in found
+                  if i in infos and i != job_id]
+        enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
         est = wait_s(tier, views, queued, enqueued_s=enqueued_s,
                      arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
                      aging_interval_s=self.aging_interval_s, handoff_s=self.handoff_s)
