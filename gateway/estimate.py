@@ -125,7 +125,7 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf, handoff_s: float = 0.0) -> float:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
 
-    ``queued``: the other jobs in the queues, in queue order; only those that may go before it matter.
+    ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
     ``handoff_s``: a queued job's delay between a slot freeing and its prefill starting.
     """
