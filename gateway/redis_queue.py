@@ -23,6 +23,7 @@ from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, JobRecord, JobState, Overloaded, QuotaRefused,
     QuotaSpec, Settled, StoreFull, TenantFull,
 )
+from gateway.timeutil import time_ms
 
 # Queue timeout per tier in seconds (None: waits forever); also the admission limit on the
 # estimated wait. Shared tier defaults live here until the configuration module exists.
@@ -225,8 +226,7 @@ class RedisQueue:
     # --- sweeps (any gateway may run them; the scripts make concurrent runs safe) ----------
     def server_ms(self) -> int:
         """Redis's clock, in ms: the one clock the sweeps and statistics use."""
-        sec, usec = self.client.time()
-        return int(sec) * 1000 + int(usec) // 1000
+        return time_ms(self.client.time())
 
     def requeue_expired(self, now_ms: int, max_attempts: int, *, limit: int = SWEEP_LIMIT) -> list[Settled]:
         """Settle expired leases: back to the queue (original score) or, after max_attempts, dead."""

@@ -19,6 +19,7 @@ import msgpack
 
 from common.tiers import ALL_TIERS, Tier
 from gateway.estimate import RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
+from gateway.timeutil import time_ms
 from gateway.wait_learning import ArrivalRates, BiasCorrection, OutputLengths
 
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
@@ -107,8 +108,8 @@ class WaitEstimator:
                 pipe.zrangebyscore(key, "-inf", before, withscores=True)
             else:  # the oldest age first: a bounded read of them is what can age past it
                 pipe.zrangebyscore(key, "-inf", before, start=0, num=MAX_LOWER_READ, withscores=True)
-        (sec, usec), *found = pipe.execute()
-        return [(i.decode(), s) for ids in found for i, s in ids], int(sec) * 1000 + int(usec) / 1000
+        clock, *found = pipe.execute()
+        return [(i.decode(), s) for ids in found for i, s in ids], time_ms(clock)
 
     def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float) -> float:
         views = self._worker_views()

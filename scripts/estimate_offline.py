@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from common.tiers import Tier  # noqa: E402
 from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, rank_at, wait_s  # noqa: E402
 from gateway.wait_learning import ArrivalRates  # noqa: E402
-from scripts.bench_estimate import load_trace, plan  # noqa: E402
+from scripts.bench_estimate import load_trace, offered_load, plan  # noqa: E402
 
 SECONDS = Rates(prefill_tps=math.inf, decode_tps=1.0)  # Work(decode=s) holds a slot for s seconds
 FORECASTS = ("rates", "exact", "oracle", "none")
@@ -103,7 +103,7 @@ def judge(rows: list[tuple[str, float, float]], min_wait: float) -> dict[str, tu
     return {"all": stats(rows), **{t: stats([r for r in rows if r[0] == t]) for t in ("P1", "P2", "P3")}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=ROOT / "data/azure-2023/AzureLLMInferenceTrace_conv.csv")
@@ -121,22 +121,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", default="10,20,30,40")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--min-wait", type=float, default=0.5)
-    a = ap.parse_args(argv)
-    a.speedup = None
+    return ap
 
-    def dur(job: dict) -> float:
-        return job["prompt_tokens"] / a.prefill_tps + job["max_tokens"] / a.decode_tps
 
+def segment(a, start: int) -> list[dict]:
+    """Rows start.. of the trace as bench_estimate.py plans them, paced to --load at the given rates."""
+    a.speedup = None  # plan() reads it: the trace's own pace, then paced here
+    jobs = plan(load_trace(a.trace, start, a.arrivals), a)
+    speedup = a.load / offered_load(jobs, [(a.prefill_tps, a.decode_tps, a.slots)])
+    for job in jobs:
+        job["at"] /= speedup
+    return jobs
+
+
+def durations(a):
+    """Seconds a job holds a slot at the given per-sequence rates."""
+    return lambda job: job["prompt_tokens"] / a.prefill_tps + job["max_tokens"] / a.decode_tps
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    dur = durations(a)
     per_segment = []
     for k in range(a.segments):
         try:
-            jobs = plan(load_trace(a.trace, 2 * k * a.arrivals, a.arrivals), a)
+            jobs = segment(a, 2 * k * a.arrivals)
         except SystemExit:
             break  # the trace ended
-        span = max(1e-9, jobs[-1]["at"] - jobs[0]["at"])
-        speedup = a.load / (sum(map(dur, jobs)) / span / a.slots)
-        for job in jobs:
-            job["at"] /= speedup
         waits, seen = simulate(jobs, a.slots, a.aging_interval, dur)
         result = judge(estimates(jobs, waits, seen, a, dur), a.min_wait)
         per_segment.append(result)

@@ -3,25 +3,16 @@ came, its replay must reproduce every simulated wait; with none foreseen it may 
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from scripts import estimate_offline as offline
 
 
-def run(forecast: str, rows: int = 200, load: float = 1.1):
-    a = argparse.Namespace(
-        trace=offline.ROOT / "data/azure-2023/AzureLLMInferenceTrace_conv.csv", forecast=forecast, tau=30.0, slots=4,
-        aging_interval=20.0, token_scale=0.25, max_len=2048, mix="10,20,30,40", seed=3, speedup=None)
-
-    def dur(job):
-        return job["prompt_tokens"] / 1300.0 + job["max_tokens"] / 37.5
-
-    jobs = offline.plan(offline.load_trace(a.trace, 3000, rows), a)
-    speedup = load / (sum(map(dur, jobs)) / (jobs[-1]["at"] - jobs[0]["at"]) / a.slots)
-    for job in jobs:
-        job["at"] /= speedup
+def run(forecast: str):
+    a = offline.parser().parse_args(["--forecast", forecast, "--arrivals", "200", "--load", "1.1",
+                                     "--aging-interval", "20", "--seed", "3"])
+    dur = offline.durations(a)
+    jobs = offline.segment(a, 3000)
     waits, seen = offline.simulate(jobs, a.slots, a.aging_interval, dur)
     return offline.estimates(jobs, waits, seen, a, dur)
 
