@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -122,12 +123,15 @@ def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float) ->
 
 
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
-           arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf, handoff_s: float = 0.0) -> float:
+           arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf, handoff_s: float = 0.0,
+           rng: random.Random | None = None) -> float:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
     ``handoff_s``: a queued job's delay between a slot freeing and its prefill starting.
+    ``rng``: draw the arrivals to come as Poisson streams (exponential gaps) instead of evenly spaced: one
+    possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
     """
     if not workers:
         return math.inf
@@ -143,7 +147,7 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             slots[j] += w.rates.seconds(h.work.prefill, h.work.decode)
         heap += [(t, i) for t in slots]
     heapq.heapify(heap)
-    line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s)
+    line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng)
     for _ in range(MAX_DISPATCHES):
         t, i = heapq.heappop(heap)
         work = line.first_before_the_job(t)
@@ -159,7 +163,7 @@ class _Line:
     as far), so the first in line is always one of the per-tier heads."""
 
     def __init__(self, tier: Tier, enqueued_s: float, queued: Iterable[Queued], arrivals: Iterable[Arrivals],
-                 workers: Sequence[WorkerView], aging_interval_s: float) -> None:
+                 workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None) -> None:
         self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
         by_tier: dict[Tier, list[Queued]] = {t: [] for t in ALL_TIERS}
         for q in queued:
@@ -178,6 +182,8 @@ class _Line:
         self.streams = {a.work.tier: (a.work, a.per_s * (scale if a.work.tier.rank < final else 1.0))
                         for a in streams}
         self.arrived = dict.fromkeys(self.streams, 0)  # arrivals of each tier dispatched so far
+        self.rng = rng  # drawn futures: when each tier's next one comes
+        self.drawn = {t: rng.expovariate(per_s) for t, (_, per_s) in self.streams.items()} if rng else {}
 
     def _head(self, tier: Tier, t: float) -> tuple[float, Work] | None:
         if self.heads[tier]:
@@ -185,7 +191,8 @@ class _Line:
             return (q.enqueued_s, q.work) if q.enqueued_s <= t else None  # (a job not yet admitted waits its turn)
         if tier in self.streams:
             work, per_s = self.streams[tier]
-            at = (self.arrived[tier] + 1) / per_s  # the k-th to come k gaps from now, as a Poisson stream has it
+            # The k-th to come k gaps from now, as a Poisson stream has it on average; or one drawn future.
+            at = self.drawn[tier] if self.rng else (self.arrived[tier] + 1) / per_s
             if at <= t:
                 return at, work
         return None
@@ -202,4 +209,7 @@ class _Line:
         if self.heads[best]:
             return self.heads[best].popleft().work
         self.arrived[best] += 1
-        return self.streams[best][0]
+        work, per_s = self.streams[best]
+        if self.rng:
+            self.drawn[best] += self.rng.expovariate(per_s)
+        return work

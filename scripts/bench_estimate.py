@@ -13,6 +13,11 @@ prefill started on a worker), and prints per tier, over the jobs that waited at 
 estimates within 2x of the wait. Refusals (overloaded, quota) are counted. --png draws
 estimate against wait; --json writes every job and the summary.
 
+The --tail rows after the judged ones keep arriving, on the same schedule and unjudged, until
+every judged job has its result: traffic does not stop in a deployment, and without them the
+last minute's jobs would be judged against a future with no arrivals, which the gateway rightly
+does not foresee (--tail 0: the replay stops with the judged rows).
+
 The trace is any CSV with the columns of the Azure LLM inference traces: TIMESTAMP,
 ContextTokens, GeneratedTokens (data/azure-2023/, CC-BY-4.0, Patel et al., "Splitwise", ISCA 2024).
 """
@@ -105,11 +110,23 @@ def offered_load(jobs: list[dict], rates: list[tuple[float, float, int]]) -> flo
     return work / span / slots
 
 
-async def replay(state: dict, jobs: list[dict], timeout_s: float) -> list[dict]:
+async def replay(state: dict, jobs: list[dict], timeout_s: float, tail: list[dict] = ()) -> tuple[list[dict], int]:
+    """The judged jobs' records, and how many tail jobs were submitted before the last judged one finished."""
     clients = {t: AsyncGatewayClient(state["gateway"], state["tenants"][TENANT_OF[t]]["api_key"], timeout_s=60)
                for t in TIERS}
     bar = tqdm(total=len(jobs), desc="replay", unit="job", file=sys.stderr)
     t0 = time.monotonic()
+    tail_sent = 0
+
+    async def background(job: dict) -> None:
+        nonlocal tail_sent
+        await asyncio.sleep(max(0.0, t0 + job["at"] - time.monotonic()))
+        try:
+            await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"], max_tokens=job["max_tokens"],
+                                              tier=job["tier"], ignore_eos=True, seed=job["i"])
+            tail_sent += 1
+        except ServingError:
+            pass  # refused: it is traffic, not judged
 
     async def one(job: dict) -> dict:
         rec = {k: v for k, v in job.items() if k != "prompt_token_ids"}
@@ -133,9 +150,13 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float) -> list[dict]:
         bar.update(1)
         return rec
 
+    tails = [asyncio.ensure_future(background(j)) for j in tail]
     try:
-        return list(await asyncio.gather(*(one(j) for j in jobs)))
+        return list(await asyncio.gather(*(one(j) for j in jobs))), tail_sent
     finally:
+        for t in tails:
+            t.cancel()
+        await asyncio.gather(*tails, return_exceptions=True)
         bar.close()
         for c in clients.values():
             c.close()
@@ -196,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, required=True, help="CSV: TIMESTAMP, ContextTokens, GeneratedTokens")
     ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
     ap.add_argument("--start", type=int, default=0, help="first row to replay")
+    ap.add_argument("--tail", type=int, default=500,
+                    help="rows after the judged ones that keep arriving, unjudged, until every judged job is done")
     ap.add_argument("--load", type=float, default=None,
                     help=f"compress the arrival schedule so its work keeps this share of the cluster's slots busy, "
                          f"by the rates the workers measured at start-up (default {DEFAULT_LOAD} unless --speedup "
@@ -226,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--load and --speedup must be > 0")
     if args.speedup is None and args.load is None:
         args.load = DEFAULT_LOAD
-    jobs = plan(load_trace(args.trace, args.start, args.arrivals), args)
+    if args.tail < 0:
+        ap.error("--tail must be >= 0")
+    planned = plan(load_trace(args.trace, args.start, args.arrivals + args.tail), args)
+    jobs, tail = planned[:args.arrivals], planned[args.arrivals:]
 
     from scripts.up import Cluster, cluster_args
 
@@ -239,23 +265,25 @@ def main(argv: list[str] | None = None) -> int:
         state = cluster.start()
         rates = calibrated_rates(Path(state["logs"]), args.workers)
         if args.load is not None:
-            args.speedup = args.load / offered_load(jobs, rates)
-            for job in jobs:
+            args.speedup = args.load / offered_load(jobs, rates)  # the judged rows' load; the tail keeps their pace
+            for job in planned:
                 job["at"] /= args.speedup
         print(f"cluster up: {args.workers} workers x {args.max_running} slots ({args.model}); replaying "
               f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s (speedup {args.speedup:.2f}: offered load "
-              f"{offered_load(jobs, rates):.2f} of the slots)", file=sys.stderr)
-        records = asyncio.run(replay(state, jobs, args.job_timeout))
+              f"{offered_load(jobs, rates):.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
+        records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
     finally:
         cluster.stop()
     summary = summarize(records, args.min_wait)
     print(table(summary, args.min_wait))
+    print(f"tail: {tail_sent} of {len(tail)} unjudged arrivals came before the last judged job finished")
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "calibrated": rates, "jobs": records}, indent=1))
+                                         "calibrated": rates, "tail_sent": tail_sent,
+                                         "jobs": records}, indent=1))
     return 0
 
 

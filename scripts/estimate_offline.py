@@ -9,8 +9,16 @@ a forecast of the arrivals to come:
 
   rates   the gateway's own: each tier's decayed arrival rate (gateway/wait_learning.py)
   exact   the arrivals that really came: checks the model's replay against the simulation (0 error)
-  oracle  each tier's real rate over the job's real wait (the best any rate forecast could do)
+  oracle  each tier's real rate over the next --window seconds: a perfect rate forecast, which no
+          gateway has, so the best a forecast of rates could do
   none    no arrivals to come
+
+The --tail rows after each segment arrive too, unjudged: traffic does not stop when a segment
+ends, and jobs near its end would otherwise be judged against a future no deployment sees.
+
+--samples N asks wait_s N times per job with drawn (Poisson) futures instead of evenly spaced
+arrivals, and takes the --pick of them: their median, or the estimate with the most of them
+within 2x. That tells what a forecast of the spread, not just the rate, would be worth.
 
 It prints, per segment and over all segments, the median relative error and the share within
 2x for the jobs that waited at least --min-wait, as bench_estimate.py does. Many segments of
@@ -20,8 +28,10 @@ one trace, not one: a forecast tuned to one stretch of arrivals is fitted to the
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -65,7 +75,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur) -> tuple[dict, d
 
 
 def estimates(jobs: list[dict], waits: dict, seen: dict, a, dur) -> list[tuple[str, float, float]]:
-    """(tier, estimate, wait) of every job, the estimate from wait_s with the chosen forecast."""
+    """(tier, estimate, wait) of every judged job, the estimate from wait_s with the chosen forecast."""
     rates = ArrivalRates(a.tau, jobs[0]["at"])
     out = []
     for job in jobs:
@@ -81,15 +91,39 @@ def estimates(jobs: list[dict], waits: dict, seen: dict, a, dur) -> list[tuple[s
         elif a.forecast == "exact":  # future jobs as queued jobs admitted later (wait_s waits for them)
             line += [Queued(Work(Tier(f["tier"]), 0, dur(f)), f["at"] - now) for f in jobs if f["at"] > now]
         elif a.forecast == "oracle":
-            span = max(1.0, waits[job["i"]])
             for t in Tier:
-                came = [f for f in jobs if now < f["at"] <= now + span and f["tier"] == t.value]
+                came = [f for f in jobs if now < f["at"] <= now + a.window and f["tier"] == t.value]
                 if came:
-                    arrivals.append(Arrivals(Work(t, 0, statistics.fmean(map(dur, came))), len(came) / span))
-        out.append((job["tier"], wait_s(tier, [view], line, arrivals=arrivals, aging_interval_s=a.aging_interval),
-                    waits[job["i"]]))
+                    arrivals.append(Arrivals(Work(t, 0, statistics.fmean(map(dur, came))), len(came) / a.window))
         rates.add(tier, 0, dur(job), now)
+        if not job.get("judged", True):
+            continue
+
+        def ask(rng=None):
+            return wait_s(tier, [view], line, arrivals=arrivals, aging_interval_s=a.aging_interval, rng=rng)
+
+        sampled = a.samples and arrivals and a.forecast != "exact"
+        est = pick([ask(random.Random(s)) for s in range(a.samples)], a.pick) if sampled else ask()
+        out.append((job["tier"], est, waits[job["i"]]))
     return out
+
+
+def pick(waits: list[float], how: str) -> float:
+    """One estimate from sampled waits: their median, or the estimate with most of them within 2x of it
+    (of those, the one nearest their median)."""
+    ws = sorted(waits)
+    median = ws[len(ws) // 2]
+    if how == "median" or ws[-1] <= 0:
+        return median
+    best = (0, 0.0, median)
+    for i, lo in enumerate(ws):  # every estimate within 2x of ws[i]..ws[j]: [ws[j] / 2, 2 * ws[i]]
+        if lo <= 0:
+            continue
+        j = bisect.bisect_right(ws, 4 * lo) - 1
+        e = min(max(median, ws[j] / 2), 2 * lo)
+        key = (j - i + 1, -abs(math.log(e / median)) if median > 0 else 0.0, e)
+        best = max(best, key)
+    return best[2]
 
 
 def judge(rows: list[tuple[str, float, float]], min_wait: float) -> dict[str, tuple[float, float, int] | None]:
@@ -112,6 +146,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--load", type=float, default=0.8, help="pace each segment so its work keeps this share busy")
     ap.add_argument("--forecast", choices=FORECASTS, default="rates")
     ap.add_argument("--tau", type=float, default=30.0, help="decay time of the arrival rates (s), as the gateway's")
+    ap.add_argument("--window", type=float, default=60.0, help="the oracle's look ahead (s)")
+    ap.add_argument("--tail", type=int, default=250, help="rows after each segment that arrive too, unjudged")
+    ap.add_argument("--samples", type=int, default=0, help="drawn futures per job (0: the gateway's evenly spaced)")
+    ap.add_argument("--pick", choices=("median", "within-2x"), default="median",
+                    help="of the --samples waits, the median or the estimate with most of them within 2x")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--prefill-tps", type=float, default=1300.0, help="per sequence (the bench model here: ~1300)")
     ap.add_argument("--decode-tps", type=float, default=37.5, help="per sequence (the bench model here: ~37.5)")
@@ -125,12 +164,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def segment(a, start: int) -> list[dict]:
-    """Rows start.. of the trace as bench_estimate.py plans them, paced to --load at the given rates."""
+    """Rows start.. of the trace as bench_estimate.py plans them, paced so the --arrivals judged rows offer --load
+    at the given rates, then the --tail rows (unjudged) at the same pace."""
     a.speedup = None  # plan() reads it: the trace's own pace, then paced here
-    jobs = plan(load_trace(a.trace, start, a.arrivals), a)
-    speedup = a.load / offered_load(jobs, [(a.prefill_tps, a.decode_tps, a.slots)])
+    jobs = plan(load_trace(a.trace, start, a.arrivals + a.tail), a)
+    speedup = a.load / offered_load(jobs[:a.arrivals], [(a.prefill_tps, a.decode_tps, a.slots)])
     for job in jobs:
         job["at"] /= speedup
+        job["judged"] = job["i"] < a.arrivals
     return jobs
 
 
@@ -153,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         per_segment.append(result)
         print(f"rows {2 * k * a.arrivals:>6}: " + "  ".join(
             f"{t} {100 * s[0]:5.1f} % / {100 * s[1]:5.1f} % ({s[2]})" for t, s in result.items() if s), flush=True)
-    print(f"\n{len(per_segment)} segments, forecast {a.forecast}: mean (worst) median error / within 2x")
+    how = f", {a.samples} drawn futures, their {a.pick}" if a.samples else ""
+    print(f"\n{len(per_segment)} segments, forecast {a.forecast}{how}: mean (worst) median error / within 2x")
     for t in ("all", "P1", "P2", "P3"):
         xs = [r[t] for r in per_segment if r[t]]
         if xs:

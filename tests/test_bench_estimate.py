@@ -1,8 +1,11 @@
-"""scripts/bench_estimate.py's load setting: it sizes the replay from the rates the workers log at start-up."""
+"""scripts/bench_estimate.py: it sizes the replay from the rates the workers log at start-up, and its unjudged tail
+keeps arriving only until the judged jobs are done."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import pytest
 
@@ -51,3 +54,20 @@ def test_contradictory_or_empty_pacing_is_refused_before_a_cluster_starts(argv, 
     with pytest.raises(SystemExit) as e:
         bench_estimate.main(["--trace", str(tmp_path / "none.csv"), *argv])
     assert e.value.code == 2 and ("--load" in capsys.readouterr().err)
+
+
+def test_the_tail_arrives_unjudged_and_stops_when_the_judged_jobs_are_done(tiny_model_dir, tmp_path):
+    from tests.cluster_helpers import job_ids, local_cluster
+
+    def job(i: int, at: float, tier: str) -> dict:
+        return {"i": i, "at": at, "tier": tier, "prompt_tokens": 4, "max_tokens": 4, "prompt_token_ids": [5, 6, 7, 8]}
+
+    judged = [job(i, 0.5 + 0.1 * i, t) for i, t in enumerate(("P0", "P1", "P2", "P3"))]
+    soon = [job(10 + i, 0.0, "P1") for i in range(3)]  # before any judged job: surely sent
+    never = [job(20 + i, 3600.0, "P0") for i in range(3)]  # an hour on: cancelled when the judged ones are done
+    with local_cluster(tmp_path, tiny_model_dir, workers=1) as state:
+        started = time.monotonic()
+        records, sent = asyncio.run(bench_estimate.replay(state, judged, 60.0, soon + never))
+        assert time.monotonic() - started < 60
+        assert [r["i"] for r in records] == [0, 1, 2, 3] and all(r["outcome"] == "done" for r in records)
+        assert sent == 3 and len(job_ids(state)) == 4 + 3  # the far tail was never submitted

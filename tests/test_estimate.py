@@ -4,6 +4,7 @@ and what it learns (gateway/wait_learning.py)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -70,6 +71,19 @@ def test_higher_tier_arrivals_take_slots_before_it_and_lower_or_newer_ones_never
     for newer in (Arrivals(Work(P2, 0, 100), per_s=2.0), Arrivals(Work(P3, 0, 100), per_s=2.0)):
         assert wait_s(P2, [free_at_2], [], arrivals=[newer]) == pytest.approx(2.0)
     assert wait_s(P2, [WorkerView(2, RATES)], [], arrivals=[p0s]) == 0.0  # a free slot now
+
+
+def test_a_drawn_future_takes_poisson_arrivals():
+    free_at_2 = WorkerView(1, RATES, [running(P3, 200)])  # free at 2 s
+    p0s = Arrivals(Work(P0, 0, 100), per_s=0.5)
+    waits = [wait_s(P2, [free_at_2], [], arrivals=[p0s], rng=random.Random(seed)) for seed in range(2000)]
+    # No P0 before 2 s with probability exp(-0.5 * 2): then the slot is the P2's at 2 s; else later.
+    assert sum(w == pytest.approx(2.0) for w in waits) / len(waits) == pytest.approx(math.exp(-1.0), abs=0.03)
+    assert min(waits) == pytest.approx(2.0) and max(waits) > 4.0
+    # Evenly spaced (no rng), the first P0 comes at 2 s and takes the slot: one point of that spread.
+    assert wait_s(P2, [free_at_2], [], arrivals=[p0s]) == pytest.approx(3.0)
+    assert wait_s(P2, [free_at_2], [], arrivals=[p0s], rng=random.Random(7)) == wait_s(
+        P2, [free_at_2], [], arrivals=[p0s], rng=random.Random(7))  # seeded: the same future
 
 
 def test_arrivals_that_overtake_for_good_are_capped_so_the_wait_stays_finite():
