@@ -14,6 +14,9 @@ from common import protocol as P
 from common.tiers import ALL_TIERS, Tier
 from gateway.timeutil import ms as _ms
 
+# Queued P0/P1 jobs read at most per preemption pass, looking past jobs aged up from P2/P3 (a bound on its cost).
+PREEMPTION_SCAN_MAX = 1024
+
 
 class Dispatcher:
     """Drain-rate estimates and the dispatch pass."""
@@ -70,11 +73,8 @@ class Dispatcher:
         wait estimates still apply to it."""
         room = {wid: w.victims_left(self._urgent_sent) for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())
-        ids = self.queue.peek([Tier.P0, Tier.P1], most) if most else []
         by_worker: dict[str, list[str]] = {}
-        for job_id, tier in zip(ids, self.queue.granted_tiers(ids)):
-            if tier not in (Tier.P0, Tier.P1):
-                continue  # aged up from P2/P3: it waits for a free slot like the tier it was admitted at
+        for job_id, tier in self._urgent_candidates(most):
             fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0]
             if not fits:
                 continue
@@ -83,3 +83,24 @@ class Dispatcher:
             for t in room[wid]:  # one victim is gone, whoever would have taken it
                 room[wid][t] -= 1
         return by_worker, {j: "preemption" for js in by_worker.values() for j in js}
+
+    def _urgent_candidates(self, most: int) -> list[tuple[str, Tier]]:
+        """Up to ``most`` queued jobs admitted as P0 or P1, in dispatch order, with their tiers. Jobs aged up
+        from P2/P3 share the P1 queue, ahead of newer P1s, but wait for a free slot like the tier they were
+        admitted at: they are passed over here, so however many there are, they cannot hide a P1 from the
+        victims it may preempt (the scan reads further until it finds enough, to PREEMPTION_SCAN_MAX)."""
+        limit = most
+        while limit > 0:
+            ids = self.queue.peek([Tier.P0, Tier.P1], limit)
+            found = [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in (Tier.P0, Tier.P1)]
+            if len(found) >= most or len(ids) < limit or limit >= PREEMPTION_SCAN_MAX:
+                return found[:most]
+            limit = min(PREEMPTION_SCAN_MAX, 4 * limit)
+        return []
+
+    def _granted_tiers(self, ids: list[str]) -> list[Tier | None]:
+        """The tier each job was admitted at: known here for the jobs this gateway admitted, else read."""
+        known = [self.estimator.tier_of(i) for i in ids]
+        unknown = [i for i, t in zip(ids, known) if t is None]
+        read = iter(self.queue.granted_tiers(unknown))
+        return [t if t is not None else next(read) for t in known]

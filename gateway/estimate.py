@@ -10,7 +10,9 @@ that exist (no job-count rates, no floors):
 - held work that will start before the job takes the slot that frees first. P0 and P1 go to a
   full worker and preempt there, so only held work of their tier or higher starts before them;
   P2 and P3 go only where a slot is free, after all held work (a suspended job holds its
-  slot's credit);
+  slot's credit). A slot a P0 or P1 takes by preemption is not one for the jobs aged up into
+  P1 ahead of it: they preempt as the tier they were admitted at (not at all), so they wait
+  for a slot that frees, as the dispatcher has them;
 - then, each time a slot frees, the queues hand it to their first job, as Redis would: the
   highest tier, then the oldest. Queued jobs and the jobs still to come of the tiers above
   the job's (their measured arrival rates, as evenly spaced mean jobs) both take slots; the
@@ -40,6 +42,7 @@ from common.tiers import ALL_TIERS, Tier
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 # Tiers the gateway dispatches to a full worker (which then preempts for them); others wait for a free slot.
 PREEMPTIVE_DISPATCH = frozenset({Tier.P0, Tier.P1})
+_PREEMPTING = tuple(t for t in ALL_TIERS if t in PREEMPTIVE_DISPATCH)  # in queue order
 # Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
 # slots: beyond it the wait has no finite expectation.
 MAX_RHO = 0.8
@@ -135,25 +138,30 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     """
     if not workers:
         return math.inf
-    heap: list[tuple[float, int]] = []  # (free at, worker index)
+    heap: list[tuple[float, int, bool]] = []  # (free at, worker index, only for a job that may preempt there)
     for i, w in enumerate(workers):
         held = w.next_step()
-        free = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.blocks(tier)),
+        busy = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.blocks(tier)),
                       reverse=True)[:w.slots]
-        slots = free + [0.0] * (w.slots - len(free))
+        # Running work the job may preempt: its slot is the job's now, but not a job's aged up to its tier
+        # (that one waits for a free slot, as the tier it was admitted at, however far ahead in line).
+        victims = min(w.slots - len(busy), sum(h.status == RUNNING and not h.blocks(tier) for h in held))
+        slots = ([(t, False) for t in busy] + [(0.0, True)] * victims
+                 + [(0.0, False)] * (w.slots - len(busy) - victims))
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
-            j = min(range(len(slots)), key=slots.__getitem__)
-            slots[j] += w.rates.seconds(h.work.prefill, h.work.decode)
-        heap += [(t, i) for t in slots]
+            j = min(range(len(slots)), key=lambda j: slots[j][0])
+            slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
+        heap += [(t, i, urgent) for t, urgent in slots]
     heapq.heapify(heap)
     line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng)
     for _ in range(MAX_DISPATCHES):
-        t, i = heapq.heappop(heap)
-        work = line.first_before_the_job(t)
+        t, i, urgent = heapq.heappop(heap)
+        work = line.first_before_the_job(t, preempting=urgent)
         if work is None:
             return max(0.0, t)
-        heapq.heappush(heap, (t + handoff_s + workers[i].rates.seconds(work.prefill, work.decode), i))
+        # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
+        heapq.heappush(heap, (t + handoff_s + workers[i].rates.seconds(work.prefill, work.decode), i, urgent))
     return max(0.0, heap[0][0])
 
 
@@ -197,10 +205,12 @@ class _Line:
                 return at, work
         return None
 
-    def first_before_the_job(self, t: float) -> Work | None:
-        """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None."""
+    def first_before_the_job(self, t: float, preempting: bool = False) -> Work | None:
+        """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
+        ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
+        in line for it."""
         best, best_key = None, (rank_at(self.tier, self.enqueued_s, t, self.aging), self.enqueued_s)
-        for tier in ALL_TIERS:
+        for tier in (_PREEMPTING if preempting else ALL_TIERS):
             head = self._head(tier, t)
             if head is not None and (key := (rank_at(tier, head[0], t, self.aging), head[0])) <= best_key:
                 best, best_key = tier, key

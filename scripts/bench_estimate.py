@@ -162,6 +162,17 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float, tail: list[dic
             c.close()
 
 
+def measured_load(records: list[dict], rates: list[tuple[float, float, int]], load: float) -> float | None:
+    """The load the replay really offered: the paced --load times how much longer the jobs held their slots
+    than the start-up calibration said (the median over jobs never preempted). The calibration is one short
+    batch, so it can be off by a fifth either way on a busy machine; this says what a run really was."""
+    prefill = statistics.fmean(r[0] for r in rates)
+    decode = statistics.fmean(r[1] for r in rates)
+    ratios = [(r["total_s"] - r["wait_s"]) / (r["prompt_tokens"] / prefill + r["max_tokens"] / decode)
+              for r in records if r.get("outcome") == "done" and not r["preemptions"]]
+    return load * statistics.median(ratios) if ratios else None
+
+
 def summarize(records: list[dict], min_wait: float) -> dict:
     def stats(rs: list[dict]) -> dict:
         waited = [r for r in rs if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
@@ -277,12 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(records, args.min_wait)
     print(table(summary, args.min_wait))
     print(f"tail: {tail_sent} of {len(tail)} unjudged arrivals came before the last judged job finished")
+    real = measured_load(records, rates, offered_load(jobs, rates))
+    if real is not None:
+        print(f"load: {real:.2f} of the slots, by the jobs' real time in them (paced for "
+              f"{offered_load(jobs, rates):.2f} by the start-up calibration)")
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "calibrated": rates, "tail_sent": tail_sent,
+                                         "calibrated": rates, "tail_sent": tail_sent, "measured_load": real,
                                          "jobs": records}, indent=1))
     return 0
 

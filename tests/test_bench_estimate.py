@@ -71,3 +71,12 @@ def test_the_tail_arrives_unjudged_and_stops_when_the_judged_jobs_are_done(tiny_
         assert time.monotonic() - started < 60
         assert [r["i"] for r in records] == [0, 1, 2, 3] and all(r["outcome"] == "done" for r in records)
         assert sent == 3 and len(job_ids(state)) == 4 + 3  # the far tail was never submitted
+
+
+def test_measured_load_scales_the_paced_load_by_the_jobs_real_time_in_their_slots():
+    rates = [(100.0, 10.0, 2), (100.0, 10.0, 2)]  # a job of 100 prompt + 10 output tokens: 2 s by calibration
+    rec = {"outcome": "done", "prompt_tokens": 100, "max_tokens": 10, "preemptions": 0, "wait_s": 1.0}
+    records = [dict(rec, total_s=1.0 + held) for held in (2.4, 2.5, 2.6)]  # 1.25x the calibration's 2 s (median)
+    records += [dict(rec, total_s=60.0, preemptions=1), dict(outcome="overloaded")]  # left out
+    assert bench_estimate.measured_load(records, rates, 0.8) == pytest.approx(1.0)
+    assert bench_estimate.measured_load([dict(outcome="failed")], rates, 0.8) is None

@@ -106,6 +106,33 @@ def test_aging_promotes_a_waiting_p3_job(cluster):
     assert job_hash(cluster, waiting.id)["tier"] != "P0"
 
 
+def test_a_p1_still_preempts_when_aged_p3_jobs_are_ahead_of_it_in_the_p1_queue(cluster):
+    """Aged jobs keep their place in line for free slots, but preempt only as the tier they were admitted at
+    (none, for a P3): however many of them sit at the head of the P1 queue, a P1 admitted as one still goes
+    to a worker running work it may preempt."""
+    lab, api = client(cluster, "lab-co"), client(cluster, "api-co")
+    running = [lab.submit(prompt_token_ids=[3, i], max_tokens=2000, ignore_eos=True) for i in range(4)]
+    wait_for(lambda: sum(job_hash(cluster, j.id)["state"] == "dispatched" for j in running) == 4, 30,
+             "P3 work to fill every slot")
+    aged = [lab.submit(prompt_token_ids=[4, i], max_tokens=2000, ignore_eos=True) for i in range(12)]
+    # Two aging intervals (1 s each) on, all twelve are in the P1 queue, older than any P1 admitted now:
+    # more than the victims there are (4 slots, each preemptible by P0 and P1).
+    wait_for(lambda: all(job_hash(cluster, j.id)["tier"] == "P1" for j in aged), 20, "the queued P3s to age to P1")
+    try:
+        urgent = api.submit(prompt_token_ids=[9, 9], max_tokens=2, ignore_eos=True, tier="P1")
+        result = urgent.result(timeout=60)
+        assert len(result.token_ids) == 2
+        finished = int(job_hash(cluster, urgent.id)["finished_at_ms"])
+        # It preempted a running P3 rather than wait behind the aged ones for a slot to free.
+        assert all(job_hash(cluster, j.id)["state"] in ("queued", "dispatched") for j in aged), [
+            job_hash(cluster, j.id)["state"] for j in aged]
+        assert all(job_hash(cluster, j.id).get("finished_at_ms") is None
+                   or int(job_hash(cluster, j.id)["finished_at_ms"]) > finished for j in running)
+    finally:
+        for j in running + aged:
+            lab.cancel(j.id)
+
+
 def test_cancel_frees_the_worker(cluster):
     lab = client(cluster, "lab-co")
     job = lab.submit("long", max_tokens=1800, ignore_eos=True)

@@ -105,6 +105,20 @@ def test_aging_puts_a_job_ahead_of_newer_jobs_of_the_tier_it_joins():
     assert wait_s(P3, [w], [], arrivals=[p2s]) == pytest.approx(6.0)
 
 
+def test_jobs_aged_into_p1_take_free_slots_first_but_never_preempt_for_a_p1():
+    # Both slots run P3 work a P1 may preempt; five P3s admitted long ago are P1s in line now, older than it.
+    w = WorkerView(2, RATES, [running(P3, 1000, BY_P0_P1), running(P3, 1000, BY_P0_P1)])  # free at 10 s
+    aged = [Queued(Work(P3, 0, 100), enqueued_s=-200.0 + k) for k in range(5)]
+    assert rank_at(P3, -200.0, 0.0, 60.0) == 1
+    # They wait for a slot to free, as P3s; the P1 preempts at once (the dispatcher passes over them).
+    assert wait_s(P1, [w], aged, aging_interval_s=60.0) == 0.0
+    # An older P1 (admitted as one) does go first, in the slot it preempts; one per victim.
+    older = [Queued(Work(P1, 0, 300), enqueued_s=-1.0)] * 2
+    assert wait_s(P1, [w], aged + older, aging_interval_s=60.0) == pytest.approx(3.0)
+    # A P2 has no victim: the aged jobs go ahead of it in the slots as they free (one each second from 10 s).
+    assert wait_s(P2, [w], aged, aging_interval_s=60.0) == pytest.approx(12.0)
+
+
 def test_an_older_lower_tier_job_that_ages_first_goes_ahead():
     w = WorkerView(1, RATES, [running(P3, 500)])  # free at 5 s
     old_p3 = Queued(Work(P3, 0, 300), enqueued_s=-7.0)  # joins P2 at 3 s, ahead of a P2 admitted now
