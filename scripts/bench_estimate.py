@@ -125,8 +125,8 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float, tail: list[dic
             await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"], max_tokens=job["max_tokens"],
                                               tier=job["tier"], ignore_eos=True, seed=job["i"])
             tail_sent += 1
-        except ServingError:
-            pass  # refused: it is traffic, not judged
+        except (ServingError, TimeoutError):
+            pass  # refused or unanswered: it is traffic, not judged
 
     async def one(job: dict) -> dict:
         rec = {k: v for k, v in job.items() if k != "prompt_token_ids"}
