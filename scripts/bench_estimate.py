@@ -2,10 +2,10 @@
 
 Starts a real redis-server, one gateway and N workers (scripts/up.py) and submits the trace's
 arrivals on their schedule, compressed so that their work keeps --load (default 0.8) of the batch
-slots busy at the rates the workers measured at start-up, corrected by --warmup trace-sized jobs
-run on all of them at once (the calibration alone is one short batch, and was off by up to a
-fifth on a shared machine), so that the replay loads the cluster alike on any machine; or by a
-fixed --speedup. Each job has the trace's context tokens as its prompt and its generated tokens as max_tokens (both times --token-scale), at a tier drawn
+slots busy at the rates the workers measured at start-up (the rates the gateway estimates with),
+so that the replay loads the cluster alike on any machine; or by a fixed --speedup. Each job has
+the trace's context tokens
+as its prompt and its generated tokens as max_tokens (both times --token-scale), at a tier drawn
 with the --mix shares (seeded). For every admitted job it compares the estimate the gateway
 returned at admission with the job's real wait (JobResult.queued_s: admission until its first
 prefill started on a worker), and prints per tier, over the jobs that waited at least
@@ -97,24 +97,6 @@ def calibrated_rates(logs: Path, workers: int, timeout_s: float = 60.0) -> list[
         if time.monotonic() > deadline:
             raise SystemExit(f"bench_estimate: no calibration line from every worker in {logs}")
         time.sleep(0.2)
-
-
-async def warm_up(state: dict, jobs: list[dict], rates: list[tuple[float, float, int]],
-                  timeout_s: float) -> list[tuple[float, float, int]]:
-    """The calibrated rates scaled by how long ``jobs`` (trace-sized, all at once, as P3: no estimate counts
-    P3 arrivals) really held their slots: the calibration is one short batch, on a machine the other workers
-    may or may not be sharing at that moment, so pacing by it alone offers the wrong load."""
-    client = AsyncGatewayClient(state["gateway"], state["tenants"][TENANT_OF["P3"]]["api_key"], timeout_s=60)
-    try:
-        handles = [await client.submit(prompt_token_ids=j["prompt_token_ids"], max_tokens=j["max_tokens"],
-                                       tier="P3", ignore_eos=True, seed=j["i"]) for j in jobs]
-        results = [await h.result(timeout=timeout_s) for h in handles]
-    finally:
-        client.close()
-    records = [{"outcome": "done", "preemptions": r.preemptions, "total_s": r.total_s, "wait_s": r.queued_s,
-                "prompt_tokens": j["prompt_tokens"], "max_tokens": j["max_tokens"]} for j, r in zip(jobs, results)]
-    slower = measured_load(records, rates, 1.0) or 1.0
-    return [(p / slower, d / slower, n) for p, d, n in rates]
 
 
 def offered_load(jobs: list[dict], rates: list[tuple[float, float, int]]) -> float:
@@ -246,9 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, required=True, help="CSV: TIMESTAMP, ContextTokens, GeneratedTokens")
     ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
     ap.add_argument("--start", type=int, default=0, help="first row to replay")
-    ap.add_argument("--warmup", type=int, default=8,
-                    help="trace-sized jobs run before the replay to correct the start-up calibration's rates "
-                         "for the pace (0: pace by the calibration alone)")
     ap.add_argument("--tail", type=int, default=500,
                     help="rows after the judged ones that keep arriving, unjudged, until every judged job is done")
     ap.add_argument("--load", type=float, default=None,
@@ -281,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--load and --speedup must be > 0")
     if args.speedup is None and args.load is None:
         args.load = DEFAULT_LOAD
-    if args.tail < 0 or args.warmup < 0:
-        ap.error("--tail and --warmup must be >= 0")
+    if args.tail < 0:
+        ap.error("--tail must be >= 0")
     planned = plan(load_trace(args.trace, args.start, args.arrivals + args.tail), args)
     jobs, tail = planned[:args.arrivals], planned[args.arrivals:]
 
@@ -296,21 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = cluster.start()
         rates = calibrated_rates(Path(state["logs"]), args.workers)
-        paced = rates
-        if args.warmup and args.load is not None:
-            rng = random.Random(args.seed)  # trace-sized jobs, prompts of their own
-            sample = [dict(j, prompt_token_ids=[rng.randrange(3, 500) for _ in j["prompt_token_ids"]])
-                      for j in rng.sample(jobs, min(args.warmup, len(jobs)))]
-            paced = asyncio.run(warm_up(state, sample, rates, args.job_timeout))
-            print(f"warm-up: {len(sample)} jobs ran {rates[0][1] / paced[0][1]:.2f}x as long as the calibration "
-                  f"said; pacing by that", file=sys.stderr)
         if args.load is not None:
-            args.speedup = args.load / offered_load(jobs, paced)  # the judged rows' load; the tail keeps their pace
+            args.speedup = args.load / offered_load(jobs, rates)  # the judged rows' load; the tail keeps their pace
             for job in planned:
                 job["at"] /= args.speedup
         print(f"cluster up: {args.workers} workers x {args.max_running} slots ({args.model}); replaying "
               f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s (speedup {args.speedup:.2f}: offered load "
-              f"{offered_load(jobs, paced):.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
+              f"{offered_load(jobs, rates):.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
         records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
     finally:
         cluster.stop()
@@ -320,14 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     real = measured_load(records, rates, offered_load(jobs, rates))
     if real is not None:
         print(f"load: {real:.2f} of the slots, by the jobs' real time in them (paced for "
-              f"{offered_load(jobs, paced):.2f})")
+              f"{offered_load(jobs, rates):.2f} by the start-up calibration)")
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "calibrated": rates, "paced_rates": paced, "tail_sent": tail_sent,
-                                         "measured_load": real,
+                                         "calibrated": rates, "tail_sent": tail_sent, "measured_load": real,
                                          "jobs": records}, indent=1))
     return 0
 
