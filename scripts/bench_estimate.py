@@ -34,6 +34,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -99,18 +100,23 @@ def calibrated_rates(logs: Path, workers: int, timeout_s: float = 60.0) -> list[
         time.sleep(0.2)
 
 
-def offered_load(jobs: list[dict], rates: list[tuple[float, float, int]]) -> float:
-    """Share of the cluster's slots the jobs' work keeps busy over their arrival span: each job holds a slot
-    for prompt / prefill rate + max_tokens / decode rate (the workers' mean rates; ignore_eos)."""
+def slot_seconds(rates: list[tuple[float, float, int]]) -> Callable[[dict], float]:
+    """How long a job holds a slot: prompt / prefill rate + max_tokens / decode rate (the workers' mean
+    per-sequence rates; ignore_eos, so every job generates all of max_tokens)."""
     prefill = statistics.fmean(r[0] for r in rates)
     decode = statistics.fmean(r[1] for r in rates)
-    slots = sum(r[2] for r in rates)
-    work = sum(j["prompt_tokens"] / prefill + j["max_tokens"] / decode for j in jobs)
+    return lambda job: job["prompt_tokens"] / prefill + job["max_tokens"] / decode
+
+
+def offered_load(jobs: list[dict], rates: list[tuple[float, float, int]]) -> float:
+    """Share of the cluster's slots the jobs' work keeps busy over their arrival span (slot_seconds)."""
+    work = sum(map(slot_seconds(rates), jobs))
     span = max(1e-9, jobs[-1]["at"] - jobs[0]["at"])
-    return work / span / slots
+    return work / span / sum(r[2] for r in rates)
 
 
-async def replay(state: dict, jobs: list[dict], timeout_s: float, tail: list[dict] = ()) -> tuple[list[dict], int]:
+async def replay(state: dict, jobs: list[dict], timeout_s: float,
+                 tail: Sequence[dict] = ()) -> tuple[list[dict], int]:
     """The judged jobs' records, and how many tail jobs were submitted before the last judged one finished."""
     clients = {t: AsyncGatewayClient(state["gateway"], state["tenants"][TENANT_OF[t]]["api_key"], timeout_s=60)
                for t in TIERS}
@@ -166,10 +172,9 @@ def measured_load(records: list[dict], rates: list[tuple[float, float, int]], lo
     """The load the replay really offered: the paced --load times how much longer the jobs held their slots
     than the start-up calibration said (the median over jobs never preempted). The calibration is one short
     batch, so it can be off by a fifth either way on a busy machine; this says what a run really was."""
-    prefill = statistics.fmean(r[0] for r in rates)
-    decode = statistics.fmean(r[1] for r in rates)
-    ratios = [(r["total_s"] - r["wait_s"]) / (r["prompt_tokens"] / prefill + r["max_tokens"] / decode)
-              for r in records if r.get("outcome") == "done" and not r["preemptions"]]
+    held = slot_seconds(rates)
+    ratios = [(r["total_s"] - r["wait_s"]) / held(r) for r in records if r.get("outcome") == "done"
+              and not r["preemptions"]]
     return load * statistics.median(ratios) if ratios else None
 
 
@@ -279,19 +284,20 @@ def main(argv: list[str] | None = None) -> int:
             args.speedup = args.load / offered_load(jobs, rates)  # the judged rows' load; the tail keeps their pace
             for job in planned:
                 job["at"] /= args.speedup
+        paced = offered_load(jobs, rates)
         print(f"cluster up: {args.workers} workers x {args.max_running} slots ({args.model}); replaying "
               f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s (speedup {args.speedup:.2f}: offered load "
-              f"{offered_load(jobs, rates):.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
+              f"{paced:.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
         records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
     finally:
         cluster.stop()
     summary = summarize(records, args.min_wait)
     print(table(summary, args.min_wait))
     print(f"tail: {tail_sent} of {len(tail)} unjudged arrivals came before the last judged job finished")
-    real = measured_load(records, rates, offered_load(jobs, rates))
+    real = measured_load(records, rates, paced)
     if real is not None:
-        print(f"load: {real:.2f} of the slots, by the jobs' real time in them (paced for "
-              f"{offered_load(jobs, rates):.2f} by the start-up calibration)")
+        print(f"load: {real:.2f} of the slots, by the jobs' real time in them (paced for {paced:.2f} by the "
+              f"start-up calibration)")
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from common.tiers import Tier  # noqa: E402
 from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, rank_at, wait_s  # noqa: E402
 from gateway.wait_learning import ArrivalRates  # noqa: E402
-from scripts.bench_estimate import load_trace, offered_load, plan  # noqa: E402
+from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
 
 SECONDS = Rates(prefill_tps=math.inf, decode_tps=1.0)  # Work(decode=s) holds a slot for s seconds
 FORECASTS = ("rates", "exact", "oracle", "none")
@@ -176,8 +176,8 @@ def segment(a, start: int) -> list[dict]:
 
 
 def durations(a):
-    """Seconds a job holds a slot at the given per-sequence rates."""
-    return lambda job: job["prompt_tokens"] / a.prefill_tps + job["max_tokens"] / a.decode_tps
+    """Seconds a job holds a slot at the given per-sequence rates (as bench_estimate paces it)."""
+    return slot_seconds([(a.prefill_tps, a.decode_tps, a.slots)])
 
 
 def main(argv: list[str] | None = None) -> int:
