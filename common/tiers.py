@@ -20,6 +20,9 @@ class Tier(str, enum.Enum):
 
 
 ALL_TIERS: tuple[Tier, ...] = tuple(Tier)
+# Tiers the gateway dispatches even to a full worker, which preempts lower work for them (in queue order). The
+# others wait for a free slot. A job preempts as the tier it was admitted at: aging moves it up the queues only.
+PREEMPTING_TIERS: tuple[Tier, ...] = (Tier.P0, Tier.P1)
 
 
 def parse_tier(value: str | Tier) -> Tier:

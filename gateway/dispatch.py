@@ -11,7 +11,7 @@ from collections import Counter
 import msgpack
 
 from common import protocol as P
-from common.tiers import ALL_TIERS, Tier
+from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 from gateway.timeutil import ms as _ms
 
 # Queued P0/P1 jobs read at most per preemption pass, looking past jobs aged up from P2/P3 (a bound on its cost).
@@ -51,7 +51,7 @@ class Dispatcher:
                 self.streams.streams[rec.id].touched = now
                 w.pending.add(rec.id)
                 self.waits.dispatched(rec.id, now)
-                if rec.tier_granted in (Tier.P0, Tier.P1):
+                if rec.tier_granted in PREEMPTING_TIERS:
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1
 
@@ -91,8 +91,8 @@ class Dispatcher:
         victims it may preempt (the scan reads further until it finds enough, to PREEMPTION_SCAN_MAX)."""
         limit = most
         while limit > 0:
-            ids = self.queue.peek([Tier.P0, Tier.P1], limit)
-            found = [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in (Tier.P0, Tier.P1)]
+            ids = self.queue.peek(list(PREEMPTING_TIERS), limit)
+            found = [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in PREEMPTING_TIERS]
             if len(found) >= most or len(ids) < limit or limit >= PREEMPTION_SCAN_MAX:
                 return found[:most]
             limit = min(PREEMPTION_SCAN_MAX, 4 * limit)

@@ -37,12 +37,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from common.tiers import ALL_TIERS, Tier
+from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
-# Tiers the gateway dispatches to a full worker (which then preempts for them); others wait for a free slot.
-PREEMPTIVE_DISPATCH = frozenset({Tier.P0, Tier.P1})
-_PREEMPTING = tuple(t for t in ALL_TIERS if t in PREEMPTIVE_DISPATCH)  # in queue order
 # Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
 # slots: beyond it the wait has no finite expectation.
 MAX_RHO = 0.8
@@ -77,11 +74,11 @@ class Held:
 
     def blocks(self, tier: Tier) -> bool:
         """Does this running work keep ``tier`` out of its slot until it ends?"""
-        return self.status == RUNNING and not (tier in PREEMPTIVE_DISPATCH and (self.preemptible_by >> tier.rank) & 1)
+        return self.status == RUNNING and not (tier in PREEMPTING_TIERS and (self.preemptible_by >> tier.rank) & 1)
 
     def goes_before(self, tier: Tier) -> bool:
         """Held but not running, and will start first (a suspended job resumes before new work of its tier)."""
-        return self.status != RUNNING and (tier not in PREEMPTIVE_DISPATCH or self.work.tier.rank <= tier.rank)
+        return self.status != RUNNING and (tier not in PREEMPTING_TIERS or self.work.tier.rank <= tier.rank)
 
 
 @dataclass
@@ -210,7 +207,7 @@ class _Line:
         ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
         in line for it."""
         best, best_key = None, (rank_at(self.tier, self.enqueued_s, t, self.aging), self.enqueued_s)
-        for tier in (_PREEMPTING if preempting else ALL_TIERS):
+        for tier in (PREEMPTING_TIERS if preempting else ALL_TIERS):
             head = self._head(tier, t)
             if head is not None and (key := (rank_at(tier, head[0], t, self.aging), head[0])) <= best_key:
                 best, best_key = tier, key

@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
+from scripts.estimate_report import TIERS, draw, summarize, table  # noqa: E402
 
-TIERS = ("P0", "P1", "P2", "P3")
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
 TENANT_OF = {"P0": "chat-co", "P1": "api-co", "P2": "batch-co", "P3": "lab-co"}  # scripts/up.py's dev tenants
@@ -176,55 +176,6 @@ def measured_load(records: list[dict], rates: list[tuple[float, float, int]], lo
     ratios = [(r["total_s"] - r["wait_s"]) / held(r) for r in records if r.get("outcome") == "done"
               and not r["preemptions"]]
     return load * statistics.median(ratios) if ratios else None
-
-
-def summarize(records: list[dict], min_wait: float) -> dict:
-    def stats(rs: list[dict]) -> dict:
-        waited = [r for r in rs if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
-        rel = [abs(r["estimate_s"] - r["wait_s"]) / r["wait_s"] for r in waited]
-        within = [r for r in waited if r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"]]
-        outcomes = {o: sum(1 for r in rs if r.get("outcome") == o) for o in ("done", "overloaded", "quota", "failed")}
-        return {"jobs": len(rs), **outcomes, "waited": len(waited),
-                "median_rel_error": statistics.median(rel) if rel else None,
-                "within_2x": len(within) / len(waited) if waited else None}
-
-    return {"all": stats(records), **{t: stats([r for r in records if r["tier"] == t]) for t in TIERS}}
-
-
-def table(summary: dict, min_wait: float) -> str:
-    lines = [f"{'tier':<6}{'jobs':>6}{'done':>6}{'overload':>9}{'quota':>7}{'failed':>7}"
-             f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}"]
-    for name, s in summary.items():
-        err = "-" if s["median_rel_error"] is None else f"{100 * s['median_rel_error']:.1f} %"
-        w2 = "-" if s["within_2x"] is None else f"{100 * s['within_2x']:.1f} %"
-        lines.append(f"{name:<6}{s['jobs']:>6}{s['done']:>6}{s['overloaded']:>9}{s['quota']:>7}{s['failed']:>7}"
-                     f"{s['waited']:>14}{err:>16}{w2:>11}")
-    return "\n".join(lines)
-
-
-def draw(records: list[dict], min_wait: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 6))
-    done = [r for r in records if r.get("outcome") == "done"]
-    top = max([r["wait_s"] for r in done] + [r["estimate_s"] for r in done] + [1.0]) * 1.3
-    lo = 0.05
-    for tier, colour in zip(TIERS, ("tab:red", "tab:orange", "tab:blue", "tab:green")):
-        rs = [r for r in done if r["tier"] == tier]
-        ax.scatter([max(lo, r["wait_s"]) for r in rs], [max(lo, r["estimate_s"]) for r in rs], s=10, alpha=0.6,
-                   color=colour, label=f"{tier} ({len(rs)})")
-    ax.plot([lo, top], [lo, top], color="black", lw=1, label="estimate = wait")
-    ax.fill_between([lo, top], [lo / 2, top / 2], [2 * lo, 2 * top], color="grey", alpha=0.15, label="within 2x")
-    ax.axvline(min_wait, color="grey", ls=":", lw=1)
-    ax.set(xscale="log", yscale="log", xlim=(lo, top), ylim=(lo, top), xlabel="actual wait (s)",
-           ylabel="estimate at admission (s)", title="wait estimate vs actual wait")
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
