@@ -251,6 +251,10 @@ class JobTokens:
     token_ids: list[int]
     # On the first frame: seconds from the dispatch's arrival to the job's first prefill chunk (its wait there).
     prefill_start_s: float | None = None
+    # On the first frame: seconds from the job's first prefill chunk starting to this frame being sent, on the
+    # worker's clock. The gateway puts the start at this long before the frame reached it: that counts the time
+    # the dispatch sat unread while a step ran, which prefill_start_s (from when the worker read it) cannot.
+    prefill_start_age_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,7 @@ class JobFinished:
     # frame was dropped or went to a gateway that has since restarted.
     token_ids: list[int] | None = None
     prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
+    prefill_start_age_s: float | None = None  # as in JobTokens
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

@@ -22,6 +22,10 @@ that exist (no job-count rates, no floors):
   job's tier goes ahead of it;
 - a job holds a slot for prompt / prefill rate + expected output / decode rate, with the
   per-sequence rates each worker measured (worker/calibration.py, in every heartbeat).
+- a job's prefill starts a hand-off after its slot is free, and the job holds the slot from then
+  on: a worker reads its dispatches between engine steps, so this is mostly the rest of the step
+  in progress. Each worker's is learned from its jobs (gateway/wait_learning.HandOffs); the job's
+  own counts too, so a job with a free slot waits that long.
 
 Pure functions here; what is learned (expected output lengths, arrival rates) is in
 ``gateway/wait_learning.py``; ``gateway/wait_estimator.py`` feeds both from Redis and the
@@ -86,6 +90,7 @@ class WorkerView:
     slots: int
     rates: Rates
     held: list[Held] = field(default_factory=list)
+    handoff_s: float = 0.0  # a job sent here starts this long after its slot freed (gateway/wait_learning.HandOffs)
 
     def next_step(self) -> list[Held]:
         """The held work as the worker's next step leaves it: waiting work starts where a slot is free
@@ -129,7 +134,8 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
-    ``handoff_s``: a queued job's delay between a slot freeing and its prefill starting.
+    ``handoff_s``: every job's delay between a slot freeing and its prefill starting (the job's own too), on
+    top of each worker's own (``WorkerView.handoff_s``).
     ``rng``: draw the arrivals to come as Poisson streams (exponential gaps) instead of evenly spaced: one
     possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
     """
@@ -155,11 +161,12 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     for _ in range(MAX_DISPATCHES):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
+        handoff = handoff_s + workers[i].handoff_s
         if work is None:
-            return max(0.0, t)
+            return max(0.0, t) + handoff
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
-        heapq.heappush(heap, (t + handoff_s + workers[i].rates.seconds(work.prefill, work.decode), i, urgent))
-    return max(0.0, heap[0][0])
+        heapq.heappush(heap, (t + handoff + workers[i].rates.seconds(work.prefill, work.decode), i, urgent))
+    return max(0.0, heap[0][0]) + handoff_s
 
 
 class _Line:

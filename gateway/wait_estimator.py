@@ -20,7 +20,7 @@ import msgpack
 from common.tiers import ALL_TIERS, Tier
 from gateway.estimate import RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
 from gateway.timeutil import time_ms
-from gateway.wait_learning import ArrivalRates, BiasCorrection, OutputLengths
+from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
 FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
@@ -48,6 +48,7 @@ class WaitEstimator:
         self.aging_interval_s = aging_interval_s
         self.handoff_s = handoff_s
         self.lengths = OutputLengths()
+        self.handoffs = HandOffs()
         self.bias = BiasCorrection()
         self.learn_bias = learn_bias
         self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
@@ -67,6 +68,10 @@ class WaitEstimator:
             self.lengths.learn(info.tenant, info.tier, info.max_tokens, num_tokens)
             if self.learn_bias and queued_s is not None and info.estimate_s is not None:
                 self.bias.learn(info.tier, info.estimate_s, queued_s)
+
+    def handed_off(self, worker: str, seconds: float) -> None:
+        """A job sent to ``worker`` started its prefill ``seconds`` after it was sent."""
+        self.handoffs.learn(worker, seconds)
 
     def tier_of(self, job_id: str) -> Tier | None:
         """The tier a job was admitted at (what it may preempt as), if this gateway knows the job."""
@@ -154,7 +159,7 @@ class WaitEstimator:
                 if job_id in pending:
                     info = pending[job_id]
                     held.append(Held(self._work(info), RUNNING, PREEMPTED_BY[info.tier]))
-            views.append(WorkerView(w.hello.max_num_seqs, rates, held))
+            views.append(WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(w.hello.worker_id)))
         return views
 
     def _infos(self, ids: list[str]) -> dict[str, JobInfo]:
@@ -179,8 +184,10 @@ class WaitEstimator:
 class Waits:
     """Each job's wait as measured: admission until the first prefill chunk of any of its attempts.
 
-    Workers report the start relative to when the dispatch reached them (their clock is not
-    ours); the gateway adds that to the time it sent the dispatch.
+    A worker's clock is not ours, so it reports durations: how long before its frame the prefill
+    started (the gateway counts back from when the frame came), and how long after it read the
+    dispatch. The second alone would miss the time the dispatch sat unread while a step ran (a
+    worker reads between steps); it is a floor: a start is never earlier than the dispatch plus it.
     """
 
     def __init__(self) -> None:
@@ -193,10 +200,18 @@ class Waits:
         while len(self._dispatched) > MAX_KNOWN_JOBS:
             self._started.pop(self._dispatched.popitem(last=False)[0], None)
 
-    def prefill_started(self, job_id: str, after_s: float | None) -> None:
+    def prefill_started(self, job_id: str, after_s: float | None, age_s: float | None = None,
+                        now: float | None = None) -> float | None:
+        """Record the first start a worker reports for a job. Returns the hand-off it took (dispatch until
+        the prefill started) when this is that first start, else None."""
         sent = self._dispatched.get(job_id)
-        if after_s is not None and sent is not None and job_id not in self._started:
-            self._started[job_id] = sent + max(0.0, after_s)  # the first attempt to start ends the wait
+        if after_s is None or sent is None or job_id in self._started:
+            return None
+        started = sent + max(0.0, after_s)
+        if age_s is not None and now is not None:
+            started = max(started, now - max(0.0, age_s))
+        self._started[job_id] = started  # the first attempt to start ends the wait
+        return started - sent
 
     def queued_s(self, job_id: str, enqueued_at: float | None) -> float | None:
         started = self._started.get(job_id)

@@ -5,6 +5,7 @@ from its estimates."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 from common.tiers import ALL_TIERS, Tier
 from gateway.estimate import Arrivals, Work
@@ -38,6 +39,33 @@ class BiasCorrection:
 
     def factor(self, tier: Tier) -> float:
         return math.exp(min(self.LIMIT, max(-self.LIMIT, self._log.get(tier, 0.0))))
+
+
+class HandOffs:
+    """Per worker, how long a dispatch takes to start there: sent until its first prefill chunk started, a
+    decayed mean over recent jobs. A worker reads its socket between engine steps, so this is mostly the rest
+    of the step in progress when the job came: on a CPU with long prompts, a good part of a second per job,
+    paid again by every job that takes a slot after another."""
+
+    DECAY = 0.05
+    MAX_SAMPLE_S = 10.0  # one job's hand-off counts at most this (a stalled worker is the lease's business)
+    MAX_WORKERS = 1024  # workers remembered (the oldest reported dropped first: worker ids churn on restarts)
+
+    def __init__(self) -> None:
+        self._mean: OrderedDict[str, float] = OrderedDict()
+
+    def learn(self, worker: str, seconds: float) -> None:
+        x = min(self.MAX_SAMPLE_S, max(0.0, seconds))
+        old = self._mean.pop(worker, None)
+        self._mean[worker] = x if old is None else (1 - self.DECAY) * old + self.DECAY * x
+        while len(self._mean) > self.MAX_WORKERS:
+            self._mean.popitem(last=False)
+
+    def of(self, worker: str) -> float:
+        """The worker's hand-off; for one that has started nothing yet, the mean of the others' (0 at first)."""
+        if worker in self._mean:
+            return self._mean[worker]
+        return sum(self._mean.values()) / len(self._mean) if self._mean else 0.0
 
 
 class OutputLengths:

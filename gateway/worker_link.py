@@ -88,11 +88,17 @@ class WorkerLink:
         if not self._holds_lease(ident, msg.job_id, msg.attempt):
             self._stale(msg)
             return
-        self.waits.prefill_started(msg.job_id, msg.prefill_start_s)
+        self._prefill_started(ident.decode(), msg)
         if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, self.clock()):
             self._flush(msg.job_id)
         else:
             self.counters["token_gaps"] += 1  # JobFinished carries them all; the stream waits for it
+
+    def _prefill_started(self, worker: str, msg: P.JobTokens | P.JobFinished) -> None:
+        """The end of the job's wait, if this is the first a worker reports; its hand-off teaches the estimate."""
+        handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, self.clock())
+        if handoff is not None:
+            self.estimator.handed_off(worker, handoff)
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
         if not security.from_registered_worker(self, ident):
@@ -126,7 +132,7 @@ class WorkerLink:
             fields["reason"] = reason
         if s is not None and s.first_token_at is not None and msg.job_id in self.enqueued_at:
             fields["ttft_s"] = s.first_token_at - self.enqueued_at[msg.job_id]
-        self.waits.prefill_started(msg.job_id, msg.prefill_start_s)
+        self._prefill_started(worker, msg)
         queued_s = self.waits.queued_s(msg.job_id, self.enqueued_at.get(msg.job_id))
         if queued_s is not None:
             fields["queued_s"] = queued_s

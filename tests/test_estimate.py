@@ -11,7 +11,8 @@ import pytest
 from common.tiers import Tier
 from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView,
                               rank_at, wait_s)
-from gateway.wait_learning import ArrivalRates, BiasCorrection, OutputLengths
+from gateway.wait_estimator import Waits
+from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 RATES = Rates(prefill_tps=1000.0, decode_tps=100.0)  # 1 s per 100 output tokens, 0.1 s per 100 prompt tokens
@@ -42,7 +43,7 @@ def test_queued_work_ahead_takes_the_first_free_slots_in_order():
     ahead = [Queued(Work(P2, 100, 100), -2.0), Queued(Work(P2, 0, 300), -1.0)]  # 1.1 s then 3 s
     # The first takes the slot free at 1 s (until 2.1 s), the second the one free at 2 s (until 5 s).
     assert wait_s(P2, [w], ahead) == pytest.approx(2.1)
-    assert wait_s(P2, [w], ahead, handoff_s=0.05) == pytest.approx(2.15)
+    assert wait_s(P2, [w], ahead, handoff_s=0.05) == pytest.approx(2.2)  # theirs and its own
 
 
 def test_held_work_that_starts_first_counts_lower_tiers_do_not():
@@ -185,3 +186,47 @@ def test_an_estimate_replays_a_bounded_number_of_dispatches(monkeypatch):
     w = WorkerView(1, RATES, [running(P3, 100)])
     backlog = [Queued(Work(P2, 0, 100), -1.0 - k) for k in range(1000)]  # 1000 s of work ahead
     assert wait_s(P2, [w], backlog) == pytest.approx(101.0)  # where the replay stopped: a floor, finite
+
+
+def test_every_job_pays_its_workers_hand_off_the_waiting_one_too():
+    # Slots free at 1 s and 2 s on a worker whose jobs start 0.25 s after they are sent.
+    w = WorkerView(2, RATES, [running(P3, 100, BY_P0_P1), running(P3, 200, BY_P0_P1)], handoff_s=0.25)
+    assert wait_s(P2, [w], []) == pytest.approx(1.25)
+    ahead = [Queued(Work(P2, 100, 100), -2.0)]  # takes the slot free at 1 s: starts 1.25, holds it 1.1 s
+    assert wait_s(P2, [w], ahead) == pytest.approx(2.25)  # then the slot free at 2 s
+    assert wait_s(P2, [WorkerView(2, RATES, [], handoff_s=0.25)], []) == pytest.approx(0.25)  # a free slot
+    # A P0 preempts at once, but starts only when the worker has read it: the hand-off too.
+    assert wait_s(P0, [w], []) == pytest.approx(0.25)
+
+
+def test_hand_offs_are_learned_per_worker_capped_and_bounded():
+    h = HandOffs()
+    assert h.of("w1") == 0.0  # nothing started anywhere yet
+    h.learn("w1", 0.4)
+    h.learn("w2", 0.2)
+    assert h.of("w1") == pytest.approx(0.4) and h.of("new") == pytest.approx(0.3)  # a new one: the others' mean
+    h.learn("w1", 1e9)  # one stalled job moves it by at most its capped share
+    assert h.of("w1") == pytest.approx(0.95 * 0.4 + 0.05 * HandOffs.MAX_SAMPLE_S)
+    h.learn("w1", -5.0)  # a clock step backwards counts as no delay, never a negative one
+    assert h.of("w1") >= 0
+    for i in range(HandOffs.MAX_WORKERS + 10):
+        h.learn(f"churn-{i}", 0.1)
+    assert len(h._mean) == HandOffs.MAX_WORKERS and "w1" not in h._mean
+
+
+def test_a_measured_wait_counts_the_time_the_dispatch_sat_unread_at_the_worker():
+    waits = Waits()
+    waits.dispatched("j", 100.0)
+    # The worker read it 2 s after it was sent (a step was running) and started it 0.01 s after that; its first
+    # token frame left 0.5 s after the prefill started and came here at 102.52.
+    assert waits.prefill_started("j", 0.01, age_s=0.5, now=102.52) == pytest.approx(2.02)
+    assert waits.queued_s("j", enqueued_at=99.0) == pytest.approx(3.02)
+    assert waits.prefill_started("j", 0.01, age_s=0.1, now=150.0) is None  # the first start ends the wait
+    assert waits.queued_s("j", enqueued_at=99.0) == pytest.approx(3.02)
+    # An older worker reports only the time since it read the job: the dispatch time plus that, as before.
+    waits.dispatched("k", 10.0)
+    assert waits.prefill_started("k", 0.3) == pytest.approx(0.3)
+    # A frame that says its prefill started before the job was even sent (clock skew, a stale frame): never
+    # earlier than the dispatch plus the worker's own delay.
+    waits.dispatched("m", 10.0)
+    assert waits.prefill_started("m", 0.2, age_s=50.0, now=11.0) == pytest.approx(0.2)

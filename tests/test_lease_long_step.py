@@ -1,4 +1,5 @@
-"""Issue 9, fencing: a step longer than the gateway's lease keeps the job's lease.
+"""Long engine steps: a step longer than the gateway's lease keeps the job's lease (issue 9, fencing), and a
+job sent to a worker in the middle of a long step has waited until that step ended (issue 12, the wait).
 
 Leases are extended only by the worker's load reports, so a worker that could not report during a
 long engine step would lose the job it is computing: the gateway would requeue it, cancel it here
@@ -79,3 +80,32 @@ def test_a_step_longer_than_the_lease_keeps_the_lease(tmp_path, bench_model_dir)
         if step_s < 2 * LEASE_S:
             pytest.skip(f"the prefill step took {step_s:.2f}s here, not clearly longer than the {LEASE_S}s lease: "
                         "this machine is too fast for the test to mean anything (raise PROMPT_TOKENS)")
+
+
+def test_a_job_sent_during_a_long_step_has_waited_until_the_step_ended(tmp_path, bench_model_dir):
+    # The wait ends when the job's first prefill starts. A worker reads its socket between steps, so a job sent
+    # while a long step runs sits unread until that step ends: that is waiting too, and JobResult.queued_s must
+    # count it (it once counted only from when the worker read the job).
+    env = {"TS_WORKER_ENABLE_CHUNKED_PREFILL": "false", "TS_WORKER_MAX_NUM_BATCHED_TOKENS": "4096"}
+    with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, max_running=2, gateway_env=env) as c:
+        lab, batch = c.client("lab-co", timeout_s=120.0), c.client("batch-co", timeout_s=120.0)
+        long = lab.submit(prompt_token_ids=[3 + i % 4000 for i in range(PROMPT_TOKENS)], max_tokens=2, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while c.job(long.id).get("state") != b"dispatched":
+            assert time.monotonic() < deadline, c.job(long.id)
+            time.sleep(0.02)
+        time.sleep(0.5)  # the worker has read it (it polls every 20 ms when idle) and is in its prefill step
+        sent = time.monotonic()
+        short = batch.submit(prompt_token_ids=[5, 6, 7], max_tokens=2, tier="P2", ignore_eos=True)
+        next(long.stream(timeout=120))  # the long prefill step has ended: the short job could start only now
+        step_left = time.monotonic() - sent
+        r = short.result(timeout=120)
+        long.result(timeout=120)
+        if step_left < 1.0:
+            pytest.skip(f"the long prefill step ended {step_left:.2f}s after the second job was sent: this machine "
+                        "is too fast for the test to mean anything (raise PROMPT_TOKENS)")
+        # The token's way from the worker to this client is milliseconds; the step's rest is seconds.
+        assert r.queued_s >= step_left - 0.3, (r.queued_s, step_left)
+        assert r.queued_s <= r.ttft_s
+        lab.close()
+        batch.close()

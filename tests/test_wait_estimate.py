@@ -50,9 +50,9 @@ def test_estimates_count_unpreemptible_work_and_fall_as_it_drains(tiny_model_dir
         # Both slots hold P3 work that a P2 may not preempt: the P2 waits for it, and says so.
         p2 = batch.submit(prompt_token_ids=[5, 6], max_tokens=4, tier="P2", ignore_eos=True)
         assert p2.estimated_wait_s > 0
-        # A P0 may preempt P3: nothing is ahead of it.
+        # A P0 may preempt P3: nothing is ahead of it, only the worker's hand-off (reading it between steps).
         p0 = chat.submit(prompt_token_ids=[7, 8], max_tokens=2, tier="P0")
-        assert p0.estimated_wait_s == 0
+        assert 0 <= p0.estimated_wait_s < p2.estimated_wait_s / 2
         p0.result(timeout=60)
         # Kept current: as the P3 work drains, the P2's estimate falls.
         first = batch.status(p2.id).estimated_wait_s

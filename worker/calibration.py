@@ -88,6 +88,11 @@ class RateTracker:
         t = self._timings.get(request_id)
         return None if t is None or t.prefill_start is None else t.prefill_start - t.received
 
+    def prefill_start_age_s(self, request_id: str, now: float) -> float | None:
+        """Seconds from the request's first prefill chunk starting to ``now``; None before it started."""
+        t = self._timings.get(request_id)
+        return None if t is None or t.prefill_start is None else max(0.0, now - t.prefill_start)
+
     def before_step(self) -> None:
         self._step_start = self.clock()
         self._not_started = [r.request_id for r in self.engine.scheduler.waiting

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -54,7 +54,8 @@ class WorkerService:
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
         self._lock = threading.Lock()  # every socket use, from the step loop and the heartbeat thread
-        self._unsent: list[tuple[zmq.Socket, P.JobFinished]] = []  # completions the gateway could not take yet
+        # Completions the gateway could not take yet, with when they were first tried.
+        self._unsent: list[tuple[zmq.Socket, P.JobFinished, float]] = []
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
         self._snapshot_at = float("-inf")
         self._beat_pending = False
@@ -172,14 +173,18 @@ class WorkerService:
             self.jobs.pop(job_id, None)
             self.rates.forget(job_id)
 
-    def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
-        if not self._send(sock, msg):
-            self._unsent.append((sock, msg))
+    def _finish(self, sock: zmq.Socket, msg: P.JobFinished, first_tried: float | None = None) -> None:
+        now = self.clock()
+        late = msg
+        if first_tried is not None and msg.prefill_start_age_s is not None:  # the age runs until the frame leaves
+            late = replace(msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_tried))
+        if not self._send(sock, late):
+            self._unsent.append((sock, msg, now if first_tried is None else first_tried))
 
     def _retry_unsent(self) -> None:
         pending, self._unsent = self._unsent, []
-        for sock, msg in pending:
-            self._finish(sock, msg)
+        for sock, msg, first_tried in pending:
+            self._finish(sock, msg, first_tried)
 
     def _step(self) -> None:
         self.rates.before_step()
@@ -198,8 +203,10 @@ class WorkerService:
                     continue
                 if job.first_token is None:
                     job.first_token = now
-                started = self.rates.prefill_start_s(job.job_id) if not job.tokens else None
-                self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids, started))
+                started, age = ((self.rates.prefill_start_s(job.job_id), self.rates.prefill_start_age_s(job.job_id, now))
+                                if not job.tokens else (None, None))
+                self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids, started,
+                                                  age))
                 job.tokens.extend(out.new_token_ids)
                 if out.finished:
                     del self.jobs[job.job_id]
@@ -209,7 +216,8 @@ class WorkerService:
                         out.finish_reason.value if out.finish_reason and not failed else None,
                         len(job.tokens), None if job.first_token is None else job.first_token - job.started,
                         now - job.started, out.num_preemptions, out.error, list(job.tokens),
-                        prefill_start_s=self.rates.prefill_start_s(job.job_id)))
+                        prefill_start_s=self.rates.prefill_start_s(job.job_id),
+                        prefill_start_age_s=self.rates.prefill_start_age_s(job.job_id, now)))
                     self.rates.forget(job.job_id)
                     self._beat_soon()  # report the free slot now, not at the next beat: the wait estimate counts on it
 
@@ -260,6 +268,6 @@ class WorkerService:
         victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
                                        for r in e.scheduler.running) - claimed) for t in ALL_TIERS}
         victims[Tier.P0.value] += any_free - free_slots
-        held = list(self.jobs) + [m.job_id for _, m in self._unsent]
+        held = list(self.jobs) + [m.job_id for _, m, _ in self._unsent]
         self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
                                       held, cost, victims, *self.rates.rates(), self.rates.work())
