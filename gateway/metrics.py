@@ -30,6 +30,10 @@ TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the f
                  ["tier"], buckets=LATENCY_BUCKETS)
 E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the job's end, for jobs this gateway "
                 "admitted", ["tier"], buckets=LATENCY_BUCKETS)
+HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from dispatch to the job's first prefill starting on the "
+                    "worker, once per job: mostly the rest of the engine step in progress there (a worker reads its "
+                    "dispatches between steps), during which the slot the job was sent to stands idle", ["worker"],
+                    buckets=LATENCY_BUCKETS)
 FINISHED = Counter("ts_jobs_finished_total", "Jobs this gateway admitted that ended, by final state", ["tier", "state"])
 
 for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() sees the first event
@@ -52,6 +56,10 @@ def admitted(job_id: str, tier: str) -> None:
 
 def refused(code: str) -> None:
     REFUSALS.labels(code).inc()
+
+
+def handed_off(worker: str, seconds: float) -> None:
+    HANDOFF.labels(worker).observe(max(0.0, seconds))
 
 
 def dispatched(tier: str, waited_s: float) -> None:

@@ -18,7 +18,7 @@ import msgpack
 import redis
 
 from common import protocol as P
-from gateway import security
+from gateway import metrics, security
 
 log = logging.getLogger("gateway")
 STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a flood costs no Redis reads
@@ -99,6 +99,7 @@ class WorkerLink:
         handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, self.clock())
         if handoff is not None:
             self.estimator.handed_off(worker, handoff)
+            metrics.handed_off(worker, handoff)
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
         if not security.from_registered_worker(self, ident):

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
-from scripts.estimate_report import TIERS, draw, summarize, table  # noqa: E402
+from scripts.estimate_report import TIERS, draw, mean_handoff, summarize, table  # noqa: E402
 
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s (speedup {args.speedup:.2f}: offered load "
               f"{paced:.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
         records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
+        handoff = mean_handoff(state["metrics"][0])  # the gateway's: up.py starts the gateways first
     finally:
         cluster.stop()
     summary = summarize(records, args.min_wait)
@@ -249,12 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     if real is not None:
         print(f"load: {real:.2f} of the slots, by the jobs' real time in them (paced for {paced:.2f} by the "
               f"start-up calibration)")
+    if handoff is not None:
+        print(f"hand-off: {handoff[0]:.3f} s a job on average, dispatch until its first prefill started "
+              f"({handoff[1]} jobs): its slot stood idle that long")
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                          "calibrated": rates, "tail_sent": tail_sent, "measured_load": real,
+                                         "handoff_mean_s": handoff and handoff[0],
                                          "jobs": records}, indent=1))
     return 0
 

@@ -22,7 +22,10 @@ within 2x. That tells what a forecast of the spread, not just the rate, would be
 
 It prints, per segment and over all segments, the median relative error and the share within
 2x for the jobs that waited at least --min-wait, as bench_estimate.py does. Many segments of
-one trace, not one: a forecast tuned to one stretch of arrivals is fitted to the file.
+one trace, not one: a forecast tuned to one stretch of arrivals is fitted to the file; and more
+than one trace: data/azure-2023 also has the code trace (--trace
+data/azure-2023/AzureLLMInferenceTrace_code.csv, 9 segments), whose arrivals come in bursts
+several times the cluster's capacity, seconds long, between quiet spells.
 """
 
 from __future__ import annotations

@@ -5,9 +5,26 @@ estimates against the actual waits as a picture."""
 from __future__ import annotations
 
 import statistics
+import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 TIERS = ("P0", "P1", "P2", "P3")
+
+
+def mean_handoff(metrics_url: str, timeout_s: float = 5.0) -> tuple[float, int] | None:
+    """The gateway's mean hand-off (dispatch until the first prefill started, ts_dispatch_handoff_seconds) over
+    every worker, and how many jobs it covers; None if it has seen none."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
+        page = r.read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(page):
+        if family.name == "ts_dispatch_handoff_seconds":
+            for s in family.samples:
+                total += s.value if s.name.endswith("_sum") else 0.0
+                count += s.value if s.name.endswith("_count") else 0.0
+    return (total / count, int(count)) if count else None
 
 
 def summarize(records: list[dict], min_wait: float) -> dict:

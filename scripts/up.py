@@ -121,7 +121,6 @@ class Cluster:
                                     worker_ep, "--tenants-file",
                                     str(self.tmp / "tenants.toml"), "--gateway-id", f"gw-{g}"],
                         env | self._metrics_env("TS_GATEWAY_"), self.tmp / f"gateway-{g}.log")
-        workers = []
         for i in range(a.workers):
             cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--model", str(model),
                    "--max-num-seqs", str(a.max_running)]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from scripts import bench_estimate
+from scripts import bench_estimate, estimate_report
 from worker import Engine, EngineConfig
 
 
@@ -57,7 +57,7 @@ def test_contradictory_or_empty_pacing_is_refused_before_a_cluster_starts(argv, 
 
 
 def test_the_tail_arrives_unjudged_and_stops_when_the_judged_jobs_are_done(tiny_model_dir, tmp_path):
-    from tests.cluster_helpers import job_ids, local_cluster
+    from tests.cluster_helpers import job_ids, local_cluster, wait_for
 
     def job(i: int, at: float, tier: str) -> dict:
         return {"i": i, "at": at, "tier": tier, "prompt_tokens": 4, "max_tokens": 4, "prompt_token_ids": [5, 6, 7, 8]}
@@ -71,6 +71,10 @@ def test_the_tail_arrives_unjudged_and_stops_when_the_judged_jobs_are_done(tiny_
         assert time.monotonic() - started < 60
         assert [r["i"] for r in records] == [0, 1, 2, 3] and all(r["outcome"] == "done" for r in records)
         assert sent == 3 and len(job_ids(state)) == 4 + 3  # the far tail was never submitted
+        # The gateway's hand-off histogram covers each of the 7 jobs that ran, once (the tail's may still be
+        # starting when the judged ones are done).
+        wait_for(lambda: (estimate_report.mean_handoff(state["metrics"][0]) or (0, 0))[1] == 7, 30, "7 hand-offs")
+        assert estimate_report.mean_handoff(state["metrics"][0])[0] >= 0
 
 
 def test_measured_load_scales_the_paced_load_by_the_jobs_real_time_in_their_slots():

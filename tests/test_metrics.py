@@ -94,6 +94,8 @@ def test_counts_move_exactly_with_the_workload(cluster):
                  "ts_request_e2e_latency_seconds_count"):
         assert delta(gw0, gw1, name, tier="P0") == 2, name
         assert delta(gw0, gw1, name, tier="P3") == 2, name
+    # Each job's first prefill start is reported once, whichever worker ran it.
+    assert delta(gw0, gw1, "ts_dispatch_handoff_seconds_count") == 4
     # Every token is counted once, preempted or not: ignore_eos makes each job produce exactly max_tokens.
     assert delta(wk0, wk1, "ts_generation_tokens_total") == 2 * 120 + 2 * 10
     assert delta(wk0, wk1, "ts_prompt_tokens_total") == 2 * 3 + 2 * 2
