@@ -1,7 +1,11 @@
-"""The worker's measured rates and first-prefill times (worker/calibration.py) on a real engine and model."""
+"""The worker's measured rates and first-prefill times (worker/calibration.py) on a real engine and model, and
+how a worker reports a first prefill's time to the gateway."""
 
 from __future__ import annotations
 
+import pytest
+
+from common import protocol as P
 from worker.calibration import RateTracker, calibrate
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -70,3 +74,43 @@ def test_a_step_that_changes_what_runs_is_reported_at_once(tiny_model_dir):
         assert service._beat_pending and [r.request_id for r in engine.scheduler.running] == ["b"]
     finally:
         service.close()
+
+
+def test_a_completion_sent_late_says_how_long_ago_its_prefill_started(tiny_model_dir):
+    # The gateway puts a job's prefill start at prefill_start_age_s before the frame came. A completion the
+    # gateway could not take at once is retried later: its age must have grown by the delay, or the gateway
+    # would put the start, and so the end of the job's wait, that much too late.
+    import zmq
+
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    now = [100.0]
+    gateway = zmq.Context.instance().socket(zmq.ROUTER)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_num_seqs=2))
+    service = WorkerService(WorkerConfig(worker_id="wk-late", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny"),
+                            engine, clock=lambda: now[0])
+    service.sockets[0].connect(f"tcp://127.0.0.1:{port}")
+    sends, real_send = [], service._send
+
+    def send_unless_refused(sock, msg):  # the gateway refuses the first try (as a full queue would)
+        sends.append(msg)
+        return len(sends) > 1 and real_send(sock, msg)
+
+    service._send = send_unless_refused
+    try:
+        done = P.JobFinished("j", 1, "done", "length", 2, 0.1, 0.5, 0, None, [7, 8], prefill_start_s=0.01,
+                             prefill_start_age_s=0.4)
+        service._finish(service.sockets[0], done)
+        assert [m.job_id for _, m, _ in service._unsent] == ["j"]  # kept, not lost
+        now[0] += 3.0
+        service._retry_unsent()
+        assert gateway.poll(10_000)
+        _, frame = gateway.recv_multipart()
+        late = P.decode(frame)
+        assert late.prefill_start_age_s == pytest.approx(0.4 + 3.0) and late.token_ids == [7, 8]
+        assert not service._unsent
+    finally:
+        service.close()
+        gateway.close(linger=0)
