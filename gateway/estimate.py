@@ -128,14 +128,12 @@ def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float) ->
 
 
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
-           arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf, handoff_s: float = 0.0,
+           arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
            rng: random.Random | None = None) -> float:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
-    ``handoff_s``: every job's delay between a slot freeing and its prefill starting (the job's own too), on
-    top of each worker's own (``WorkerView.handoff_s``).
     ``rng``: draw the arrivals to come as Poisson streams (exponential gaps) instead of evenly spaced: one
     possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
     """
@@ -161,12 +159,12 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     for _ in range(MAX_DISPATCHES):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
-        handoff = handoff_s + workers[i].handoff_s
+        handoff = workers[i].handoff_s  # every job's, the waiting one's too
         if work is None:
             return max(0.0, t) + handoff
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
         heapq.heappush(heap, (t + handoff + workers[i].rates.seconds(work.prefill, work.decode), i, urgent))
-    return max(0.0, heap[0][0]) + handoff_s
+    return max(0.0, heap[0][0]) + workers[heap[0][1]].handoff_s
 
 
 class _Line:

@@ -42,11 +42,10 @@ class JobInfo:
 
 class WaitEstimator:
     def __init__(self, queue, workers, clock: Callable[[], float], aging_interval_s: float = math.inf,
-                 handoff_s: float = 0.0, learn_bias: bool = True) -> None:
+                 learn_bias: bool = True) -> None:
         self.queue = queue  # gateway.redis_queue.RedisQueue
         self.workers = workers  # gateway.workers.WorkerRegistry
         self.aging_interval_s = aging_interval_s
-        self.handoff_s = handoff_s
         self.lengths = OutputLengths()
         self.handoffs = HandOffs()
         self.bias = BiasCorrection()
@@ -128,7 +127,7 @@ class WaitEstimator:
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
         est = wait_s(tier, views, queued, enqueued_s=enqueued_s,
                      arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
-                     aging_interval_s=self.aging_interval_s, handoff_s=self.handoff_s)
+                     aging_interval_s=self.aging_interval_s)
         return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
 
     def _work(self, info: JobInfo, generated: int = 0, prefill: int | None = None) -> Work:

@@ -124,24 +124,26 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float,
     t0 = time.monotonic()
     tail_sent = 0
 
+    async def submit(job: dict):
+        """At the job's time in the schedule. Concurrent submissions on one client: the SDK matches each reply
+        to its request."""
+        await asyncio.sleep(max(0.0, t0 + job["at"] - time.monotonic()))
+        return await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"],
+                                                 max_tokens=job["max_tokens"], tier=job["tier"], ignore_eos=True,
+                                                 seed=job["i"])
+
     async def background(job: dict) -> None:
         nonlocal tail_sent
-        await asyncio.sleep(max(0.0, t0 + job["at"] - time.monotonic()))
         try:
-            await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"], max_tokens=job["max_tokens"],
-                                              tier=job["tier"], ignore_eos=True, seed=job["i"])
+            await submit(job)
             tail_sent += 1
         except (ServingError, TimeoutError):
             pass  # refused or unanswered: it is traffic, not judged
 
     async def one(job: dict) -> dict:
         rec = {k: v for k, v in job.items() if k != "prompt_token_ids"}
-        await asyncio.sleep(max(0.0, t0 + job["at"] - time.monotonic()))
         try:
-            # Concurrent submissions on one client: the SDK matches each reply to its request.
-            handle = await clients[job["tier"]].submit(prompt_token_ids=job["prompt_token_ids"],
-                                                       max_tokens=job["max_tokens"], tier=job["tier"],
-                                                       ignore_eos=True, seed=job["i"])
+            handle = await submit(job)
             rec.update(outcome="admitted", job_id=handle.id, estimate_s=handle.estimated_wait_s,
                        admitted_tier=handle.tier)
             result = await handle.result(timeout=timeout_s)
@@ -171,7 +173,8 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float,
 def measured_load(records: list[dict], rates: list[tuple[float, float, int]], load: float) -> float | None:
     """The load the replay really offered: the paced --load times how much longer the jobs held their slots
     than the start-up calibration said (the median over jobs never preempted). The calibration is one short
-    batch, so it can be off by a fifth either way on a busy machine; this says what a run really was."""
+    batch, so it can be off by a fifth either way on a busy machine, and by half on jobs unlike its own (long
+    prompts); this says what a run really was."""
     held = slot_seconds(rates)
     ratios = [(r["total_s"] - r["wait_s"]) / held(r) for r in records if r.get("outcome") == "done"
               and not r["preemptions"]]

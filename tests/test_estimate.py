@@ -43,7 +43,8 @@ def test_queued_work_ahead_takes_the_first_free_slots_in_order():
     ahead = [Queued(Work(P2, 100, 100), -2.0), Queued(Work(P2, 0, 300), -1.0)]  # 1.1 s then 3 s
     # The first takes the slot free at 1 s (until 2.1 s), the second the one free at 2 s (until 5 s).
     assert wait_s(P2, [w], ahead) == pytest.approx(2.1)
-    assert wait_s(P2, [w], ahead, handoff_s=0.05) == pytest.approx(2.2)  # theirs and its own
+    w.handoff_s = 0.05  # a job sent there starts 0.05 s after its slot freed
+    assert wait_s(P2, [w], ahead) == pytest.approx(2.2)  # theirs and its own
 
 
 def test_held_work_that_starts_first_counts_lower_tiers_do_not():
