@@ -18,15 +18,17 @@ every judged job has its result: traffic does not stop in a deployment, and with
 last minute's jobs would be judged against a future with no arrivals, which the gateway rightly
 does not foresee (--tail 0: the replay stops with the judged rows).
 
-The trace is any CSV with the columns of the Azure LLM inference traces: TIMESTAMP,
-ContextTokens, GeneratedTokens (data/azure-2023/, CC-BY-4.0, Patel et al., "Splitwise", ISCA 2024).
+The trace is an Azure LLM inference trace (CSV: TIMESTAMP, ContextTokens, GeneratedTokens; 2023, 2024
+and multimodal; data/azure-2023/, CC-BY-4.0, Patel et al., "Splitwise", ISCA 2024), a BurstGPT CSV
+(Timestamp, Request tokens, Response tokens), a Mooncake JSONL (timestamp in ms, input_length,
+output_length), or any CSV/JSONL with a time in seconds and prompt and output token columns under
+common names (scripts/trace_files.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import random
@@ -35,7 +37,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from pathlib import Path
 
 from tqdm import tqdm
@@ -46,27 +47,11 @@ sys.path.insert(0, str(ROOT))
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
 from scripts.estimate_report import TIERS, draw, mean_handoff, summarize, table  # noqa: E402
+from scripts.trace_files import load_trace  # noqa: E402
 
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
 TENANT_OF = {"P0": "chat-co", "P1": "api-co", "P2": "batch-co", "P3": "lab-co"}  # scripts/up.py's dev tenants
-
-
-def load_trace(path: Path, start: int, count: int) -> list[tuple[float, int, int]]:
-    """(seconds since the first arrival, context tokens, generated tokens) of rows start..start+count."""
-    rows = []
-    with path.open(newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            if i < start:
-                continue
-            if len(rows) >= count:
-                break
-            at = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26]).timestamp()
-            rows.append((at, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-    if not rows:
-        raise SystemExit(f"bench_estimate: no rows in {path} from row {start}")
-    t0 = rows[0][0]
-    return [(at - t0, ctx, gen) for at, ctx, gen in rows]
 
 
 def plan(trace, args) -> list[dict]:
@@ -184,7 +169,9 @@ def measured_load(records: list[dict], rates: list[tuple[float, float, int]], lo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, required=True, help="CSV: TIMESTAMP, ContextTokens, GeneratedTokens")
+    ap.add_argument("--trace", type=Path, required=True,
+                    help="Azure LLM trace CSV, BurstGPT CSV, Mooncake JSONL, or a CSV/JSONL with a time in seconds "
+                         "and prompt and output token columns (scripts/trace_files.py)")
     ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
     ap.add_argument("--start", type=int, default=0, help="first row to replay")
     ap.add_argument("--tail", type=int, default=500,
