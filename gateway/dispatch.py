@@ -35,6 +35,9 @@ class Dispatcher:
             by_worker, reason = self._plan_preemptions()
         for wid, job_ids in by_worker.items():
             w = self.workers.workers[wid]
+            # Running something, it reads these after the step in progress; idle, at once (the hand-off's two
+            # cases, gateway/wait_learning.HandOffs). Jobs sent in this pass are read together.
+            busy = bool(w.pending) or (w.load is not None and any((*w.load.running.values(), *w.load.waiting.values())))
             for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
                                         lease_ms=_ms(self.config.lease_s)):
                 body = msgpack.unpackb(rec.payload)
@@ -50,7 +53,7 @@ class Dispatcher:
                 self.streams.get_or_create(rec.id).tenant = rec.tenant
                 self.streams.streams[rec.id].touched = now
                 w.pending.add(rec.id)
-                self.waits.dispatched(rec.id, now)
+                self.waits.dispatched(rec.id, now, busy)
                 if rec.tier_granted in PREEMPTING_TIERS:
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1

@@ -23,9 +23,10 @@ that exist (no job-count rates, no floors):
 - a job holds a slot for prompt / prefill rate + expected output / decode rate, with the
   per-sequence rates each worker measured (worker/calibration.py, in every heartbeat).
 - a job's prefill starts a hand-off after its slot is free, and the job holds the slot from then
-  on: a worker reads its dispatches between engine steps, so this is mostly the rest of the step
-  in progress. Each worker's is learned from its jobs (gateway/wait_learning.HandOffs); the job's
-  own counts too, so a job with a free slot waits that long.
+  on: a worker reads its dispatches between engine steps, so on a worker that is running other
+  work this is mostly the rest of the step in progress, and on an idle one next to nothing. Each
+  worker's two are learned from its jobs (gateway/wait_learning.HandOffs); the job's own counts
+  too, so a job with a free slot next to running work waits for the step.
 
 Pure functions here; what is learned (expected output lengths, arrival rates) is in
 ``gateway/wait_learning.py``; ``gateway/wait_estimator.py`` feeds both from Redis and the
@@ -90,7 +91,10 @@ class WorkerView:
     slots: int
     rates: Rates
     held: list[Held] = field(default_factory=list)
-    handoff_s: float = 0.0  # a job sent here starts this long after its slot freed (gateway/wait_learning.HandOffs)
+    # A job sent here starts this long after its slot freed (gateway/wait_learning.HandOffs): while the worker
+    # runs other work (it reads the job after the step in progress), and while it runs nothing.
+    handoff_s: float = 0.0
+    idle_handoff_s: float = 0.0
 
     def next_step(self) -> list[Held]:
         """The held work as the worker's next step leaves it: waiting work starts where a slot is free
@@ -140,8 +144,11 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     if not workers:
         return math.inf
     heap: list[tuple[float, int, bool]] = []  # (free at, worker index, only for a job that may preempt there)
+    stepping = [0.0] * len(workers)  # until when each worker runs something (then a job sent there waits a step)
     for i, w in enumerate(workers):
         held = w.next_step()
+        stepping[i] = max((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.status == RUNNING),
+                          default=0.0)
         busy = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.blocks(tier)),
                       reverse=True)[:w.slots]
         # Running work the job may preempt: its slot is the job's now, but not a job's aged up to its tier
@@ -153,18 +160,25 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=lambda j: slots[j][0])
             slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
+            stepping[i] = max(stepping[i], slots[j][0])
         heap += [(t, i, urgent) for t, urgent in slots]
     heapq.heapify(heap)
     line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng)
+
+    def handoff(t: float, i: int) -> float:  # every job's, the waiting one's too
+        return workers[i].handoff_s if stepping[i] > t else workers[i].idle_handoff_s
+
     for _ in range(MAX_DISPATCHES):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
-        handoff = workers[i].handoff_s  # every job's, the waiting one's too
         if work is None:
-            return max(0.0, t) + handoff
+            return max(0.0, t) + handoff(t, i)
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
-        heapq.heappush(heap, (t + handoff + workers[i].rates.seconds(work.prefill, work.decode), i, urgent))
-    return max(0.0, heap[0][0]) + workers[heap[0][1]].handoff_s
+        end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)
+        stepping[i] = max(stepping[i], end)
+        heapq.heappush(heap, (end, i, urgent))
+    t, i, _ = heap[0]
+    return max(0.0, t) + handoff(t, i)
 
 
 class _Line:

@@ -14,6 +14,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
 
@@ -68,9 +69,10 @@ class WaitEstimator:
             if self.learn_bias and queued_s is not None and info.estimate_s is not None:
                 self.bias.learn(info.tier, info.estimate_s, queued_s)
 
-    def handed_off(self, worker: str, seconds: float) -> None:
-        """A job sent to ``worker`` started its prefill ``seconds`` after it was sent."""
-        self.handoffs.learn(worker, seconds)
+    def handed_off(self, worker: str, seconds: float, busy: bool = True) -> None:
+        """A job sent to ``worker`` started its prefill ``seconds`` after it was sent; ``busy``: the worker was
+        running other work then."""
+        self.handoffs.learn(worker, seconds, busy)
 
     def tier_of(self, job_id: str) -> Tier | None:
         """The tier a job was admitted at (what it may preempt as), if this gateway knows the job."""
@@ -158,7 +160,9 @@ class WaitEstimator:
                 if job_id in pending:
                     info = pending[job_id]
                     held.append(Held(self._work(info), RUNNING, PREEMPTED_BY[info.tier]))
-            views.append(WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(w.hello.worker_id)))
+            wid = w.hello.worker_id
+            views.append(WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(wid, busy=True),
+                                    self.handoffs.of(wid, busy=False)))
         return views
 
     def _infos(self, ids: list[str]) -> dict[str, JobInfo]:
@@ -180,6 +184,11 @@ class WaitEstimator:
         return out
 
 
+class HandOff(NamedTuple):
+    seconds: float  # dispatch until the prefill started
+    busy: bool  # the worker was running other work when the job was sent
+
+
 class Waits:
     """Each job's wait as measured: admission until the first prefill chunk of any of its attempts.
 
@@ -191,26 +200,27 @@ class Waits:
 
     def __init__(self) -> None:
         # Bounded: jobs another gateway streams are dispatched from here but never finish here.
-        self._dispatched: OrderedDict[str, float] = OrderedDict()
+        self._dispatched: OrderedDict[str, tuple[float, bool]] = OrderedDict()
         self._started: dict[str, float] = {}
 
-    def dispatched(self, job_id: str, now: float) -> None:
-        self._dispatched[job_id] = now
+    def dispatched(self, job_id: str, now: float, busy: bool = True) -> None:
+        """``busy``: the worker it went to was running other work (so it reads the job after a step)."""
+        self._dispatched[job_id] = (now, busy)
         while len(self._dispatched) > MAX_KNOWN_JOBS:
             self._started.pop(self._dispatched.popitem(last=False)[0], None)
 
     def prefill_started(self, job_id: str, after_s: float | None, age_s: float | None = None,
-                        now: float | None = None) -> float | None:
+                        now: float | None = None) -> HandOff | None:
         """Record the first start a worker reports for a job. Returns the hand-off it took (dispatch until
         the prefill started) when this is that first start, else None."""
-        sent = self._dispatched.get(job_id)
+        sent, busy = self._dispatched.get(job_id, (None, True))
         if after_s is None or sent is None or job_id in self._started:
             return None
         started = sent + max(0.0, after_s)
         if age_s is not None and now is not None:
             started = max(started, now - max(0.0, age_s))
         self._started[job_id] = started  # the first attempt to start ends the wait
-        return started - sent
+        return HandOff(started - sent, busy)
 
     def queued_s(self, job_id: str, enqueued_at: float | None) -> float | None:
         started = self._started.get(job_id)

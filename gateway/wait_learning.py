@@ -43,29 +43,34 @@ class BiasCorrection:
 
 class HandOffs:
     """Per worker, how long a dispatch takes to start there: sent until its first prefill chunk started, a
-    decayed mean over recent jobs. A worker reads its socket between engine steps, so this is mostly the rest
-    of the step in progress when the job came: on a CPU with long prompts, a good part of a second per job,
-    paid again by every job that takes a slot after another."""
+    decayed mean over recent jobs, one for jobs sent while the worker was running other work and one for
+    jobs sent to an idle worker. A worker reads its socket between engine steps, so the first is mostly the
+    rest of the step in progress: on a CPU with long prompts, a good part of a second per job, paid again by
+    every job that takes a slot after another. The second is next to nothing. One mean of both would put a
+    job that must wait for a step at a fraction of it."""
 
     DECAY = 0.05
     MAX_SAMPLE_S = 10.0  # one job's hand-off counts at most this (a stalled worker is the lease's business)
     MAX_WORKERS = 1024  # workers remembered (the oldest reported dropped first: worker ids churn on restarts)
 
     def __init__(self) -> None:
-        self._mean: OrderedDict[str, float] = OrderedDict()
+        self._mean: OrderedDict[tuple[str, bool], float] = OrderedDict()
 
-    def learn(self, worker: str, seconds: float) -> None:
+    def learn(self, worker: str, seconds: float, busy: bool = True) -> None:
         x = min(self.MAX_SAMPLE_S, max(0.0, seconds))
-        old = self._mean.pop(worker, None)
-        self._mean[worker] = x if old is None else (1 - self.DECAY) * old + self.DECAY * x
-        while len(self._mean) > self.MAX_WORKERS:
+        key = (worker, busy)
+        old = self._mean.pop(key, None)
+        self._mean[key] = x if old is None else (1 - self.DECAY) * old + self.DECAY * x
+        while len(self._mean) > 2 * self.MAX_WORKERS:
             self._mean.popitem(last=False)
 
-    def of(self, worker: str) -> float:
-        """The worker's hand-off; for one that has started nothing yet, the mean of the others' (0 at first)."""
-        if worker in self._mean:
-            return self._mean[worker]
-        return sum(self._mean.values()) / len(self._mean) if self._mean else 0.0
+    def of(self, worker: str, busy: bool = True) -> float:
+        """The worker's hand-off; for one that has started no such job yet, the mean of the others' (0 at
+        first)."""
+        if (worker, busy) in self._mean:
+            return self._mean[(worker, busy)]
+        others = [v for (_, b), v in self._mean.items() if b == busy]
+        return sum(others) / len(others) if others else 0.0
 
 
 class OutputLengths:

@@ -98,8 +98,8 @@ class WorkerLink:
         """The end of the job's wait, if this is the first a worker reports; its hand-off teaches the estimate."""
         handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, self.clock())
         if handoff is not None:
-            self.estimator.handed_off(worker, handoff)
-            metrics.handed_off(worker, handoff)
+            self.estimator.handed_off(worker, handoff.seconds, handoff.busy)
+            metrics.handed_off(worker, handoff.seconds, handoff.busy)
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
         if not security.from_registered_worker(self, ident):

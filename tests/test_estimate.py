@@ -195,9 +195,29 @@ def test_every_job_pays_its_workers_hand_off_the_waiting_one_too():
     assert wait_s(P2, [w], []) == pytest.approx(1.25)
     ahead = [Queued(Work(P2, 100, 100), -2.0)]  # takes the slot free at 1 s: starts 1.25, holds it 1.1 s
     assert wait_s(P2, [w], ahead) == pytest.approx(2.25)  # then the slot free at 2 s
-    assert wait_s(P2, [WorkerView(2, RATES, [], handoff_s=0.25)], []) == pytest.approx(0.25)  # a free slot
+    # A free slot next to running work: the job waits for the step in progress.
+    assert wait_s(P2, [WorkerView(2, RATES, [running(P3, 100, BY_P0_P1)], handoff_s=0.25)], []) == pytest.approx(0.25)
     # A P0 preempts at once, but starts only when the worker has read it: the hand-off too.
     assert wait_s(P0, [w], []) == pytest.approx(0.25)
+
+
+def test_a_job_sent_to_an_idle_worker_pays_its_idle_hand_off_not_a_step():
+    idle = WorkerView(2, RATES, [], handoff_s=0.8, idle_handoff_s=0.01)
+    assert wait_s(P2, [idle], []) == pytest.approx(0.01)
+    assert wait_s(P0, [idle], []) == pytest.approx(0.01)
+    # Work queued ahead takes the idle worker's first slot at once; the job gets the second one, and by then
+    # the worker is running that work, so the job is read after a step.
+    ahead = [Queued(Work(P2, 100, 100), -1.0)]
+    assert wait_s(P2, [idle], ahead) == pytest.approx(0.8)
+    # On one slot: the job ahead runs 0.01 + 1.1 s and leaves the worker idle again.
+    one = WorkerView(1, RATES, [], handoff_s=0.8, idle_handoff_s=0.01)
+    assert wait_s(P2, [one], ahead) == pytest.approx(0.01 + 1.1 + 0.01)
+    # Busy until 1 s on one slot, the other free: the job there waits for a step; after the running job ends
+    # the second job ahead finds the worker still running the first, and so on.
+    w = WorkerView(2, RATES, [running(P3, 100, BY_P0_P1)], handoff_s=0.5, idle_handoff_s=0.0)
+    assert wait_s(P3, [w], []) == pytest.approx(0.5)
+    # P0: the running P3 is its victim, but the worker is stepping it, so a step's hand-off.
+    assert wait_s(P0, [w], []) == pytest.approx(0.5)
 
 
 def test_hand_offs_are_learned_per_worker_capped_and_bounded():
@@ -211,8 +231,19 @@ def test_hand_offs_are_learned_per_worker_capped_and_bounded():
     h.learn("w1", -5.0)  # a clock step backwards counts as no delay, never a negative one
     assert h.of("w1") >= 0
     for i in range(HandOffs.MAX_WORKERS + 10):
-        h.learn(f"churn-{i}", 0.1)
-    assert len(h._mean) == HandOffs.MAX_WORKERS and "w1" not in h._mean
+        h.learn(f"churn-{i}", 0.1, busy=True)
+        h.learn(f"churn-{i}", 0.0, busy=False)
+    assert len(h._mean) == 2 * HandOffs.MAX_WORKERS and ("w1", True) not in h._mean
+
+
+def test_a_workers_hand_off_while_busy_and_while_idle_are_learned_apart():
+    h = HandOffs()
+    for _ in range(50):
+        h.learn("w1", 0.6, busy=True)  # sent mid-step
+        h.learn("w1", 0.002, busy=False)  # sent to an idle worker
+    assert h.of("w1", busy=True) == pytest.approx(0.6) and h.of("w1", busy=False) == pytest.approx(0.002)
+    h.learn("w2", 0.2, busy=False)
+    assert h.of("w2", busy=True) == pytest.approx(0.6)  # none measured busy there yet: the others'
 
 
 def test_a_measured_wait_counts_the_time_the_dispatch_sat_unread_at_the_worker():
@@ -220,14 +251,20 @@ def test_a_measured_wait_counts_the_time_the_dispatch_sat_unread_at_the_worker()
     waits.dispatched("j", 100.0)
     # The worker read it 2 s after it was sent (a step was running) and started it 0.01 s after that; its first
     # token frame left 0.5 s after the prefill started and came here at 102.52.
-    assert waits.prefill_started("j", 0.01, age_s=0.5, now=102.52) == pytest.approx(2.02)
+    assert waits.prefill_started("j", 0.01, age_s=0.5, now=102.52) == (pytest.approx(2.02), True)
     assert waits.queued_s("j", enqueued_at=99.0) == pytest.approx(3.02)
     assert waits.prefill_started("j", 0.01, age_s=0.1, now=150.0) is None  # the first start ends the wait
     assert waits.queued_s("j", enqueued_at=99.0) == pytest.approx(3.02)
     # An older worker reports only the time since it read the job: the dispatch time plus that, as before.
-    waits.dispatched("k", 10.0)
-    assert waits.prefill_started("k", 0.3) == pytest.approx(0.3)
+    # Sent to an idle worker, the hand-off says so (the estimate learns the two cases apart).
+    waits.dispatched("k", 10.0, busy=False)
+    assert waits.prefill_started("k", 0.3) == (pytest.approx(0.3), False)
     # A frame that says its prefill started before the job was even sent (clock skew, a stale frame): never
     # earlier than the dispatch plus the worker's own delay.
     waits.dispatched("m", 10.0)
-    assert waits.prefill_started("m", 0.2, age_s=50.0, now=11.0) == pytest.approx(0.2)
+    assert waits.prefill_started("m", 0.2, age_s=50.0, now=11.0).seconds == pytest.approx(0.2)
+    # Nonsense ages (the protocol takes any float) never move a start before its floor or make it NaN.
+    for i, age in enumerate((math.nan, math.inf, -math.inf, -1.0)):
+        waits.dispatched(f"n{i}", 10.0)
+        seconds = waits.prefill_started(f"n{i}", 0.2, age_s=age, now=11.0).seconds
+        assert math.isfinite(seconds) and 0.2 - 1e-9 <= seconds <= 1.0 + 1e-9

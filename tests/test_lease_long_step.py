@@ -13,10 +13,13 @@ rather than passes vacuously where a machine is fast enough that no step outlast
 from __future__ import annotations
 
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from common.sockets import free_port
 from scripts.make_tiny_model import build
 from tests.durable_cluster import DurableCluster
 
@@ -86,7 +89,9 @@ def test_a_job_sent_during_a_long_step_has_waited_until_the_step_ended(tmp_path,
     # The wait ends when the job's first prefill starts. A worker reads its socket between steps, so a job sent
     # while a long step runs sits unread until that step ends: that is waiting too, and JobResult.queued_s must
     # count it (it once counted only from when the worker read the job).
-    env = {"TS_WORKER_ENABLE_CHUNKED_PREFILL": "false", "TS_WORKER_MAX_NUM_BATCHED_TOKENS": "4096"}
+    metrics_port = free_port()
+    env = {"TS_WORKER_ENABLE_CHUNKED_PREFILL": "false", "TS_WORKER_MAX_NUM_BATCHED_TOKENS": "4096",
+           "TS_GATEWAY_METRICS_BIND": f"127.0.0.1:{metrics_port}"}
     with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, max_running=2, gateway_env=env) as c:
         lab, batch = c.client("lab-co", timeout_s=120.0), c.client("batch-co", timeout_s=120.0)
         long = lab.submit(prompt_token_ids=[3 + i % 4000 for i in range(PROMPT_TOKENS)], max_tokens=2, ignore_eos=True)
@@ -107,5 +112,13 @@ def test_a_job_sent_during_a_long_step_has_waited_until_the_step_ended(tmp_path,
         # The token's way from the worker to this client is milliseconds; the step's rest is seconds.
         assert r.queued_s >= step_left - 0.3, (r.queued_s, step_left)
         assert r.queued_s <= r.ttft_s
+        # The gateway learns the two hand-offs apart: the long job found the worker idle and started at once, the
+        # short one found it stepping and waited for the step (the estimate counts a step for such jobs).
+        page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        handoffs = {(s.labels["worker_state"], s.name.rsplit("_", 1)[1]): s.value
+                    for f in text_string_to_metric_families(page) if f.name == "ts_dispatch_handoff_seconds"
+                    for s in f.samples if s.name.endswith(("_count", "_sum"))}
+        assert handoffs[("idle", "count")] == 1 and handoffs[("idle", "sum")] < 0.5, handoffs
+        assert handoffs[("busy", "count")] == 1 and handoffs[("busy", "sum")] >= step_left - 0.3, (handoffs, step_left)
         lab.close()
         batch.close()
