@@ -2,10 +2,11 @@
 
 Starts a real redis-server, one gateway and N workers (scripts/up.py) and submits the trace's
 arrivals on their schedule, compressed so that their work keeps --load (default 0.8) of the batch
-slots busy at the rates the workers measured at start-up (the rates the gateway estimates with),
-so that the replay loads the cluster alike on any machine; or by a fixed --speedup. Each job has
-the trace's context tokens
-as its prompt and its generated tokens as max_tokens (both times --token-scale), at a tier drawn
+slots busy, so that the replay loads the cluster alike on any machine; or by a fixed --speedup.
+The work is counted at the rates the workers measured at start-up (the rates the gateway first
+estimates with), scaled by how much longer --warmup jobs of the trace's own sizes, run first and
+unjudged, really held their slots: the calibration's short prompts can be off by 2x for a trace's
+jobs. Each job has the trace's context tokens as its prompt and its generated tokens as max_tokens (both times --token-scale), at a tier drawn
 with the --mix shares (seeded). For every admitted job it compares the estimate the gateway
 returned at admission with the job's real wait (JobResult.queued_s: admission until its first
 prefill started on a worker), and prints per tier, over the jobs that waited at least
@@ -52,6 +53,7 @@ from scripts.trace_files import load_trace  # noqa: E402
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
 TENANT_OF = {"P0": "chat-co", "P1": "api-co", "P2": "batch-co", "P3": "lab-co"}  # scripts/up.py's dev tenants
+WARMUP_IDS = 10_000_000  # warm-up jobs' numbers (their seeds): apart from any trace row's
 
 
 def plan(trace, args) -> list[dict]:
@@ -100,12 +102,32 @@ def offered_load(jobs: list[dict], rates: list[tuple[float, float, int]]) -> flo
     return work / span / sum(r[2] for r in rates)
 
 
+def warmup_jobs(jobs: list[dict], n: int, seed: int) -> list[dict]:
+    """``n`` of the judged jobs' sizes (drawn with the seed), all sent at once as P3. Only higher tiers'
+    arrivals enter a job's estimate, so P3 arrivals teach the gateway no forecast it would misuse."""
+    picked = random.Random(seed).sample(jobs, min(n, len(jobs)))
+    return [{**job, "i": WARMUP_IDS + k, "at": 0.0, "tier": "P3"} for k, job in enumerate(picked)]
+
+
+def paced_rates(rates: list[tuple[float, float, int]], records: list[dict]) -> tuple[list[tuple[float, float, int]],
+                                                                                     float]:
+    """The calibrated rates scaled so that they give the warm-up jobs' real time in their slots (their sum),
+    and that factor (> 1: the jobs took longer than the calibration says). The calibration is one batch of
+    short prompts; a trace's jobs can run at half or twice its rates, and --load would not be the load."""
+    held = slot_seconds(rates)
+    done = [r for r in records if r.get("outcome") == "done" and not r["preemptions"]]
+    if not done:
+        raise SystemExit(f"bench_estimate: no warm-up job finished: {[r.get('error') for r in records][:3]}")
+    factor = sum(r["total_s"] - r["wait_s"] for r in done) / sum(map(held, done))
+    return [(p / factor, d / factor, slots) for p, d, slots in rates], factor
+
+
 async def replay(state: dict, jobs: list[dict], timeout_s: float,
-                 tail: Sequence[dict] = ()) -> tuple[list[dict], int]:
+                 tail: Sequence[dict] = (), desc: str = "replay") -> tuple[list[dict], int]:
     """The judged jobs' records, and how many tail jobs were submitted before the last judged one finished."""
     clients = {t: AsyncGatewayClient(state["gateway"], state["tenants"][TENANT_OF[t]]["api_key"], timeout_s=60)
                for t in TIERS}
-    bar = tqdm(total=len(jobs), desc="replay", unit="job", file=sys.stderr)
+    bar = tqdm(total=len(jobs), desc=desc, unit="job", file=sys.stderr)
     t0 = time.monotonic()
     tail_sent = 0
 
@@ -178,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows after the judged ones that keep arriving, unjudged, until every judged job is done")
     ap.add_argument("--load", type=float, default=None,
                     help=f"compress the arrival schedule so its work keeps this share of the cluster's slots busy, "
-                         f"by the rates the workers measured at start-up (default {DEFAULT_LOAD} unless --speedup "
-                         f"is given): the same load on any machine")
+                         f"by the rates the workers measured at start-up and the warm-up (default {DEFAULT_LOAD} "
+                         f"unless --speedup is given): the same load on any machine")
+    ap.add_argument("--warmup", type=int, default=16,
+                    help="with --load: first run this many jobs of the trace's sizes at once (P3, unjudged) and pace "
+                         "by their real time in the slots, not by the start-up calibration alone (0: by it alone)")
     ap.add_argument("--speedup", type=float, default=None,
                     help="compress the arrival schedule by this factor instead (1: the trace's own pace)")
     ap.add_argument("--token-scale", type=float, default=0.25, help="prompt and output tokens are scaled by this")
@@ -206,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--load and --speedup must be > 0")
     if args.speedup is None and args.load is None:
         args.load = DEFAULT_LOAD
-    if args.tail < 0:
-        ap.error("--tail must be >= 0")
+    if args.tail < 0 or args.warmup < 0:
+        ap.error("--tail and --warmup must be >= 0")
     planned = plan(load_trace(args.trace, args.start, args.arrivals + args.tail), args)
     jobs, tail = planned[:args.arrivals], planned[args.arrivals:]
 
@@ -220,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                                    ready_timeout=180.0, http=False))
     try:
         state = cluster.start()
-        rates = calibrated_rates(Path(state["logs"]), args.workers)
+        rates = calibrated = calibrated_rates(Path(state["logs"]), args.workers)
+        factor = None
+        if args.load is not None and args.warmup:
+            warm, _ = asyncio.run(replay(state, warmup_jobs(jobs, args.warmup, args.seed), args.job_timeout,
+                                         desc="warm-up"))
+            rates, factor = paced_rates(calibrated, warm)
+            print(f"warm-up: {args.warmup} of the trace's jobs held their slots {factor:.2f}x as long as the start-up "
+                  f"calibration says; pacing by that", file=sys.stderr)
         if args.load is not None:
             args.speedup = args.load / offered_load(jobs, rates)  # the judged rows' load; the tail keeps their pace
             for job in planned:
@@ -239,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     real = measured_load(records, rates, paced)
     if real is not None:
         print(f"load: {real:.2f} of the slots, by the jobs' real time in them (paced for {paced:.2f} by the "
-              f"start-up calibration)")
+              f"{'warm-up' if factor else 'start-up calibration'})")
     if handoff is not None:
         print(f"hand-off: {handoff[0]:.3f} s a job on average, dispatch until its first prefill started "
               f"({handoff[1]} jobs): its slot stood idle that long")
@@ -248,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "calibrated": rates, "tail_sent": tail_sent, "measured_load": real,
+                                         "calibrated": calibrated, "warmup_factor": factor,
+                                         "paced_rates": rates, "tail_sent": tail_sent, "measured_load": real,
                                          "handoff_mean_s": handoff and handoff[0],
                                          "jobs": records}, indent=1))
     return 0

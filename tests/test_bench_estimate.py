@@ -49,7 +49,8 @@ def test_offered_load_is_slot_seconds_of_work_per_second_per_slot():
     assert bench_estimate.offered_load(jobs, rates) == pytest.approx(work / 10.0 / 4)
 
 
-@pytest.mark.parametrize("argv", [["--load", "0.8", "--speedup", "2"], ["--load", "0"], ["--speedup", "-1"]])
+@pytest.mark.parametrize("argv", [["--load", "0.8", "--speedup", "2"], ["--load", "0"], ["--speedup", "-1"],
+                                  ["--warmup", "-1"]])
 def test_contradictory_or_empty_pacing_is_refused_before_a_cluster_starts(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_estimate.main(["--trace", str(tmp_path / "none.csv"), *argv])
@@ -84,3 +85,29 @@ def test_measured_load_scales_the_paced_load_by_the_jobs_real_time_in_their_slot
     records += [dict(rec, total_s=60.0, preemptions=1), dict(outcome="overloaded")]  # left out
     assert bench_estimate.measured_load(records, rates, 0.8) == pytest.approx(1.0)
     assert bench_estimate.measured_load([dict(outcome="failed")], rates, 0.8) is None
+
+
+def test_the_warm_up_runs_the_traces_own_job_sizes_as_p3_all_at_once():
+    jobs = [{"i": i, "at": float(i), "tier": "P0", "prompt_tokens": 10 * i + 1, "max_tokens": i + 1,
+             "prompt_token_ids": [3] * (10 * i + 1)} for i in range(40)]
+    warm = bench_estimate.warmup_jobs(jobs, 16, seed=1)
+    assert len(warm) == 16 and len({j["i"] for j in warm}) == 16
+    assert all(j["tier"] == "P3" and j["at"] == 0.0 and j["i"] >= bench_estimate.WARMUP_IDS for j in warm)
+    sizes = {(j["prompt_tokens"], j["max_tokens"]) for j in jobs}
+    assert all((j["prompt_tokens"], j["max_tokens"]) in sizes for j in warm)
+    assert warm == bench_estimate.warmup_jobs(jobs, 16, seed=1)  # seeded
+    assert len(bench_estimate.warmup_jobs(jobs[:3], 16, seed=1)) == 3  # a short trace: all of it
+    assert jobs[0]["tier"] == "P0"  # the judged jobs are untouched
+
+
+def test_the_pace_comes_from_the_warm_up_jobs_real_time_in_their_slots():
+    rates = [(100.0, 10.0, 2), (100.0, 10.0, 2)]  # 100 prompt + 10 output tokens: 2 s by calibration
+    rec = {"outcome": "done", "prompt_tokens": 100, "max_tokens": 10, "preemptions": 0, "wait_s": 0.5}
+    records = [dict(rec, total_s=0.5 + held) for held in (0.8, 1.0, 1.2)]  # 3 s for 6 s by calibration: 2x faster
+    records += [dict(rec, total_s=60.0, preemptions=1), dict(outcome="failed", error="x")]  # left out
+    paced, factor = bench_estimate.paced_rates(rates, records)
+    assert factor == pytest.approx(0.5) and paced == [(200.0, 20.0, 2), (200.0, 20.0, 2)]
+    jobs = [dict(rec, at=0.0), dict(rec, at=10.0)]
+    assert bench_estimate.offered_load(jobs, paced) == pytest.approx(bench_estimate.offered_load(jobs, rates) / 2)
+    with pytest.raises(SystemExit, match="no warm-up job finished"):
+        bench_estimate.paced_rates(rates, [dict(outcome="failed", error="refused")])
