@@ -32,8 +32,8 @@ E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the jo
                 "admitted", ["tier"], buckets=LATENCY_BUCKETS)
 HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from dispatch to the job's first prefill starting on the "
                     "worker, once per job: mostly the rest of the engine step in progress there (a worker reads its "
-                    "dispatches between steps), during which the slot the job was sent to stands idle; worker_state: whether "
-                    "the worker was running other work (busy) or nothing (idle) when the job was sent",
+                    "dispatches between steps), during which the slot the job was sent to stands idle; worker_state: "
+                    "whether the worker was running other work (busy) or nothing (idle) when the job was sent",
                     ["worker", "worker_state"], buckets=LATENCY_BUCKETS)
 FINISHED = Counter("ts_jobs_finished_total", "Jobs this gateway admitted that ended, by final state", ["tier", "state"])
 

@@ -112,7 +112,8 @@ def test_generic_columns_are_seconds(tmp_path, name, text):
 def test_gzip(tmp_path):
     path = tmp_path / "trace.csv.gz"
     with gzip.open(path, "wt") as f:
-        f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+00:00,1,2\n2024-05-10 00:00:04+00:00,3,4\n")
+        f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                "2024-05-10 00:00:00+00:00,1,2\n2024-05-10 00:00:04+00:00,3,4\n")
     check(load_trace(path, 0, 10), [(0.0, 1, 2), (4.0, 3, 4)])
 
 
