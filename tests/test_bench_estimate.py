@@ -85,6 +85,11 @@ def test_measured_load_scales_the_paced_load_by_the_jobs_real_time_in_their_slot
     records += [dict(rec, total_s=60.0, preemptions=1), dict(outcome="overloaded")]  # left out
     assert bench_estimate.measured_load(records, rates, 0.8) == pytest.approx(1.0)
     assert bench_estimate.measured_load([dict(outcome="failed")], rates, 0.8) is None
+    # A load is a sum: two short jobs at the calibration's pace and one ten times their size at half its pace
+    # offer 2 + 2 + 40 slot-seconds where the calibration says 2 + 2 + 20 (a median of ratios would say 1x).
+    big = dict(rec, prompt_tokens=1000, max_tokens=100)
+    mixed = [dict(rec, total_s=3.0), dict(rec, total_s=3.0), dict(big, total_s=41.0)]
+    assert bench_estimate.measured_load(mixed, rates, 0.8) == pytest.approx(0.8 * 44 / 24)
 
 
 def test_the_warm_up_runs_the_traces_own_job_sizes_as_p3_all_at_once():
