@@ -2,17 +2,17 @@
 
 Starts a real redis-server, one gateway and N workers (scripts/up.py) and submits the trace's
 arrivals on their schedule, compressed so that their work keeps --load (default 0.8) of the batch
-slots busy, so that the replay loads the cluster alike on any machine; or by a fixed --speedup.
-The work is counted at the rates the workers measured at start-up (the rates the gateway first
+slots busy, so that the replay loads the cluster alike on any machine; or by a fixed --speedup. The
+work is counted at the rates the workers measured at start-up (the rates the gateway first
 estimates with), scaled by how much longer --warmup jobs of the trace's own sizes, run first and
 unjudged, really held their slots: the calibration's short prompts can be off by 2x for a trace's
-jobs. Each job has the trace's context tokens as its prompt and its generated tokens as
-max_tokens (both times --token-scale), at a tier drawn with the --mix shares (seeded). For every admitted job it compares the estimate the gateway
-returned at admission with the job's real wait (JobResult.queued_s: admission until its first
-prefill started on a worker), and prints per tier, over the jobs that waited at least
---min-wait seconds: the median relative error |estimate - wait| / wait and the share of
-estimates within 2x of the wait. Refusals (overloaded, quota) are counted. --png draws
-estimate against wait; --json writes every job and the summary.
+jobs. Each job has the trace's context tokens as its prompt and its generated tokens as max_tokens
+(both times --token-scale), at a tier drawn with the --mix shares (seeded). For every admitted job
+it compares the estimate the gateway returned at admission with the job's real wait
+(JobResult.queued_s: admission until its first prefill started on a worker), and prints per tier,
+over the jobs that waited at least --min-wait seconds: the median relative error |estimate - wait|
+/ wait and the share of estimates within 2x of the wait. Refusals (overloaded, quota) are counted.
+--png draws estimate against wait; --json writes every job and the summary.
 
 The --tail rows after the judged ones keep arriving, on the same schedule and unjudged, until
 every judged job has its result: traffic does not stop in a deployment, and without them the
