@@ -23,7 +23,7 @@ The trace is an Azure LLM inference trace (CSV: TIMESTAMP, ContextTokens, Genera
 and multimodal; data/azure-2023/, CC-BY-4.0, Patel et al., "Splitwise", ISCA 2024), a BurstGPT CSV
 (Timestamp, Request tokens, Response tokens), a Mooncake JSONL (timestamp in ms, input_length,
 output_length), or any CSV/JSONL with a time in seconds and prompt and output token columns under
-common names (scripts/trace_files.py).
+common names (common/arrival_traces.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
 from scripts.estimate_report import TIERS, draw, mean_handoff, summarize, table  # noqa: E402
-from scripts.trace_files import load_trace  # noqa: E402
+from common.arrival_traces import load_trace  # noqa: E402
 
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True,
                     help="Azure LLM trace CSV, BurstGPT CSV, Mooncake JSONL, or a CSV/JSONL with a time in seconds "
-                         "and prompt and output token columns (scripts/trace_files.py)")
+                         "and prompt and output token columns (common/arrival_traces.py)")
     ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
     ap.add_argument("--start", type=int, default=0, help="first row to replay")
     ap.add_argument("--tail", type=int, default=500,

@@ -8,13 +8,12 @@ after every step; ``scripts/simulate.py`` runs thousands of random traces.
 
 from __future__ import annotations
 
-import csv
 import random
-from collections.abc import Iterable
+import sys
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
+from common.arrival_traces import load_trace
 from common.errors import TierLimitExceeded
 from common.tiers import Tier
 from worker.block_manager import BlockManager
@@ -188,30 +187,22 @@ def random_trace(rng: random.Random, n: int, *, max_prompt: int = 64, max_new: i
 
 def azure_trace(path: str | Path, *, limit: int | None = None, tier_mix: dict[Tier, float] | None = None,
                 seed: int = 0, max_prompt: int | None = None, max_new: int | None = None) -> list[Arrival]:
-    """Arrivals from the Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens).
+    """Arrivals from an LLM inference trace: the Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or any
+    format common/arrival_traces.py reads.
 
     Times are made relative to the first row; tiers are drawn from ``tier_mix`` with ``seed``.
     """
     mix = tier_mix or {Tier.P0: 0.1, Tier.P1: 0.2, Tier.P2: 0.3, Tier.P3: 0.4}
     rng = random.Random(seed)
     tiers, weights = list(mix), list(mix.values())
-    rows: Iterable[dict[str, str]]
     out: list[Arrival] = []
-    with open(path, newline="") as f:
-        rows = csv.DictReader(f)
-        t0 = None
-        for i, row in enumerate(rows):
-            if limit is not None and i >= limit:
-                break
-            ts = datetime.fromisoformat(row["TIMESTAMP"][:26])
-            t0 = t0 or ts
-            prompt = max(1, int(row["ContextTokens"]))
-            new = max(1, int(row["GeneratedTokens"]))
-            if max_prompt:
-                prompt = min(prompt, max_prompt)
-            if max_new:
-                new = min(new, max_new)
-            out.append(Arrival(f"az{i}", (ts - t0).total_seconds(), prompt, new, rng.choices(tiers, weights)[0]))
+    for i, (at, prompt, new) in enumerate(load_trace(Path(path), 0, sys.maxsize if limit is None else limit)):
+        prompt, new = max(1, prompt), max(1, new)
+        if max_prompt:
+            prompt = min(prompt, max_prompt)
+        if max_new:
+            new = min(new, max_new)
+        out.append(Arrival(f"az{i}", at, prompt, new, rng.choices(tiers, weights)[0]))
     return out
 
 

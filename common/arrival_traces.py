@@ -1,7 +1,8 @@
 """Read the arrivals of a public LLM serving trace: (seconds since the first arrival, prompt tokens, output tokens).
 
-The wait estimates are judged on more than the Azure trace shipped in data/, so load_trace reads the common
-public formats, told apart by the header (CSV) or the first record (JSONL):
+The wait estimates (scripts/bench_estimate.py) and the scheduler simulator (worker/simulator.py) replay
+traces; they are judged on more than the Azure trace shipped in data/, so load_trace reads the common public
+formats, told apart by the header (CSV) or the first record (JSONL):
 
 - Azure LLM inference traces 2023 and 2024 and the Azure multimodal (LMM) trace, CSV: TIMESTAMP (ISO
   datetime, up to 7 fractional digits, with or without a UTC offset), ContextTokens, GeneratedTokens
@@ -64,7 +65,7 @@ def load_trace(path: Path, start: int, count: int) -> list[tuple[float, int, int
         for line, record in islice(records, first_row, first_row + max(count, 0)):
             rows.append(_row(path, line, [record.get(k) for k in keys], unit))
     if not rows:
-        raise SystemExit(f"bench_estimate: no rows in {path} from row {start}")
+        raise SystemExit(f"trace: no rows in {path} from row {start}")
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     return [(at - t0, prompt, output) for at, prompt, output in rows]
@@ -98,7 +99,7 @@ def _jsonl(path: Path, f) -> Iterator:
         except json.JSONDecodeError:
             record = None
         if not isinstance(record, dict):
-            raise SystemExit(f"bench_estimate: {path}, line {line}: not a JSON object")
+            raise SystemExit(f"trace: {path}, line {line}: not a JSON object")
         if not named:
             named = True
             yield list(record)
@@ -116,7 +117,7 @@ def _columns(path: Path, names: list[str], jsonl: bool) -> tuple[list[str], floa
         spelled.setdefault(_norm(name), name)
     picked = [next((a for a in aliases if a in spelled), None) for aliases in COLUMNS.values()]
     if None in picked:
-        raise SystemExit(f"bench_estimate: {path}: unknown trace format, header {names}; "
+        raise SystemExit(f"trace: {path}: unknown trace format, header {names}; "
                          f"the formats read are {ACCEPTED}")
     unit = 1e-3 if jsonl and tuple(picked) == MOONCAKE else 1.0
     return [spelled[a] for a in picked], unit
@@ -127,7 +128,7 @@ def _row(path: Path, line: int, raw: list, unit: float) -> tuple[float, int, int
         return _seconds(raw[0], unit), _tokens(raw[1]), _tokens(raw[2])
     except (TypeError, ValueError):
         roles = ", ".join(f"{role} {value!r}" for role, value in zip(COLUMNS, raw))
-        raise SystemExit(f"bench_estimate: {path}, line {line}: bad row ({roles}); need a time and token counts "
+        raise SystemExit(f"trace: {path}, line {line}: bad row ({roles}); need a time and token counts "
                          f">= 0") from None
 
 

@@ -1,4 +1,4 @@
-"""scripts/trace_files.py on small hand-made files in each public trace format, and on the shipped Azure traces."""
+"""common/arrival_traces.py on small hand-made files in each public trace format, and on the shipped Azure traces."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scripts import bench_estimate
-from scripts.trace_files import load_trace
+from common.arrival_traces import load_trace
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "azure-2023"
 
@@ -173,3 +173,15 @@ def test_the_shipped_azure_traces_load_as_before(name):
     expected = [(t - at[0], int(r["ContextTokens"]), int(r["GeneratedTokens"])) for t, r in zip(at, raw)]
     assert at == sorted(at)  # in order already, so sorting changes nothing
     check(load_trace(DATA / name, 0, 500), expected)
+
+
+def test_the_scheduler_simulator_reads_traces_through_the_same_loader(tmp_path):
+    from worker.simulator import azure_trace
+
+    path = write(tmp_path / "BurstGPT_1.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                                              "5,ChatGPT,472,18,490,Conversation log\n"
+                                              "45,ChatGPT,1087,0,1087,Conversation log\n")
+    arrivals = azure_trace(path, max_prompt=1000)
+    assert [(a.time_s, a.prompt_tokens, a.max_tokens) for a in arrivals] == [(0.0, 472, 18), (40.0, 1000, 1)]
+    shipped = DATA / "AzureLLMInferenceTrace_conv.csv"
+    assert [a.time_s for a in azure_trace(shipped, limit=50)] == [t for t, _, _ in load_trace(shipped, 0, 50)]
