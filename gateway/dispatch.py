@@ -35,9 +35,7 @@ class Dispatcher:
             by_worker, reason = self._plan_preemptions()
         for wid, job_ids in by_worker.items():
             w = self.workers.workers[wid]
-            # Running something, it reads these after the step in progress; idle, at once (the hand-off's two
-            # cases, gateway/wait_learning.HandOffs). Jobs sent in this pass are read together.
-            busy = bool(w.pending) or (w.load is not None and any((*w.load.running.values(), *w.load.waiting.values())))
+            busy = w.stepping  # before this pass's jobs join w.pending: the worker reads them together
             for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
                                         lease_ms=_ms(self.config.lease_s)):
                 body = msgpack.unpackb(rec.payload)

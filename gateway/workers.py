@@ -28,6 +28,13 @@ class WorkerState:
         free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
         return max(0, free - len(self.pending))
 
+    @property
+    def stepping(self) -> bool:
+        """Running or about to run something, as far as the gateway knows: a job sent now is read after the step
+        in progress (the hand-off's two cases, gateway/wait_learning.HandOffs)."""
+        return bool(self.pending) or (self.load is not None and any((*self.load.running.values(),
+                                                                      *self.load.waiting.values())))
+
     def victims_left(self, urgent_sent: set[str]) -> dict[Tier, int]:
         """Per P0/P1: running jobs here it may preempt, less the urgent jobs sent since the last report."""
         if self.load is None:

@@ -114,11 +114,9 @@ def paced_rates(rates: list[tuple[float, float, int]], records: list[dict]) -> t
     """The calibrated rates scaled so that they give the warm-up jobs' real time in their slots (their sum),
     and that factor (> 1: the jobs took longer than the calibration says). The calibration is one batch of
     short prompts; a trace's jobs can run at half or twice its rates, and --load would not be the load."""
-    held = slot_seconds(rates)
-    done = [r for r in records if r.get("outcome") == "done" and not r["preemptions"]]
-    if not done:
+    factor = held_ratio(records, rates)
+    if factor is None:
         raise SystemExit(f"bench_estimate: no warm-up job finished: {[r.get('error') for r in records][:3]}")
-    factor = sum(r["total_s"] - r["wait_s"] for r in done) / sum(map(held, done))
     return [(p / factor, d / factor, slots) for p, d, slots in rates], factor
 
 
@@ -177,14 +175,19 @@ async def replay(state: dict, jobs: list[dict], timeout_s: float,
             c.close()
 
 
-def measured_load(records: list[dict], rates: list[tuple[float, float, int]], load: float) -> float | None:
-    """The load the replay really offered: the paced --load times how much longer the jobs held their slots
-    than the rates it was paced by say (their sums, over jobs never preempted: a suspended job holds no slot).
-    Sums, as a load is: a median of per-job ratios misses that a trace's long jobs run at other rates than its
-    short ones (it put the code trace at 0.53 of the slots where the sums say 0.72)."""
-    held = slot_seconds(rates)
+def held_ratio(records: list[dict], rates: list[tuple[float, float, int]]) -> float | None:
+    """How much longer the finished jobs really held their slots than ``rates`` say (slot_seconds): their sums,
+    over jobs never preempted (a suspended job holds no slot); None if none finished. Sums, as a load is: a
+    median of per-job ratios misses that a trace's long jobs run at other rates than its short ones (it put the
+    code trace at 0.53 of the slots where the sums say 0.72)."""
     done = [r for r in records if r.get("outcome") == "done" and not r["preemptions"]]
-    return load * sum(r["total_s"] - r["wait_s"] for r in done) / sum(map(held, done)) if done else None
+    return sum(r["total_s"] - r["wait_s"] for r in done) / sum(map(slot_seconds(rates), done)) if done else None
+
+
+def measured_load(records: list[dict], rates: list[tuple[float, float, int]], load: float) -> float | None:
+    """The load the replay really offered: the paced --load times held_ratio."""
+    ratio = held_ratio(records, rates)
+    return None if ratio is None else load * ratio
 
 
 def main(argv: list[str] | None = None) -> int:
