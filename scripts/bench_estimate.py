@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "true" if args.bias_correction else "false"
     cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
                                    ready_timeout=180.0, http=False))
+    finished = False
     try:
         state = cluster.start()
         rates = calibrated = calibrated_rates(Path(state["logs"]), args.workers)
@@ -265,8 +266,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{paced:.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
         records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
         handoff = mean_handoff(state["metrics"][0])  # the gateway's: up.py starts the gateways first
+        finished = True
     finally:
         cluster.stop()
+        if not finished:  # keep what tells why
+            print(f"the cluster's logs are kept in {cluster.tmp}", file=sys.stderr)
+        else:
+            cluster.remove_logs()
     summary = summarize(records, args.min_wait)
     print(table(summary, args.min_wait))
     print(f"tail: {tail_sent} of {len(tail)} unjudged arrivals came before the last judged job finished")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 w.stop.set()
             gw.terminate()
             gw.wait(timeout=10)
+            shutil.rmtree(tmp, ignore_errors=True)  # the keys and tenants file: this run's only
 
     jobs = len(total_s)
     by_kind: Counter = Counter()

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-http-"))
     state_file = tmp / "cluster.json"
     up = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", str(args.workers),
-                           "--model", args.model, "--state-file", str(state_file), "--max-running", "16"],
+                           "--model", args.model, "--state-file", str(state_file), "--max-running", "16",
+                           "--logs-dir", str(tmp / "logs")],
                           cwd=ROOT, stdout=(tmp / "up.log").open("w"), stderr=subprocess.STDOUT,
                           env=dict(os.environ, OTEL_TRACES_EXPORTER="none"))
     try:
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         up.terminate()
         up.wait(timeout=60)
+    shutil.rmtree(tmp, ignore_errors=True)  # it went well: the logs (kept on a failure) tell nothing more
     results, paired = figures["batches"], figures["paired"]
     print(f"one caller, paths alternating per request ({args.requests} pairs): SDK p50 {paired['sdk_p50_ms']:.1f} ms, "
           f"HTTP p50 {paired['http_p50_ms']:.1f} ms, added {paired['added_ms_median']:+.1f} ms "

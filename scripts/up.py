@@ -10,6 +10,11 @@ by its owner only: it holds the keys and the Redis URL) and the cluster runs unt
 SIGTERM, which stops every process it started. The state file also holds http (the HTTP front
 door's base URL or null) and metrics (every process's /metrics URL).
 
+Files: the logs and spans go to --logs-dir (default: a new ts-cluster-* folder in the temporary
+directory), which is kept after the cluster stops, for reading. The secrets (CURVE keys, the Redis
+password, the tenants file with its API keys) go to a folder of their own, readable by the owner only,
+which is removed when the cluster stops: they are worth nothing to anyone afterwards but an attacker.
+
 Supervision: a process that dies (redis-server, a gateway, a worker) is started again within
 about a second, with the same identity, ports and data directory (Redis replays its AOF), and
 the state file's "pids" ({"redis": pid, "gw-0": pid, ..., "wk-0": pid, ...}) is rewritten
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,19 +91,22 @@ class Cluster:
         self.commands: dict[str, tuple[list[str], dict, Path]] = {}  # how to start each one again
         self.redis: RedisServer | None = None
         self.metrics: list[str] = []  # every process's /metrics URL
-        self.tmp = Path(tempfile.mkdtemp(prefix="ts-cluster-"))
+        if args.logs_dir:
+            args.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = args.logs_dir or Path(tempfile.mkdtemp(prefix="ts-cluster-"))  # logs and spans: kept
+        self.secrets = Path(tempfile.mkdtemp(prefix="ts-cluster-secrets-"))  # removed by stop()
 
     def start(self) -> dict:
         a = self.args
         model = resolve_model(a.model)
         self.redis = RedisServer(appendonly=True, password=secrets.token_hex(24))
         self.redis.start()
-        password_file = self.tmp / "redis-password"
+        password_file = self.secrets / "redis-password"
         password_file.touch(mode=0o600)
         password_file.write_text(self.redis.password)
         # At least one worker key: a gateway refuses to start with an empty allow-list (--workers 0 starts one).
-        key_paths = curve_keys.generate(self.tmp / "keys", [f"wk-{i}" for i in range(max(1, a.workers))])
-        tenants = write_tenants(self.tmp / "tenants.toml")
+        key_paths = curve_keys.generate(self.secrets / "keys", [f"wk-{i}" for i in range(max(1, a.workers))])
+        tenants = write_tenants(self.secrets / "tenants.toml")
         # CPU workers split the cores; each torch pool spinning on all of them would thrash.
         threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
         env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval),
@@ -119,7 +128,7 @@ class Cluster:
             gateways.append({"id": f"gw-{g}", "endpoint": client_ep, "worker_endpoint": worker_ep})
             self._spawn(f"gw-{g}", [sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
                                     worker_ep, "--tenants-file",
-                                    str(self.tmp / "tenants.toml"), "--gateway-id", f"gw-{g}"],
+                                    str(self.secrets / "tenants.toml"), "--gateway-id", f"gw-{g}"],
                         env | self._metrics_env("TS_GATEWAY_"), self.tmp / f"gateway-{g}.log")
         for i in range(a.workers):
             cmd = [sys.executable, "-m", "worker", "--worker-id", f"wk-{i}", "--model", str(model),
@@ -135,7 +144,7 @@ class Cluster:
         state = {"gateway": gateways[0]["endpoint"], "gateways": gateways, "redis": self.redis.url,
                  "key_prefix": "ts", "tenants": tenants, "spans_file": spans_file, "logs": str(self.tmp),
                  "http": http, "metrics": self.metrics,
-                 "keys": {"dir": str(self.tmp / "keys"), "gateway_public": str(key_paths["gateway_public"]),
+                 "keys": {"dir": str(self.secrets / "keys"), "gateway_public": str(key_paths["gateway_public"]),
                           "worker_secrets": {f"wk-{i}": str(key_paths[f"worker:wk-{i}"])
                                              for i in range(max(1, a.workers))}}}
         for g in gateways:
@@ -211,7 +220,8 @@ class Cluster:
         from gateway.sdk import GatewayClient
 
         deadline = time.monotonic() + timeout
-        client = GatewayClient(endpoint, key, timeout_s=2.0)
+        # retries=0: a probe; a gateway still starting is this loop's business, not a warning in the log.
+        client = GatewayClient(endpoint, key, timeout_s=2.0, retries=0)
         try:
             while time.monotonic() < deadline:
                 dead = [name for name, p in self.procs.items() if p.poll() is not None]
@@ -240,6 +250,11 @@ class Cluster:
                 p.wait()
         if self.redis is not None:
             self.redis.stop()
+        shutil.rmtree(self.secrets, ignore_errors=True)
+
+    def remove_logs(self) -> None:
+        """Remove the logs and spans too (a script that started the cluster for itself and finished well)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def cluster_args(**options) -> argparse.Namespace:
@@ -269,6 +284,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ready-timeout", type=float, default=120.0)
     ap.add_argument("--policy", choices=["priority", "fifo"], default="priority",
                     help="the workers' scheduling policy (fifo: no tiers, no preemption; for comparisons)")
+    ap.add_argument("--logs-dir", type=Path, help="where every process's log (and the spans, unless --spans-file) go;"
+                    " kept after the cluster stops (default: a new ts-cluster-* folder in the temporary directory)")
     ap.add_argument("--spans-file", type=Path, help="OTLP-JSON lines file for every process's spans (default: in the "
                     "log folder); ignored when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set")
     return ap
@@ -298,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         cluster.stop()
+        print(f"cluster stopped; logs kept in {cluster.tmp}", flush=True)
     return 0
 
 

@@ -34,7 +34,8 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
     state_file = tmp_path / "cluster.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", str(workers), "--gateways", str(gateways),
            "--model", str(model_dir), "--state-file", str(state_file), "--max-running", str(max_running),
-           "--aging-interval", str(aging_interval), "--lease-s", str(lease_s), "--ready-timeout", "90"]
+           "--aging-interval", str(aging_interval), "--lease-s", str(lease_s), "--ready-timeout", "90",
+           "--logs-dir", str(tmp_path / "logs")]
     if kv_blocks:
         cmd += ["--kv-blocks", str(kv_blocks)]
     log = (tmp_path / "up.log").open("w")
@@ -54,6 +55,9 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
             st = json.loads(state_file.read_text())
             for pid in [w["pid"] for w in st["workers"]] + st["gateway_pids"]:
                 assert not process_running(pid), f"process {pid} left behind"
+            # The keys, the Redis password and the tenants' API keys outlive no cluster; its logs stay for reading.
+            assert not Path(st["keys"]["dir"]).parent.exists(), "the cluster's secrets were left behind"
+            assert Path(st["logs"]) == tmp_path / "logs" and any(Path(st["logs"]).glob("gateway-*.log"))
 
 
 def stop_process(proc: subprocess.Popen, timeout: float) -> int:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,19 @@ def test_the_state_file_names_every_process(cluster):
     assert all(process_running(pid) for pid in p.values())
     st = json.loads(cluster["state_file"].read_text())
     assert st["gateway_pids"] == [p["gw-0"], p["gw-1"]] and st["workers"] == [{"id": "wk-0", "pid": p["wk-0"]}]
+
+
+def test_the_secrets_are_apart_from_the_logs_and_private(cluster):
+    """Keys, the Redis password and the tenants' API keys sit in a folder of their own, readable by the owner
+    only, which stop() removes (local_cluster checks that); the logs folder, kept, holds none of them."""
+    secrets_dir = Path(cluster["keys"]["dir"]).parent
+    assert secrets_dir.stat().st_mode & 0o777 == 0o700
+    assert {p.name for p in secrets_dir.iterdir()} == {"keys", "redis-password", "tenants.toml"}
+    logs = Path(cluster["logs"])
+    assert secrets_dir != logs and not any(p.name in ("keys", "redis-password", "tenants.toml") for p in logs.iterdir())
+    password = (secrets_dir / "redis-password").read_text()
+    for log in logs.glob("*.log"):
+        assert password not in log.read_text()
 
 
 @pytest.mark.parametrize("name", ["gw-0", "wk-0", "redis"])

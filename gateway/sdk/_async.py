@@ -19,8 +19,9 @@ from opentelemetry import trace
 from common import protocol as P
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
-                                 RetryBudget, auto_idempotency_key, endpoint_list, new_request_id, on_submit_reply,
-                                 raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
+                                 RetryBudget, auto_idempotency_key, endpoint_list, failed_at, new_request_id,
+                                 on_submit_reply, raise_for, submit_request, submit_span, to_result, to_status,
+                                 with_request_id)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -140,7 +141,8 @@ class AsyncGatewayClient:
         # Concurrent callers may all see the same gateway fail: only the first of them moves on.
         if self.endpoint == from_endpoint:
             self._current = (self._current + 1) % len(self.endpoints)
-            log.warning("gateway %s: %s; trying %s", from_endpoint, why, self.endpoint)
+            log.warning("%s; trying %s", failed_at(from_endpoint, why),
+                        "it again" if self.endpoint == from_endpoint else self.endpoint)
 
     async def _call(self, msg):
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good

@@ -103,6 +103,11 @@ def auto_idempotency_key() -> str:
 RETRYABLE = (TimeoutError, Unavailable)
 
 
+def failed_at(endpoint: str, why: Exception) -> str:
+    """``why`` a call to ``endpoint`` failed, naming the gateway once."""
+    return str(why) if endpoint in str(why) else f"gateway {endpoint}: {why}"
+
+
 class RetryBudget:
     """Whether a failed attempt may be retried, and after what pause.
 

@@ -13,8 +13,9 @@ from opentelemetry import trace
 from common import protocol as P
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
-                                 RetryBudget, auto_idempotency_key, endpoint_list, new_request_id, on_submit_reply,
-                                 raise_for, submit_request, submit_span, to_result, to_status, with_request_id)
+                                 RetryBudget, auto_idempotency_key, endpoint_list, failed_at, new_request_id,
+                                 on_submit_reply, raise_for, submit_request, submit_span, to_result, to_status,
+                                 with_request_id)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -87,7 +88,7 @@ class GatewayClient:
     def _fail_over(self, why: Exception) -> None:
         old = self.endpoint
         self._current = (self._current + 1) % len(self.endpoints)
-        log.warning("gateway %s: %s; trying %s", old, why, self.endpoint)
+        log.warning("%s; trying %s", failed_at(old, why), "it again" if self.endpoint == old else self.endpoint)
 
     def _call(self, msg):
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
