@@ -47,7 +47,7 @@ def _ms(seconds: float | None) -> str:
     return "-1" if seconds is None else str(int(round(seconds * 1000)))
 
 
-def _out_of_memory(e: redis.ResponseError) -> bool:
+def out_of_memory(e: redis.RedisError) -> bool:
     """Redis at maxmemory under noeviction refused a write. Redis 7 answers OOM (redis-py's OutOfMemoryError);
     6.2 wraps a script's refused call in an ERR that quotes it."""
     return isinstance(e, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in str(e)
@@ -125,7 +125,7 @@ class RedisQueue:
         try:
             reply = self._scripts["admit"](keys=keys, args=args)
         except redis.ResponseError as e:
-            if _out_of_memory(e):  # the script's first write was refused: nothing was stored
+            if out_of_memory(e):  # the script's first write was refused: nothing was stored
                 return StoreFull(str(e))
             raise
         kind = reply[0].decode()

@@ -24,14 +24,14 @@ from common import protocol as P
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
-from gateway.client_api import ClientApi
+from gateway.client_api import REDIS_FULL_LOG_EVERY_S, ClientApi
 from gateway import metrics, security
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
 from gateway.dispatch import Dispatcher
 from gateway.keepalive import Keepalives
 from gateway.maintenance import Maintenance
-from gateway.redis_queue import RedisQueue
+from gateway.redis_queue import RedisQueue, out_of_memory
 from gateway.spans import GatewaySpans
 from gateway.streaming import Streaming
 from gateway.streams import StreamTable
@@ -47,6 +47,8 @@ log = logging.getLogger("gateway")
 # Client handlers receive one instead of a bare routing id; stream subscribers are keyed by it, so one
 # connection can hold several streams (even of the same job) at once.
 Peer = tuple[bytes, "str | None"]
+# A full Redis refused a write of the background work (dispatch, results, maintenance): it tries again after this.
+REDIS_FULL_RETRY_S = 0.5
 
 
 class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
@@ -82,6 +84,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._last_tokens_io = 0.0
         self._redis_backoff_s = 0.0  # > 0 while Redis is unreachable: wait this long between tries
         self._redis_retry_at = 0.0
+        self._background_retry_at = 0.0  # a full Redis refused the background work's writes: wait until then
         self._redis_full_logged_at = float("-inf")  # when a full Redis was last logged (client_api)
         self.ctx = zmq.Context.instance()
         self.clients = make_socket(self.ctx, zmq.ROUTER)
@@ -120,7 +123,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                 self._last_keepalive = now
                 # Also while Redis is down: a client must not fail over from a gateway waiting out a blip.
                 self.send_keepalives(now, redis_up=now >= self._redis_retry_at)
-            if now < self._redis_retry_at:
+            if now < max(self._redis_retry_at, self._background_retry_at):
                 continue
             try:
                 self._background(now)
@@ -145,12 +148,26 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
 
     def _redis_failed(self, e: Exception) -> None:
         """Redis is unreachable: back off (0.1 s doubling to 2 s) and keep serving what needs no Redis."""
+        if out_of_memory(e):
+            self._redis_full(e)
+            return
         self.counters["redis_errors"] += 1
         if not self._redis_backoff_s:
             log.warning("Redis unreachable (%s); admission answers 'unavailable' until it is back", e)
         self._redis_backoff_s = min(2.0, max(0.1, self._redis_backoff_s * 2))
         self._redis_retry_at = self.clock() + self._redis_backoff_s
         self._dirty = True
+
+    def _redis_full(self, e: Exception) -> None:
+        """Redis is reachable but at its maxmemory (noeviction) and refused a write. Reads, streams and cancels
+        still work, so clients are not refused as if it were down; the work that writes waits a moment and tries
+        again (a completion is kept until it is stored; a job not yet dispatched stays queued)."""
+        self.counters["redis_full"] += 1
+        now = self.clock()
+        if now - self._redis_full_logged_at >= REDIS_FULL_LOG_EVERY_S:
+            self._redis_full_logged_at = now
+            log.warning("Redis is full (%s): dispatches and results wait for room; raise maxmemory or free memory", e)
+        self._background_retry_at = now + REDIS_FULL_RETRY_S
 
     def _redis_ok(self) -> None:
         if self._redis_backoff_s:
@@ -198,7 +215,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             except redis.RedisError as e:
                 self._redis_failed(e)
                 if sock is self.clients:
-                    self._send(sock, to, self._unavailable())
+                    self._send(sock, to, P.ErrorReply("overloaded", "the queue store (Redis) is full; retry later")
+                               if out_of_memory(e) else self._unavailable())
             except Exception:  # a handler bug must not take the gateway down with it
                 self.counters["handler_errors"] += 1
                 log.exception("handler for %s failed", type(msg).__name__)

@@ -1,12 +1,14 @@
 """Redis hygiene against a real redis-server: a per-tenant cap on unfinished jobs (every tier), result
 retention apart from the idempotency TTL, a capped dead-letter set, and a full Redis (maxmemory,
-noeviction) refused as ``overloaded`` by a real gateway process that stores nothing and keeps running."""
+noeviction) refused as ``overloaded`` by a real gateway process that stores nothing and keeps running,
+and, under work in flight, waited out without losing a job."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -25,6 +27,7 @@ from gateway.redis_queue import Overloaded as OverloadedResult
 from gateway.sdk import GatewayClient
 from scripts.up import write_tenants
 from tests.cluster_helpers import stop_process, wait_for
+from tests.durable_cluster import DurableCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_700_000_000_000
@@ -295,3 +298,39 @@ def test_a_full_redis_refuses_a_submit_as_overloaded_stores_nothing_and_the_gate
             _empty(r, filled)
         assert c.submit(prompt_token_ids=[1, 2, 3], max_tokens=2).id  # room again: admitted
     r.close()
+
+
+def test_a_full_redis_under_running_work_is_full_not_unreachable_and_loses_nothing(tmp_path, tiny_model_dir):
+    """Redis fills while jobs wait for a worker: the dispatch's writes are refused too. The gateway must say
+    so ("full"), keep answering reads at once (not as if Redis were unreachable), and, once there is room,
+    dispatch and finish every job with all its tokens."""
+    metrics = f"127.0.0.1:{free_port()}"
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, max_running=1,
+                        gateway_env={"TS_GATEWAY_METRICS_BIND": metrics}) as c:
+        key = c.key("batch-co")
+        with GatewayClient(c.endpoint(), key, timeout_s=10) as client:
+            jobs = [client.submit(prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True) for _ in range(3)]
+        filled = _fill(c.redis)
+        try:
+            c.worker_ids.append("wk-0")
+            c.start_process("wk-0")  # the dispatch to it needs a write: refused now
+            c.wait_workers("gw-0")
+            # Reads answer at once, again and again, while the gateway keeps trying: a client that waits out no
+            # "unavailable" back-off (the SDK would retry one for its whole timeout).
+            with GatewayClient(c.endpoint(), key, timeout_s=0.3, retries=0) as quick:
+                for _ in range(15):
+                    # Dispatched: sent (a claim may fit), and finished on the worker, but its result not storable.
+                    states = {quick.status(j.id).state for j in jobs}
+                    assert states <= {"queued", "dispatched"}, states
+                    time.sleep(0.2)  # spread the reads over several of the gateway's retries
+            text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+            assert _sample(text, "ts_gateway_events_total", event="refused_unavailable") == 0
+            assert _sample(text, "ts_gateway_events_total", event="redis_full") >= 1
+            log = c.log_tail("gw-0", 20_000)
+            assert "Redis is full" in log and "Redis unreachable" not in log
+        finally:
+            _empty(c.redis, filled)
+        with GatewayClient(c.endpoint(), key, timeout_s=60) as client:
+            for j in jobs:
+                result = client.job(j.id).result(timeout=60)
+                assert len(result.token_ids) == 6 and result.finish_reason == "length"
