@@ -1,4 +1,4 @@
-"""Shared fixtures: real model directories built by scripts/make_tiny_model.py."""
+"""Shared fixtures: real model directories built by scripts/make_tiny_model.py, and what they generate."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_tiny_model import build
+from tests import compose_helpers
 
 CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
 
@@ -26,3 +27,42 @@ def hf_reference(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """tokens(specs) -> the engine's output for each spec (prompt, max_tokens, temperature, seed), ignore_eos, run
+    in this process: what a cluster must return for the same jobs."""
+    from worker import Engine, EngineConfig, SamplingParams
+
+    engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(device="cpu", dtype="float32", max_num_seqs=16))
+
+    def tokens(specs: list[tuple[list[int], int, float, int]]) -> list[list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, (prompt, max_tokens, temperature, seed) in enumerate(specs):
+            engine.add_request(f"ref-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                  seed=seed, ignore_eos=True), tier="P3")
+            out[f"ref-{i}"] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return [out[f"ref-{i}"] for i in range(len(specs))]
+
+    return tokens
+
+
+# The compose deployment as an operator fills in .env.example (tests/test_compose*.py).
+
+@pytest.fixture(scope="module")
+def raw_compose() -> dict:
+    return compose_helpers.raw_compose_file()
+
+
+@pytest.fixture(scope="module")
+def env_example() -> dict[str, str]:
+    return compose_helpers.filled_env_example()
+
+
+@pytest.fixture(scope="module")
+def compose(raw_compose, env_example) -> dict:
+    return compose_helpers.interpolate(raw_compose, env_example, set())

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import msgpack
-import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -33,27 +32,6 @@ VOCAB = 512  # models/configs/tiny-llama.json
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """tokens(specs) -> the engine's output for each spec (prompt, max_tokens, temperature, seed), ignore_eos."""
-    from worker import Engine, EngineConfig, SamplingParams
-
-    engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(device="cpu", dtype="float32", max_num_seqs=16))
-
-    def tokens(specs: list[tuple[list[int], int, float, int]]) -> list[list[int]]:
-        out: dict[str, list[int]] = {}
-        for i, (prompt, max_tokens, temperature, seed) in enumerate(specs):
-            engine.add_request(f"ref-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                  seed=seed, ignore_eos=True), tier="P3")
-            out[f"ref-{i}"] = []
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.request_id].extend(o.new_token_ids)
-        return [out[f"ref-{i}"] for i in range(len(specs))]
-
-    return tokens
 
 
 class RawStream(threading.Thread):

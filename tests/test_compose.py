@@ -24,7 +24,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 from jsonschema import Draft7Validator
 from jsonschema.validators import validator_for
 
@@ -33,13 +32,13 @@ from common.redis_server import RedisServer, RedisServerError, find_redis_server
 from common.sockets import free_port
 from gateway.config import ENV_PREFIX as GATEWAY_PREFIX
 from tests.cluster_helpers import stop_process
+from tests.compose_helpers import (COMPOSE_FILE, ENV_EXAMPLE, InterpolationError, interpolate, interpolate_str,
+                                   parse_env_file, published_targets, service_env)
 from gateway.config import GatewayConfig
 from worker.service_config import ENV_PREFIX as WORKER_PREFIX
 from worker.service_config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPOSE_FILE = ROOT / "docker-compose.yml"
-ENV_EXAMPLE = ROOT / ".env.example"
 SCHEMA_FILE = ROOT / "data" / "compose-spec.json"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
@@ -48,115 +47,11 @@ WORKER_SERVICES = ("worker", "worker-cpu")
 HF_CACHE = "/root/.cache/huggingface"
 
 
-# --- Compose-style interpolation ------------------------------------------------------------------------
-
-class InterpolationError(ValueError):
-    pass
-
-
-# $$ | ${NAME} | ${NAME<op>arg} with op one of :- - :? ? :+ + | $NAME
-_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
-                  r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*)|(?P<invalid>))")
-
-
-def interpolate_str(text: str, env: dict[str, str], used: set[str]) -> str:
-    def repl(m: re.Match) -> str:
-        if m.group("escaped"):
-            return "$"
-        if m.group("invalid") is not None and not (m.group("braced") or m.group("bare")):
-            raise InterpolationError(f"invalid interpolation format in {text!r}")
-        name = m.group("braced") or m.group("bare")
-        used.add(name)
-        op, arg = m.group("op"), m.group("arg") or ""
-        value = env.get(name)
-        present = value is not None if op in ("-", "?", "+") else bool(value)
-        if op in (":-", "-"):
-            return value if present else interpolate_str(arg, env, used)
-        if op in (":?", "?"):
-            if not present:
-                raise InterpolationError(f"required variable {name} is missing a value: {arg}")
-            return value
-        if op in (":+", "+"):
-            return interpolate_str(arg, env, used) if present else ""
-        return value or ""
-
-    return _VAR.sub(repl, text)
-
-
-def interpolate(node, env: dict[str, str], used: set[str]):
-    """Compose interpolates every string value (not keys) of the parsed file."""
-    if isinstance(node, dict):
-        return {k: interpolate(v, env, used) for k, v in node.items()}
-    if isinstance(node, list):
-        return [interpolate(v, env, used) for v in node]
-    if isinstance(node, str):
-        return interpolate_str(node, env, used)
-    return node
-
-
-def parse_env_file(path: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """KEY=VALUE lines (dotenv as Compose reads it, unquoted here) -> values, and the line above each."""
-    values: dict[str, str] = {}
-    above: dict[str, str] = {}
-    previous = ""
-    for line in path.read_text().splitlines():
-        s = line.strip()
-        if s and not s.startswith("#"):
-            key, sep, value = s.partition("=")
-            assert sep, f"{path.name}: not KEY=VALUE: {line!r}"
-            assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key), f"{path.name}: bad name {key!r}"
-            assert key not in values, f"{path.name}: {key} defined twice"
-            values[key] = value
-            above[key] = previous
-        previous = s
-    return values, above
-
-
-@pytest.fixture(scope="module")
-def raw_compose() -> dict:
-    return yaml.safe_load(COMPOSE_FILE.read_text())  # SafeLoader resolves the << merge keys
-
-
-TEST_REDIS_PASSWORD = "test-password-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def env_example() -> dict[str, str]:
-    """.env.example as an operator fills it in: the one value it must not ship, the password, set."""
-    values = parse_env_file(ENV_EXAMPLE)[0]
-    assert values["REDIS_PASSWORD"] == "", ".env.example must ship no usable Redis password"
-    return values | {"REDIS_PASSWORD": TEST_REDIS_PASSWORD}
-
-
 @pytest.fixture(scope="module")
 def used_vars(raw_compose, env_example) -> set[str]:
     used: set[str] = set()
     interpolate(raw_compose, env_example, used)
     return used
-
-
-@pytest.fixture(scope="module")
-def compose(raw_compose, env_example) -> dict:
-    return interpolate(raw_compose, env_example, set())
-
-
-def service_env(svc: dict) -> dict[str, str]:
-    env = svc.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
-    return {k: ("" if v is None else str(v)) for k, v in env.items()}
-
-
-def published_targets(svc: dict) -> set[int]:
-    """Container ports published on the host (short or long syntax)."""
-    out = set()
-    for p in svc.get("ports") or []:
-        if isinstance(p, dict):
-            out.add(int(p["target"]))
-        else:
-            target = str(p).split("/")[0].rsplit(":", 1)[-1]
-            out.update(range(int(target.split("-")[0]), int(target.split("-")[-1]) + 1))
-    return out
 
 
 def mounts(svc: dict) -> list[dict]:

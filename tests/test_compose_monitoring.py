@@ -16,7 +16,7 @@ import yaml
 from common import settings
 from gateway.http.config import ENV_PREFIX as HTTP_PREFIX
 from gateway.http.config import HttpConfig
-from tests.test_compose import compose, env_example, published_targets, raw_compose, service_env  # noqa: F401
+from tests.compose_helpers import published_targets, service_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_FILE = ROOT / "docker" / "prometheus" / "prometheus.yml"

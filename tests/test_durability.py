@@ -23,7 +23,6 @@ from common import protocol as P
 from common.sockets import make_socket
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster, settle, wait_states
-from tests.test_cluster_robustness import reference  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.faults  # real clusters, several each: `make test-faults` runs these alone
 

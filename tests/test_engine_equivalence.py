@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
+from tests.engine_helpers import hf_greedy, prompts
 from worker import Engine, EngineConfig, SamplingParams
-
-
-def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, len(prompt):].tolist()
 
 
 def run_all(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> dict[str, list[int]]:
@@ -37,11 +28,6 @@ def run_all(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], Sampl
     return outputs
 
 
-def prompts(n: int, seed: int, lo: int = 1, hi: int = 70) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64))
@@ -51,7 +37,7 @@ def engine(tiny_model_dir):
 def test_single_request_matches_generate(engine, hf_reference, length):
     prompt = prompts(1, seed=length, lo=length, hi=length + 1)[0]
     out = run_all(engine, {0: [("solo", prompt, SamplingParams(max_tokens=24))]})
-    assert out["solo"] == reference(hf_reference, prompt, 24)
+    assert out["solo"] == hf_greedy(hf_reference, prompt, 24)
     assert engine.kv_usage().num_used == 0
 
 
@@ -62,7 +48,7 @@ def test_eight_requests_joining_at_different_steps(engine, hf_reference):
         arrivals.setdefault(step, []).append((f"r{i}", p, SamplingParams(max_tokens=20 + i)))
     out = run_all(engine, arrivals)
     for i, p in enumerate(ps):
-        assert out[f"r{i}"] == reference(hf_reference, p, 20 + i), f"request r{i} (prompt {len(p)} tokens)"
+        assert out[f"r{i}"] == hf_greedy(hf_reference, p, 20 + i), f"request r{i} (prompt {len(p)} tokens)"
 
 
 @pytest.mark.parametrize("budget", [7, 16, 1024])
@@ -71,7 +57,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, hf_reference, bud
     engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=budget))
     out = run_all(engine, {0: [(f"r{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(ps)]})
     for i, p in enumerate(ps):
-        assert out[f"r{i}"] == reference(hf_reference, p, 12)
+        assert out[f"r{i}"] == hf_greedy(hf_reference, p, 12)
 
 
 def test_unchunked_prefill_matches_chunked(tiny_model_dir):
@@ -95,6 +81,6 @@ def test_kv_pressure_preempts_and_still_matches(tiny_model_dir, hf_reference, sw
                                                                  swap_space_mb=swap_space_mb))
     out = run_all(engine, {0: [(f"r{i}", p, SamplingParams(max_tokens=30)) for i, p in enumerate(ps)]})
     for i, p in enumerate(ps):
-        assert out[f"r{i}"] == reference(hf_reference, p, 30)
+        assert out[f"r{i}"] == hf_greedy(hf_reference, p, 30)
     assert engine.stats().by_mode()[mode] > 0
     assert engine.kv_usage().num_used == 0

@@ -16,7 +16,6 @@ import pytest
 
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import job_hash, local_cluster, process_running, state_pids, wait_for
-from tests.test_cluster_robustness import reference  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.faults
 

@@ -18,28 +18,15 @@ from common.tiers import Tier
 from gateway import admission
 from gateway.tenants import Tenant, TenantDirectory, key_digest
 from gateway.workers import WorkerRegistry
+from tests.scheduler_helpers import req, step
 from worker import Engine, EngineConfig, SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
 from worker.policy import PriorityPolicy
 from worker.preemption import PreemptionConfig, PreemptMode
-from worker.request import Request, RequestStatus
+from worker.request import RequestStatus
 from worker.scheduler import Scheduler
 from worker.simulator import Arrival, StepTimeModel, random_case, run_case, simulate
-
-_seq = iter(range(1, 10**9))
-
-
-def req(rid: str, tier: Tier, prompt: int = 8, max_tokens: int = 32) -> Request:
-    n = next(_seq)
-    return Request(rid, [7] * prompt, SamplingParams(max_tokens=max_tokens), tier, n, seed=n)
-
-
-def step(s: Scheduler):
-    out = s.schedule()
-    s.postprocess(out, {c.request.request_id: 9 for c in out.chunks if c.sample})
-    return out
-
 
 def drain(engine: Engine, max_steps: int) -> dict[str, int]:
     """Step until idle (at most ``max_steps``); tokens produced per request."""

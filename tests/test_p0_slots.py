@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from common.tiers import Tier
+from tests.scheduler_helpers import req, step
 from worker import Engine, EngineConfig, SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import ConfigError, SchedulerConfig
@@ -19,7 +20,6 @@ from worker.request import RequestStatus
 from worker.scheduler import Scheduler
 from worker.simulator import Arrival, random_case, run_case, simulate
 
-from tests.test_liveness import req, step
 
 def sched(reserve: int, max_num_seqs: int = 4, policy=None) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=4096,

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.tiers import Tier
-from tests.test_engine_equivalence import prompts, reference
+from tests.engine_helpers import hf_greedy, prompts
 from worker import Engine, EngineConfig, FinishReason, SamplingParams
 from worker.preemption import PreemptMode
 from worker.request import RequestStatus
@@ -156,7 +156,7 @@ def eq_baseline(tiny_model_dir, hf_reference):
     base = {kind: uninterrupted(tiny_model_dir, EngineConfig(**EQ_CONFIG), eq_specs(kind))
             for kind in ("greedy", "seeded")}
     for i, p in enumerate(EQ_PROMPTS):
-        assert base["greedy"][f"r{i}"] == reference(hf_reference, p, EQ_MAX_TOKENS[i]), f"r{i}"
+        assert base["greedy"][f"r{i}"] == hf_greedy(hf_reference, p, EQ_MAX_TOKENS[i]), f"r{i}"
     # The seeded run really samples (otherwise the second half of the matrix would test greedy again).
     assert base["seeded"] != base["greedy"]
     return base
@@ -277,7 +277,7 @@ def test_p0_takes_a_slot_from_a_p3_in_keep_mode(tiny_model_dir, hf_reference, p3
     run.finish()
     p3s = [f"p3-{i}" for i in range(4)]
     assert run.finish_step["p0"] < min(run.finish_step[r] for r in p3s)
-    assert run.tokens["p0"] == reference(hf_reference, P0_PROMPT, P0_PARAMS.max_tokens)
+    assert run.tokens["p0"] == hf_greedy(hf_reference, P0_PROMPT, P0_PARAMS.max_tokens)
     for rid in p3s:
         assert len(run.tokens[rid]) == P3_MAX and run.reasons[rid] is FinishReason.LENGTH
         assert run.tokens[rid] == p3_alone[rid], rid

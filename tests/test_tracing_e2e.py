@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from gateway.sdk import GatewayClient
 from scripts import explain
 from tests.cluster_helpers import job_hash, local_cluster, wait_for
-from tests.test_explain import FakeJaeger, jaeger_from_file
+from tests.jaeger_helpers import FakeJaeger, jaeger_from_file
 
 
 class OtlpReceiver:
