@@ -28,6 +28,12 @@ that exist (no job-count rates, no floors):
   worker's two are learned from its jobs (gateway/wait_learning.HandOffs); the job's own counts
   too, so a job with a free slot next to running work waits for the step.
 
+A deep queue costs an estimate no more than a shallow one: the replay takes its first
+MAX_EXACT_DISPATCHES dispatches one by one, then spreads the work still ahead of the job (and the
+arrivals that overtake it, phase by phase as it ages) over all the slots at their mean rates; and
+the estimator reads only the oldest jobs of each queue, counting the rest (gateway/wait_estimator.py).
+Past a few hundred dispatches the two agree within a few per cent (tests/test_estimate.py).
+
 Pure functions here; what is learned (expected output lengths, arrival rates) is in
 ``gateway/wait_learning.py``; ``gateway/wait_estimator.py`` feeds both from Redis and the
 worker registry.
@@ -39,7 +45,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
@@ -48,7 +54,9 @@ RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 # Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
 # slots: beyond it the wait has no finite expectation.
 MAX_RHO = 0.8
-MAX_DISPATCHES = 20_000  # replayed per estimate at most (a bound on its cost, far beyond any real queue)
+# Dispatches replayed one by one per estimate; past them, the rest of the wait is the work still ahead spread over
+# every slot (see _fluid_tail). A bound on an estimate's cost: a deep queue must not make each admission slower.
+MAX_EXACT_DISPATCHES = 500
 
 
 @dataclass(frozen=True)
@@ -133,13 +141,15 @@ def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float) ->
 
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
-           rng: random.Random | None = None) -> float:
+           rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None) -> float:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
     ``rng``: draw the arrivals to come as Poisson streams (exponential gaps) instead of evenly spaced: one
     possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
+    ``unread``: per queue, how many more jobs it holds than ``queued`` has of it (a bounded read takes the
+    oldest of each), and their mean work: newer than those read, they count past the replay only.
     """
     if not workers:
         return math.inf
@@ -168,7 +178,7 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     def handoff(t: float, i: int) -> float:  # every job's, the waiting one's too
         return workers[i].handoff_s if stepping[i] > t else workers[i].idle_handoff_s
 
-    for _ in range(MAX_DISPATCHES):
+    for _ in range(MAX_EXACT_DISPATCHES):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
         if work is None:
@@ -177,8 +187,30 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)
         stepping[i] = max(stepping[i], end)
         heapq.heappush(heap, (end, i, urgent))
-    t, i, _ = heap[0]
-    return max(0.0, t) + handoff(t, i)
+    handoff_s = sum(w.handoff_s * w.slots for w in workers) / len(heap)  # every worker is busy by then
+    return max(0.0, _fluid_tail(line, [t for t, _, _ in heap], unread or {})) + handoff_s
+
+
+def _fluid_tail(line: _Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
+    """When the job gets a slot, past the replayed dispatches: the work still ahead of it (the slots' rest, the
+    queued jobs still in line, the arrivals due by now that overtake it) and the arrivals that overtake it from
+    now on, at the mean rates, drained by all the slots; in phases, as aging moves the job up a tier. Queued
+    jobs of other tiers all count as ahead (where they can pass it at all): with a queue this deep, the older
+    ones age with the job and the newer ones of higher tiers mostly go before it ages up to them."""
+    t = min(free_at)
+    slots = len(free_at)
+    backlog = sum(f - t for f in free_at) + line.backlog_s(t, unread)
+    rank = rank_at(line.tier, line.enqueued_s, t, line.aging)
+    final = 1 if line.tier.rank >= 2 and math.isfinite(line.aging) else line.tier.rank
+    while True:
+        overtaking = line.overtaking_s(rank)  # slot-seconds of work arriving per second, ahead of the job
+        ages_at = line.enqueued_s + (line.tier.rank - rank + 1) * line.aging if rank > final else math.inf
+        drain = slots - overtaking
+        done_at = t + backlog / drain if drain > 0 else math.inf
+        if done_at <= ages_at:
+            return done_at
+        backlog -= (ages_at - t) * drain  # grows where the arrivals outpace the slots
+        t, rank = ages_at, rank - 1
 
 
 class _Line:
@@ -198,8 +230,8 @@ class _Line:
         # Arrivals that overtake it for good: capped (see MAX_RHO).
         final = 1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else tier.rank
         slots = sum(w.slots for w in workers)
-        mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
-                     sum(w.rates.decode_tps * w.slots for w in workers) / slots)
+        self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
+                                 sum(w.rates.decode_tps * w.slots for w in workers) / slots)
         for_good = sum(a.per_s * mean.seconds(a.work.prefill, a.work.decode) for a in streams
                        if a.work.tier.rank < final)
         scale = min(1.0, MAX_RHO * slots / for_good) if for_good > 0 else 1.0
@@ -220,6 +252,31 @@ class _Line:
             if at <= t:
                 return at, work
         return None
+
+    def passes(self, tier: Tier) -> bool:
+        """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
+        and never into P0."""
+        return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and math.isfinite(self.aging))
+
+    def backlog_s(self, t: float, unread: Mapping[Tier, tuple[int, Work]]) -> float:
+        """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
+        ``unread`` ones, and of the arrivals due by ``t`` that overtake it and are not dispatched yet."""
+        total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for tier, qs in self.heads.items()
+                    if self.passes(tier) for q in qs)
+        total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
+                     if n > 0 and self.passes(queue))
+        rank = rank_at(self.tier, self.enqueued_s, t, self.aging)
+        for tier, (work, per_s) in self.streams.items():
+            if tier.rank < rank:
+                due = (1 + (t - self.drawn[tier]) * per_s if self.drawn[tier] <= t else 0) if self.rng else \
+                    math.floor(t * per_s) - self.arrived[tier]
+                total += max(0, due) * self.mean.seconds(work.prefill, work.decode)
+        return total
+
+    def overtaking_s(self, rank: int) -> float:
+        """Slot-seconds a second of the arrivals that overtake the job while it is in queue ``rank``."""
+        return sum(per_s * self.mean.seconds(work.prefill, work.decode)
+                   for tier, (work, per_s) in self.streams.items() if tier.rank < rank)
 
     def first_before_the_job(self, t: float, preempting: bool = False) -> Work | None:
         """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.

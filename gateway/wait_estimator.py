@@ -11,6 +11,7 @@ arrival rates per tier from admissions.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import msgpack
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.estimate import RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
+from gateway.estimate import MAX_EXACT_DISPATCHES, RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
 from gateway.timeutil import time_ms
 from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
@@ -29,7 +30,9 @@ FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
 PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
 ARRIVAL_TAU_S = 30.0
 MAX_KNOWN_JOBS = 200_000  # job token counts kept in memory (oldest dropped first)
-MAX_LOWER_READ = 1000  # oldest jobs read per lower tier (they may age past the job): bounds an estimate's cost
+# Oldest jobs read per queue for an estimate: the rest are counted, not read (a bound on an estimate's cost). More
+# than the dispatches it replays one by one, so the replay never runs out of read jobs where there are more.
+MAX_QUEUE_READ = MAX_EXACT_DISPATCHES + 1
 
 
 @dataclass(frozen=True)
@@ -98,39 +101,52 @@ class WaitEstimator:
         info = self._infos([job_id]).get(job_id)
         return self._estimate(info.tier if info else tier, job_id, score, now)
 
-    def _queued(self, tier: Tier, score: float | None) -> tuple[list[tuple[str, float]], float]:
+    def _queued(self, tier: Tier, score: float | None) -> tuple[list[list[tuple[str, float]]], list[int], float]:
         """The queued jobs that may go before a job of ``tier`` enqueued at ``score`` (None: now), with their
-        scores, and Redis's clock (ms): every higher queue, the older jobs of its own and, as they may age
-        past it, of the lower ones (none ever ages into P0)."""
+        scores, per queue from P0 down; how many each of those queues holds in all (the read takes the oldest
+        MAX_QUEUE_READ, which go first); and Redis's clock (ms). Every higher queue, the older jobs of its own
+        and, as they may age past it, of the lower ones (none ever ages into P0)."""
         pipe = self.queue.client.pipeline(transaction=False)
         pipe.time()
         ranks = range(len(ALL_TIERS)) if tier.rank >= 1 else range(1)
         before = "+inf" if score is None else f"({score}"
         for r in ranks:
             key = self.queue.keys.queue(ALL_TIERS[r])
-            if r < tier.rank:
-                pipe.zrange(key, 0, -1, withscores=True)
-            elif r == tier.rank:
-                pipe.zrangebyscore(key, "-inf", before, withscores=True)
-            else:  # the oldest age first: a bounded read of them is what can age past it
-                pipe.zrangebyscore(key, "-inf", before, start=0, num=MAX_LOWER_READ, withscores=True)
+            upto = "+inf" if r < tier.rank else before
+            pipe.zrangebyscore(key, "-inf", upto, start=0, num=MAX_QUEUE_READ, withscores=True)
+            pipe.zcount(key, "-inf", upto)
         clock, *found = pipe.execute()
-        return [(i.decode(), s) for ids in found for i, s in ids], time_ms(clock)
+        return [[(i.decode(), s) for i, s in ids] for ids in found[0::2]], found[1::2], time_ms(clock)
 
     def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float) -> float:
         views = self._worker_views()
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
-        found, now_ms = self._queued(tier, score)
-        infos = self._infos([i for i, _ in found])
-        # Admitted by now: another gateway may admit between the clock read and the queue reads.
-        queued = [Queued(self._work(infos[i]), min(0.0, (s - now_ms) / 1000)) for i, s in found
-                  if i in infos and i != job_id]
+        per_queue, counts, now_ms = self._queued(tier, score)
+        infos = self._infos([i for found in per_queue for i, _ in found])
+        works: dict[tuple, Work] = {}  # jobs alike (most of a flood) share one: this runs per admission
+        queued: list[Queued] = []
+        unread: dict[Tier, tuple[int, Work]] = {}
+        for queue, found, count in zip(ALL_TIERS, per_queue, counts):
+            # Admitted by now: another gateway may admit between the clock read and the queue reads.
+            read = [Queued(self._work_of(infos[i], works), min(0.0, (s - now_ms) / 1000)) for i, s in found
+                    if i in infos and i != job_id]
+            if count > len(found) and read:  # the rest of a queue deeper than the read: as its read jobs
+                unread[queue] = (count - len(found), Work(queue, statistics.fmean(q.work.prefill for q in read),
+                                                          statistics.fmean(q.work.decode for q in read)))
+            queued += read
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
         est = wait_s(tier, views, queued, enqueued_s=enqueued_s,
                      arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
-                     aging_interval_s=self.aging_interval_s)
+                     aging_interval_s=self.aging_interval_s, unread=unread)
         return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
+
+    def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:
+        key = (info.tenant, info.tier, info.prompt_tokens, info.max_tokens)
+        work = memo.get(key)
+        if work is None:
+            work = memo[key] = self._work(info)
+        return work
 
     def _work(self, info: JobInfo, generated: int = 0, prefill: int | None = None) -> Work:
         return Work(info.tier, info.prompt_tokens if prefill is None else prefill,

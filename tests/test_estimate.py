@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
-from common.tiers import Tier
+from common.tiers import ALL_TIERS, Tier
 from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView,
                               rank_at, wait_s)
 from gateway.wait_estimator import Waits
@@ -180,13 +181,13 @@ def test_bias_correction_learns_a_steady_ratio_within_bounds_from_informative_jo
     assert bias.factor(P3) == pytest.approx(2.0)  # bounded: the model carries the estimate
 
 
-def test_an_estimate_replays_a_bounded_number_of_dispatches(monkeypatch):
+def test_an_estimate_replays_a_bounded_number_of_dispatches_and_spreads_the_rest(monkeypatch):
     import gateway.estimate as estimate
 
-    monkeypatch.setattr(estimate, "MAX_DISPATCHES", 100)
+    monkeypatch.setattr(estimate, "MAX_EXACT_DISPATCHES", 100)
     w = WorkerView(1, RATES, [running(P3, 100)])
     backlog = [Queued(Work(P2, 0, 100), -1.0 - k) for k in range(1000)]  # 1000 s of work ahead
-    assert wait_s(P2, [w], backlog) == pytest.approx(101.0)  # where the replay stopped: a floor, finite
+    assert wait_s(P2, [w], backlog) == pytest.approx(1001.0)  # 100 replayed, 900 after them: all of it
 
 
 def test_every_job_pays_its_workers_hand_off_the_waiting_one_too():
@@ -268,3 +269,31 @@ def test_a_measured_wait_counts_the_time_the_dispatch_sat_unread_at_the_worker()
         waits.dispatched(f"n{i}", 10.0)
         seconds = waits.prefill_started(f"n{i}", 0.2, age_s=age, now=11.0).seconds
         assert math.isfinite(seconds) and 0.2 - 1e-9 <= seconds <= 1.0 + 1e-9
+
+
+def test_past_the_replay_the_spread_work_agrees_with_the_exact_replay(monkeypatch):
+    """Random deep queues (every tier, aging or none, arrivals of the higher tiers, several workers of unequal
+    speed and hand-off): the estimate replayed one by one for its first dispatches and spread over the slots for
+    the rest against the one replayed to the end."""
+    import gateway.estimate as estimate
+
+    rng = random.Random(11)
+    ratios = []
+    for _ in range(30):
+        workers = [WorkerView(rng.choice([1, 2, 4]), Rates(rng.uniform(300, 2000), rng.uniform(20, 80)),
+                              handoff_s=rng.uniform(0, 0.2)) for _ in range(rng.choice([1, 2, 3]))]
+        mix = [rng.random() for _ in ALL_TIERS]
+        queued = [Queued(Work(rng.choices(ALL_TIERS, mix)[0], rng.randint(10, 2000), rng.randint(1, 300)),
+                         -rng.uniform(0, 300)) for _ in range(rng.choice([600, 1200]))]
+        aging = rng.choice([60.0, 300.0, math.inf])
+        arrivals = [Arrivals(Work(t, rng.randint(10, 1000), rng.randint(1, 200)), rng.choice([0.0, 0.05, 0.3, 1.0]))
+                    for t in ALL_TIERS[:3]]
+        tier = rng.choice(ALL_TIERS)
+        spread = wait_s(tier, workers, queued, arrivals=arrivals, aging_interval_s=aging)
+        monkeypatch.setattr(estimate, "MAX_EXACT_DISPATCHES", 10**7)
+        exact = wait_s(tier, workers, queued, arrivals=arrivals, aging_interval_s=aging)
+        monkeypatch.undo()
+        if exact > 0:
+            ratios.append(spread / exact)
+    assert len(ratios) >= 25 and all(0.75 <= r <= 1.25 for r in ratios), sorted(ratios)
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.03)

@@ -1,0 +1,95 @@
+"""The gateway's wait estimator on a real redis-server, with a queue deeper than it reads or replays one job at a
+time: the oldest jobs of each queue are read and replayed, the rest counted and spread over the slots, and the
+estimate is still the wait the whole queue makes (gateway/estimate.py's exact replay, given every job, agrees)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import msgpack
+import pytest
+
+import gateway.estimate as estimate
+from common import protocol as P
+from common.redis_keys import KeySpace
+from common.redis_server import RedisServer
+from common.tiers import ALL_TIERS, Tier
+from gateway.estimate import Queued, Rates, Work, WorkerView, wait_s
+from gateway.redis_queue import Admitted, RedisQueue
+from gateway.wait_estimator import MAX_QUEUE_READ, WaitEstimator
+from gateway.workers import WorkerRegistry
+
+T0 = 1_700_000_000_000
+NOW = T0 / 1000 + 3600.0  # an hour after the first admission: every job is older than any estimate
+RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+def cluster(server, slots: int, rates: Rates = RATES) -> tuple[RedisQueue, WaitEstimator]:
+    queue = RedisQueue(server.client(), KeySpace(prefix=f"est-{uuid.uuid4().hex[:8]}"),
+                       tier_timeouts_s={t: None for t in ALL_TIERS})
+    workers = WorkerRegistry(timeout_s=1e9)
+    workers.hello(P.WorkerHello("wk-0", "m", 512, 4096, slots, 1000), b"wk-0", NOW)
+    workers.load(P.WorkerLoad("wk-0", slots, 1000, {}, {}, [], 0.0, {}, rates.prefill_tps, rates.decode_tps), NOW)
+    return queue, WaitEstimator(queue, workers, clock=lambda: NOW)
+
+
+def fill(queue: RedisQueue, tiers: list[Tier], prompt: int, max_tokens: int) -> list[Queued]:
+    """Admit one job per entry of ``tiers``, a millisecond apart; the same jobs as the model sees them."""
+    payload = msgpack.packb({"prompt_token_ids": [5] * prompt, "max_tokens": max_tokens})
+    out = []
+    for n, tier in enumerate(tiers):
+        r = queue.admit(job_id=uuid.uuid4().hex, tenant="t", tier_requested=tier, tier=tier, payload=payload,
+                        now_ms=T0 + n, idempotency_key=None, quota=None, drain_rate_per_s={}, estimate_s=0.0)
+        assert isinstance(r, Admitted)
+        out.append(Queued(Work(tier, prompt, max_tokens), (T0 + n) / 1000 - NOW))
+    return out
+
+
+def test_a_queue_deeper_than_the_read_is_counted_in_full(server):
+    queue, est = cluster(server, slots=2)
+    fill(queue, [Tier.P3] * (MAX_QUEUE_READ + 1500), prompt=100, max_tokens=50)  # 1.1 s each
+    per_queue, counts, _ = est._queued(Tier.P3, None)
+    assert [len(found) for found in per_queue] == [0, 0, 0, MAX_QUEUE_READ]  # read: the oldest of each queue
+    assert counts == [0, 0, 0, MAX_QUEUE_READ + 1500]  # the rest: counted
+    # All of them, 1.1 s each, ahead on 2 slots.
+    assert est.for_new("t", Tier.P3, NOW) == pytest.approx(1.1 * (MAX_QUEUE_READ + 1500) / 2, rel=1e-3)
+
+
+def test_past_the_replay_the_estimate_agrees_with_replaying_every_job(server, monkeypatch):
+    """Mixed tiers on 3 slots, each queue deeper than the read: the estimate (oldest replayed one by one, the
+    rest spread) against the exact replay of every job, for a new job of each tier."""
+    queue, est = cluster(server, slots=3)
+    tiers = [ALL_TIERS[(n * 7) % 4] for n in range(4 * MAX_QUEUE_READ + 400)]
+    jobs = fill(queue, tiers, prompt=300, max_tokens=20)
+    views = [WorkerView(3, RATES)]
+    for tier in ALL_TIERS:
+        got = est.for_new("t", tier, NOW)
+        monkeypatch.setattr(estimate, "MAX_EXACT_DISPATCHES", 10**7)
+        exact = wait_s(tier, views, jobs, enqueued_s=0.0)
+        monkeypatch.undo()
+        assert exact > 100 and got == pytest.approx(exact, rel=0.02), tier
+    assert math.isfinite(est.for_new("t", Tier.P0, NOW))
+
+
+def test_jobs_aged_into_a_higher_queue_count_as_that_queues_jobs(server, monkeypatch):
+    """An hour-old P3 backlog has aged into P1 in Redis: the queue read past its bound holds P3 jobs, and its
+    unread ones still count in full (by the jobs the queue holds, not by the tier named P1)."""
+    queue, est = cluster(server, slots=2)
+    est.aging_interval_s = 60.0
+    jobs = fill(queue, [Tier.P3] * (MAX_QUEUE_READ + 700), prompt=100, max_tokens=50)
+    for at in (NOW, NOW + 61):  # a tier per aging interval: P3 to P2, then P2 to P1
+        while queue.age(int(at * 1000), 60_000):
+            pass
+    assert queue.depths()[Tier.P1] == len(jobs)
+    monkeypatch.setattr(estimate, "MAX_EXACT_DISPATCHES", 10**7)
+    exact = wait_s(Tier.P3, [WorkerView(2, RATES)], jobs, aging_interval_s=60.0)
+    monkeypatch.undo()
+    assert exact == pytest.approx(1.1 * len(jobs) / 2, rel=1e-3)
+    assert est.for_new("t", Tier.P3, NOW) == pytest.approx(exact, rel=0.01)
