@@ -168,6 +168,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             self._redis_full_logged_at = now
             log.warning("Redis is full (%s): dispatches and results wait for room; raise maxmemory or free memory", e)
         self._background_retry_at = now + REDIS_FULL_RETRY_S
+        self._dirty = True  # a dispatch it refused is tried again with the rest
 
     def _redis_ok(self) -> None:
         if self._redis_backoff_s:
