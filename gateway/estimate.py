@@ -199,12 +199,11 @@ def _fluid_tail(line: _Line, free_at: list[float], unread: Mapping[Tier, tuple[i
     ones age with the job and the newer ones of higher tiers mostly go before it ages up to them."""
     t = min(free_at)
     slots = len(free_at)
-    backlog = sum(f - t for f in free_at) + line.backlog_s(t, unread)
     rank = rank_at(line.tier, line.enqueued_s, t, line.aging)
-    final = 1 if line.tier.rank >= 2 and math.isfinite(line.aging) else line.tier.rank
+    backlog = sum(f - t for f in free_at) + line.backlog_s(t, rank, unread)
     while True:
         overtaking = line.overtaking_s(rank)  # slot-seconds of work arriving per second, ahead of the job
-        ages_at = line.enqueued_s + (line.tier.rank - rank + 1) * line.aging if rank > final else math.inf
+        ages_at = line.enqueued_s + (line.tier.rank - rank + 1) * line.aging if rank > line.final else math.inf
         drain = slots - overtaking
         done_at = t + backlog / drain if drain > 0 else math.inf
         if done_at <= ages_at:
@@ -227,8 +226,9 @@ class _Line:
         self.heads = {t: deque(sorted(qs, key=lambda q: q.enqueued_s)) for t, qs in by_tier.items()}
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
         streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
-        # Arrivals that overtake it for good: capped (see MAX_RHO).
-        final = 1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else tier.rank
+        # The queue it ends in, aged as far as it goes; arrivals of the tiers above that overtake it for good: capped
+        # (see MAX_RHO).
+        final = self.final = 1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else tier.rank
         slots = sum(w.slots for w in workers)
         self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
                                  sum(w.rates.decode_tps * w.slots for w in workers) / slots)
@@ -258,14 +258,14 @@ class _Line:
         and never into P0."""
         return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and math.isfinite(self.aging))
 
-    def backlog_s(self, t: float, unread: Mapping[Tier, tuple[int, Work]]) -> float:
+    def backlog_s(self, t: float, rank: int, unread: Mapping[Tier, tuple[int, Work]]) -> float:
         """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
-        ``unread`` ones, and of the arrivals due by ``t`` that overtake it and are not dispatched yet."""
+        ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
+        dispatched yet."""
         total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for tier, qs in self.heads.items()
                     if self.passes(tier) for q in qs)
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
                      if n > 0 and self.passes(queue))
-        rank = rank_at(self.tier, self.enqueued_s, t, self.aging)
         for tier, (work, per_s) in self.streams.items():
             if tier.rank < rank:
                 due = (1 + (t - self.drawn[tier]) * per_s if self.drawn[tier] <= t else 0) if self.rng else \

@@ -64,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 client.close()
         finished = True
     finally:
-        cluster.stop()
-        if finished:
-            cluster.remove_logs()
-        else:
-            print(f"the cluster's logs are kept in {cluster.tmp}", file=sys.stderr)
+        cluster.stop(remove_logs=finished)  # a failed run keeps what tells why
     print(f"{'queued':>7} {'submit ms (mean)':>17} {'status ms':>10} {'estimate s':>11}")
     for r in rows:
         print(f"{r['queued']:>7} {r['submit_ms']:>17.2f} {r['status_ms']:>10.2f} {r['estimate_s']:>11.0f}")

@@ -268,11 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         handoff = mean_handoff(state["metrics"][0])  # the gateway's: up.py starts the gateways first
         finished = True
     finally:
-        cluster.stop()
-        if not finished:  # keep what tells why
-            print(f"the cluster's logs are kept in {cluster.tmp}", file=sys.stderr)
-        else:
-            cluster.remove_logs()
+        cluster.stop(remove_logs=finished)  # a failed run keeps what tells why
     summary = summarize(records, args.min_wait)
     print(table(summary, args.min_wait))
     print(f"tail: {tail_sent} of {len(tail)} unjudged arrivals came before the last judged job finished")

@@ -110,11 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             runs[policy] = run_workload(state, fifo=policy == "fifo", desc=f"{policy:>8}")
         finally:
-            cluster.stop()  # processes flush their spans as they exit
-            if policy in runs:
-                cluster.remove_logs()  # the spans, the run's record, are in --out
-            else:  # it failed: keep what tells why
-                print(f"{policy}: the cluster's logs are kept in {cluster.tmp}", file=sys.stderr)
+            # Processes flush their spans (the run's record, in --out) as they exit; a failed run keeps its logs.
+            cluster.stop(remove_logs=policy in runs)
     print("\n" + table(runs))
     p0 = {p: statistics.fmean(r["latency_s"] for r in res if r["tier"] == "P0") for p, res in runs.items()}
     print(f"\nP0 mean latency: priority {p0['priority']:.3f} s, FIFO {p0['fifo']:.3f} s "

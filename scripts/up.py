@@ -237,7 +237,9 @@ class Cluster:
         finally:
             client.close()
 
-    def stop(self) -> None:
+    def stop(self, remove_logs: bool = False) -> None:
+        """Stop every process and remove the secrets; the logs too if ``remove_logs`` (a script that started the
+        cluster for itself and finished well), else say where they are kept."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
@@ -251,10 +253,10 @@ class Cluster:
         if self.redis is not None:
             self.redis.stop()
         shutil.rmtree(self.secrets, ignore_errors=True)
-
-    def remove_logs(self) -> None:
-        """Remove the logs and spans too (a script that started the cluster for itself and finished well)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if remove_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:
+            print(f"cluster stopped; logs kept in {self.tmp}", file=sys.stderr, flush=True)
 
 
 def cluster_args(**options) -> argparse.Namespace:
@@ -315,7 +317,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         cluster.stop()
-        print(f"cluster stopped; logs kept in {cluster.tmp}", flush=True)
     return 0
 
 

@@ -122,7 +122,8 @@ class DurableCluster:
         return self
 
     def wait_workers(self, gw: str, timeout: float = 120.0) -> None:
-        c = self.client("lab-co", gw, timeout_s=2.0)
+        # retries=0: a probe (as up.py's); a gateway still starting is this loop's business, not a warning.
+        c = GatewayClient(self.endpoint(gw), self.key("lab-co"), timeout_s=2.0, retries=0)
         try:
             def ready() -> bool:
                 for name, p in self.procs.items():
