@@ -48,6 +48,10 @@ key                     type         contents and lifetime
 ``deadlines``           sorted set   index: queued job id -> the ms at which its queue timeout
                                      expires (enqueue + timeout of the tier granted at
                                      admission). Member while queued, if the tier has a timeout.
+``promises``            sorted set   index: queued P2/P3 job id -> the ms its promised start falls
+                                     due (``promise_at_ms``), when promote.lua moves it to P1 (see
+                                     gateway/promises.py). Member from admission until claimed; an
+                                     entry of a job no longer queued is dropped when it falls due.
 ======================  ===========  ==========================================================
 
 Job hash fields: ``id``, ``tenant``, ``tier`` (current), ``tier_requested`` (asked by the
@@ -55,7 +59,8 @@ client), ``tier_granted`` (at admission, after any quota downgrade), ``state`` (
 dispatched | done | failed | expired | cancelled | dead), ``payload`` (bytes, opaque: the
 gateway's msgpack request), ``enqueued_at_ms``, ``tier_since_ms`` (entered current tier),
 ``attempt`` (0 at admission, +1 per claim), ``estimate_s`` (wait estimate at admission),
-``deadline_ms`` (queue deadline, absent if the tier has none), ``worker`` and ``gateway``
+``deadline_ms`` (queue deadline, absent if the tier has none), ``promise_at_ms`` (when its
+promise falls due, P2/P3 only), ``promoted_at_ms`` (when it did), ``worker`` and ``gateway``
 (holder while dispatched), ``dispatched_at_ms``, ``reason`` (why it failed, expired, died or was
 cancelled), ``finished_at_ms``, plus any result fields given to complete().
 
@@ -140,6 +145,10 @@ class KeySpace:
     @property
     def deadlines(self) -> str:
         return f"{self.base}:deadlines"
+
+    @property
+    def promises(self) -> str:
+        return f"{self.base}:promises"
 
     def scan_pattern(self) -> str:
         """A SCAN MATCH pattern for every key of this cluster (glob characters escaped)."""

@@ -15,7 +15,7 @@ from common import protocol as P
 from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
-from gateway import admission, metrics, security
+from gateway import admission, metrics, promises, security
 from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, StoreFull, TenantFull
 from gateway.spans import GatewaySpans
 
@@ -58,11 +58,14 @@ class ClientApi:
             "seed": req.seed if req.seed is not None else random.getrandbits(63),
             "trace_context": parent, "ignore_eos": req.ignore_eos,
         })
+        estimate = self.estimator.for_new(t.name, adm.tier_requested, now)
+        # No worker known, no capacity behind the estimate: nothing to promise on.
+        promise = promises.promise_s(adm.tier_requested, estimate if self.workers.workers else None,
+                                     self.config.promise_factor, self.config.promise_lead_s)
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
                                   tier=adm.tier_requested, payload=payload,
                                   idempotency_key=req.idempotency_key, quota=quota,
-                                  drain_rate_per_s=self.drain_rates(now),
-                                  estimate_s=self.estimator.for_new(t.name, adm.tier_requested, now))
+                                  drain_rate_per_s=self.drain_rates(now), estimate_s=estimate, promise_s=promise)
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
             return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
@@ -88,7 +91,7 @@ class ClientApi:
         if not result.duplicate:
             metrics.admitted(result.job_id, result.tier.value)
             self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens,
-                                    result.estimated_wait_s, now)
+                                    result.estimated_wait_s, now, result.promise_at_ms)
             self.enqueued_at[result.job_id] = now
             s = self.streams.get_or_create(result.job_id)  # its owner, so a stream request needs no Redis read
             s.tenant, s.touched = t.name, now

@@ -51,12 +51,16 @@ from dataclasses import dataclass, field, replace
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
+P2_UP = tuple(t for t in ALL_TIERS if t.rank >= 2)  # the tiers that age and are promised
 # Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
 # slots: beyond it the wait has no finite expectation.
 MAX_RHO = 0.8
 # Dispatches replayed one by one per estimate; past them, the rest of the wait is the work still ahead spread over
 # every slot (see _fluid_tail). A bound on an estimate's cost: a deep queue must not make each admission slower.
 MAX_EXACT_DISPATCHES = 500
+# The queue a P2/P3 job moves to when its promise falls due (gateway/promises.py): ahead of every newer job but
+# P0's, as aging's last step puts it, and never into P0.
+PROMISED_RANK = 1
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class Queued:
 
     work: Work
     enqueued_s: float  # when it was admitted, relative to now (<= 0): its place in line, kept by aging
+    # When its promise falls due, relative to now: from then on it is in the P1 queue (see PROMISED_RANK).
+    promoted_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -131,17 +137,22 @@ class Arrivals:
     per_s: float
 
 
-def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float) -> int:
+def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:
     """The queue a job admitted at ``tier`` is in at time ``t``: P2 and P3 move up one tier per aging
-    interval waited, up to P1."""
-    if tier.rank < 2 or not math.isfinite(aging_interval_s):
+    interval waited, up to P1, and straight to P1 once their promise falls due (``promoted_s``)."""
+    if tier.rank < 2:
+        return tier.rank
+    if t >= promoted_s:
+        return PROMISED_RANK
+    if not math.isfinite(aging_interval_s):
         return tier.rank
     return max(1, tier.rank - int((t - enqueued_s) // aging_interval_s))
 
 
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
-           rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None) -> float:
+           rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None,
+           promoted_s: float = math.inf) -> float:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
@@ -150,6 +161,8 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
     ``unread``: per queue, how many more jobs it holds than ``queued`` has of it (a bounded read takes the
     oldest of each), and their mean work: newer than those read, they count past the replay only.
+    ``promoted_s``: when the job's own promise falls due (a queued job's; a new job's promise is made from this
+    estimate, so it plays no part in it).
     """
     if not workers:
         return math.inf
@@ -173,7 +186,7 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             stepping[i] = max(stepping[i], slots[j][0])
         heap += [(t, i, urgent) for t, urgent in slots]
     heapq.heapify(heap)
-    line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng)
+    line = _Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng, promoted_s)
 
     def handoff(t: float, i: int) -> float:  # every job's, the waiting one's too
         return workers[i].handoff_s if stepping[i] > t else workers[i].idle_handoff_s
@@ -199,36 +212,47 @@ def _fluid_tail(line: _Line, free_at: list[float], unread: Mapping[Tier, tuple[i
     ones age with the job and the newer ones of higher tiers mostly go before it ages up to them."""
     t = min(free_at)
     slots = len(free_at)
-    rank = rank_at(line.tier, line.enqueued_s, t, line.aging)
+    rank = line.rank(t)
     backlog = sum(f - t for f in free_at) + line.backlog_s(t, rank, unread)
     while True:
         overtaking = line.overtaking_s(rank)  # slot-seconds of work arriving per second, ahead of the job
         ages_at = line.enqueued_s + (line.tier.rank - rank + 1) * line.aging if rank > line.final else math.inf
+        if rank > PROMISED_RANK:
+            ages_at = min(ages_at, max(t, line.promoted_s))
         drain = slots - overtaking
         done_at = t + backlog / drain if drain > 0 else math.inf
         if done_at <= ages_at:
             return done_at
         backlog -= (ages_at - t) * drain  # grows where the arrivals outpace the slots
-        t, rank = ages_at, rank - 1
+        t, rank = ages_at, line.rank(ages_at)
 
 
 class _Line:
     """Who is first in line at a given time: the queues by tier, oldest first, with aging; arrivals join
-    at the back of their tier. Per tier admitted, jobs stay in age order (the older one has aged at least
-    as far), so the first in line is always one of the per-tier heads."""
+    at the back of their tier. Per tier admitted, jobs not yet promoted stay in age order (the older one has
+    aged at least as far), so the first in line is one of the per-tier heads or the oldest promoted job."""
 
     def __init__(self, tier: Tier, enqueued_s: float, queued: Iterable[Queued], arrivals: Iterable[Arrivals],
-                 workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None) -> None:
+                 workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None,
+                 promoted_s: float = math.inf) -> None:
         self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
-        by_tier: dict[Tier, list[Queued]] = {t: [] for t in ALL_TIERS}
-        for q in queued:
-            by_tier[q.work.tier].append(q)
-        self.heads = {t: deque(sorted(qs, key=lambda q: q.enqueued_s)) for t, qs in by_tier.items()}
+        self.promoted_s = promoted_s if tier.rank > PROMISED_RANK else math.inf
+        by_tier: dict[Tier, list[tuple[int, Queued]]] = {t: [] for t in ALL_TIERS}
+        for key, q in enumerate(queued):  # keyed by place: a job may be given twice
+            by_tier[q.work.tier].append((key, q))
+        self.heads = {t: deque(sorted(qs, key=lambda e: e[1].enqueued_s)) for t, qs in by_tier.items()}
+        # Promises falling due, in the order they do; those due by the time asked, oldest first (a heap); and the
+        # jobs taken out of line through it (still in their tier's deque until they reach its head).
+        self.promises = deque(sorted((q.promoted_s, q.enqueued_s, key, q) for tq in P2_UP for key, q in by_tier[tq]
+                                     if math.isfinite(q.promoted_s)))
+        self.promised: list[tuple[float, int, Queued]] = []
+        self.taken: set[int] = set()
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
         streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
-        # The queue it ends in, aged as far as it goes; arrivals of the tiers above that overtake it for good: capped
-        # (see MAX_RHO).
-        final = self.final = 1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else tier.rank
+        # The queue it ends in, aged (or promoted) as far as it goes; arrivals of the tiers above that overtake it
+        # for good: capped (see MAX_RHO).
+        ends_up = tier.rank >= 2 and (math.isfinite(aging_interval_s) or math.isfinite(self.promoted_s))
+        final = self.final = PROMISED_RANK if ends_up else tier.rank
         slots = sum(w.slots for w in workers)
         self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
                                  sum(w.rates.decode_tps * w.slots for w in workers) / slots)
@@ -241,29 +265,46 @@ class _Line:
         self.rng = rng  # drawn futures: when each tier's next one comes
         self.drawn = {t: rng.expovariate(per_s) for t, (_, per_s) in self.streams.items()} if rng else {}
 
+    def rank(self, t: float) -> int:
+        """The queue the job is in at ``t``."""
+        return rank_at(self.tier, self.enqueued_s, t, self.aging, self.promoted_s)
+
+    def _due(self, t: float) -> None:
+        """Promises due by ``t`` join the promoted line."""
+        while self.promises and self.promises[0][0] <= t:
+            _, enq, key, q = self.promises.popleft()
+            if key not in self.taken:
+                heapq.heappush(self.promised, (enq, key, q))
+
     def _head(self, tier: Tier, t: float) -> tuple[float, Work] | None:
-        if self.heads[tier]:
-            q = self.heads[tier][0]
-            return (q.enqueued_s, q.work) if q.enqueued_s <= t else None  # (a job not yet admitted waits its turn)
+        heads = self.heads[tier]
+        while heads and heads[0][0] in self.taken:
+            heads.popleft()
+        if heads:
+            q = heads[0][1]
+            if q.enqueued_s > t:
+                return None  # a job not yet admitted waits its turn
+            return q.enqueued_s, q.work, rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s)
         if tier in self.streams:
             work, per_s = self.streams[tier]
             # The k-th to come k gaps from now, as a Poisson stream has it on average; or one drawn future.
             at = self.drawn[tier] if self.rng else (self.arrived[tier] + 1) / per_s
             if at <= t:
-                return at, work
+                return at, work, tier.rank
         return None
 
     def passes(self, tier: Tier) -> bool:
         """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
         and never into P0."""
-        return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and math.isfinite(self.aging))
+        return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and (math.isfinite(self.aging) or
+                                                                        bool(self.promises or self.promised)))
 
     def backlog_s(self, t: float, rank: int, unread: Mapping[Tier, tuple[int, Work]]) -> float:
         """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
         ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
         dispatched yet."""
         total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for tier, qs in self.heads.items()
-                    if self.passes(tier) for q in qs)
+                    if self.passes(tier) for key, q in qs if key not in self.taken)
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
                      if n > 0 and self.passes(queue))
         for tier, (work, per_s) in self.streams.items():
@@ -282,15 +323,25 @@ class _Line:
         """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
         ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
         in line for it."""
-        best, best_key = None, (rank_at(self.tier, self.enqueued_s, t, self.aging), self.enqueued_s)
+        best, best_key = None, (self.rank(t), self.enqueued_s)
         for tier in (PREEMPTING_TIERS if preempting else ALL_TIERS):
             head = self._head(tier, t)
-            if head is not None and (key := (rank_at(tier, head[0], t, self.aging), head[0])) <= best_key:
+            if head is not None and (key := (head[2], head[0])) <= best_key:
                 best, best_key = tier, key
+        if not preempting:  # a promoted job waits for a free slot, as the tier it was admitted at
+            self._due(t)
+            while self.promised and self.promised[0][1] in self.taken:
+                heapq.heappop(self.promised)
+            if self.promised and (PROMISED_RANK, self.promised[0][0]) <= best_key:
+                enq, key, q = heapq.heappop(self.promised)
+                self.taken.add(key)
+                return q.work
         if best is None:
             return None
         if self.heads[best]:
-            return self.heads[best].popleft().work
+            key, q = self.heads[best].popleft()
+            self.taken.add(key)
+            return q.work
         self.arrived[best] += 1
         work, per_s = self.streams[best]
         if self.rng:

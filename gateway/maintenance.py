@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from common import protocol as P
+from gateway import metrics
 
 log = logging.getLogger("gateway")
 ADMISSION_MEMORY_S = 3600.0  # admission times kept for TTFT; a job finished by another gateway is forgotten after
@@ -32,6 +33,9 @@ class Maintenance:
             if settled.state == "dead":
                 self._finish_stream(settled.job_id, "dead", None, "lease expired too many times")
         if self.queue.age(now_ms, int(self.config.aging_interval_s * 1000)):
+            self._dirty = True
+        for _, left in self.queue.promote(now_ms):
+            metrics.promoted(left.value)
             self._dirty = True
         for job_id in self.queue.expire(now_ms):
             self._finish_stream(job_id, "expired", None, "queue timeout exceeded")

@@ -97,18 +97,20 @@ class RedisQueue:
     def admit(
         self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int | None = None,
         idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
-        estimate_s: float | None = None,
+        estimate_s: float | None = None, promise_s: float | None = None,
     ) -> AdmitResult:  # fmt: skip
         """Admit a job with one script call (see common/lua/admit.lua for the rules).
 
-        ``estimate_s``: the wait estimate to store and to shed on; None estimates from the drain rates."""
+        ``estimate_s``: the wait estimate to store and to shed on; None estimates from the drain rates.
+        ``promise_s``: for a P2/P3 job, when from now its promised start falls due (gateway/promises.py); None:
+        no promise."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
         rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
         if not all(math.isfinite(r) for r in rates):
             raise ValueError(f"drain rates must be finite, got {dict(drain_rate_per_s)}")
         keys = [*self.keys.queues(), self.keys.job(job_id), self.keys.quota(tenant), self.keys.aging,
-                self.keys.deadlines, self.keys.tenant_jobs(tenant)]  # fmt: skip
+                self.keys.deadlines, self.keys.tenant_jobs(tenant), self.keys.promises]  # fmt: skip
         if idempotency_key is not None:
             keys.append(self.keys.idem(tenant, idempotency_key))
         args = [
@@ -122,6 +124,10 @@ class RedisQueue:
             if not math.isfinite(estimate_s) or estimate_s < 0:
                 raise ValueError(f"estimate_s must be finite and >= 0, got {estimate_s}")
             args.append(repr(float(estimate_s)))
+        if promise_s is not None:
+            if estimate_s is None or not math.isfinite(promise_s) or promise_s < 0:
+                raise ValueError(f"promise_s must be finite and >= 0, with an estimate_s; got {promise_s}")
+            args.append(str(int(promise_s * 1000)))
         try:
             reply = self._scripts["admit"](keys=keys, args=args)
         except redis.ResponseError as e:
@@ -131,7 +137,7 @@ class RedisQueue:
         kind = reply[0].decode()
         if kind == "admitted":
             return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]),
-                            dict(zip(ALL_TIERS, (int(n) for n in reply[4:8]))))
+                            dict(zip(ALL_TIERS, (int(n) for n in reply[4:8]))), int(reply[8]) if reply[8] else None)
         if kind == "quota":
             return QuotaRefused(float(reply[1]))
         if kind == "overloaded":
@@ -182,7 +188,7 @@ class RedisQueue:
         ids = list(dict.fromkeys(job_ids))
         if not ids:
             return []
-        keys = [*self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
+        keys = [*self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines, self.keys.promises,
                 *(self.keys.job(i) for i in ids)]  # fmt: skip
         rows = self._scripts["claim"](keys=keys, args=[worker, gateway, _now(now_ms), str(lease_ms), *ids])
         return [JobRecord.from_redis(row) for row in rows]
@@ -254,6 +260,16 @@ class RedisQueue:
         flat = self._scripts["age"](keys=keys, args=[str(now_ms), str(cutoff), *ids])
         triples = zip(flat[0::3], flat[1::3], flat[2::3])
         return [(job_id.decode(), Tier(old.decode()), Tier(new.decode())) for job_id, old, new in triples]
+
+    def promote(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, Tier]]:
+        """Move queued P2/P3 jobs whose promised start fell due by ``now_ms`` to P1 (gateway/promises.py);
+        returns (id, tier it left)."""
+        ids = self._due(self.keys.promises, now_ms, limit)
+        if not ids:
+            return []
+        keys = [*self.keys.queues(), self.keys.aging, self.keys.promises, *(self.keys.job(i) for i in ids)]
+        flat = self._scripts["promote"](keys=keys, args=[str(now_ms), *ids])
+        return [(job_id.decode(), Tier(old.decode())) for job_id, old in zip(flat[0::2], flat[1::2])]
 
     def expire(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[str]:
         """End queued jobs past the queue timeout of the tier granted at admission."""

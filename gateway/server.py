@@ -25,7 +25,7 @@ from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import REDIS_FULL_LOG_EVERY_S, ClientApi
-from gateway import metrics, security
+from gateway import metrics, promises, security
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
 from gateway.dispatch import Dispatcher
@@ -56,6 +56,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
 
     def __init__(self, config: GatewayConfig, queue: RedisQueue, tenants: TenantDirectory,
                  tokenizer=None, clock: Callable[[], float] = time.time) -> None:
+        promises.check(config.promise_factor, config.promise_lead_s)
         self.config = config
         self.queue = queue
         self.tenants = tenants

@@ -42,6 +42,7 @@ class JobInfo:
     prompt_tokens: int
     max_tokens: int
     estimate_s: float | None = None  # the model's estimate at admission, before the bias correction
+    promise_at_ms: int | None = None  # when its promised start falls due (Redis ms; gateway/promises.py)
 
 
 class WaitEstimator:
@@ -60,9 +61,9 @@ class WaitEstimator:
     # -- what happened ----------------------------------------------------------------------------------------------
 
     def admitted(self, job_id: str, tenant: str, tier: Tier, prompt_tokens: int, max_tokens: int, estimate_s: float,
-                 now: float) -> None:
+                 now: float, promise_at_ms: int | None = None) -> None:
         raw = estimate_s / self.bias.factor(tier)
-        self._remember(job_id, JobInfo(tenant, tier, prompt_tokens, max_tokens, raw))
+        self._remember(job_id, JobInfo(tenant, tier, prompt_tokens, max_tokens, raw, promise_at_ms))
         self.arrivals.add(tier, prompt_tokens, self.lengths.expected(tenant, tier, max_tokens), now)
 
     def finished(self, job_id: str, state: str, num_tokens: int, queued_s: float | None) -> None:
@@ -129,16 +130,18 @@ class WaitEstimator:
         unread: dict[Tier, tuple[int, Work]] = {}
         for queue, found, count in zip(ALL_TIERS, per_queue, counts):
             # Admitted by now: another gateway may admit between the clock read and the queue reads.
-            read = [Queued(self._work_of(infos[i], works), min(0.0, (s - now_ms) / 1000)) for i, s in found
-                    if i in infos and i != job_id]
+            read = [Queued(self._work_of(infos[i], works), min(0.0, (s - now_ms) / 1000),
+                           _relative_s(infos[i].promise_at_ms, now_ms)) for i, s in found if i in infos and i != job_id]
             if count > len(found) and read:  # the rest of a queue deeper than the read: as its read jobs
                 unread[queue] = (count - len(found), Work(queue, statistics.fmean(q.work.prefill for q in read),
                                                           statistics.fmean(q.work.decode for q in read)))
             queued += read
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
+        own = self._jobs.get(job_id) if job_id is not None else None
         est = wait_s(tier, views, queued, enqueued_s=enqueued_s,
                      arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
-                     aging_interval_s=self.aging_interval_s, unread=unread)
+                     aging_interval_s=self.aging_interval_s, unread=unread,
+                     promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
         return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
 
     def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:
@@ -188,16 +191,21 @@ class WaitEstimator:
         if missing:
             pipe = self.queue.client.pipeline(transaction=False)
             for i in missing:
-                pipe.hmget(self.queue.keys.job(i), "tenant", "tier_granted", "payload")
-            for i, (tenant, tier, payload) in zip(missing, pipe.execute()):
+                pipe.hmget(self.queue.keys.job(i), "tenant", "tier_granted", "payload", "promise_at_ms")
+            for i, (tenant, tier, payload, promise) in zip(missing, pipe.execute()):
                 if tenant is None or tier is None or payload is None:
                     continue  # finished meanwhile
                 body = msgpack.unpackb(payload)
                 info = JobInfo(tenant.decode(), Tier(tier.decode()), len(body["prompt_token_ids"]),
-                               int(body["max_tokens"]))
+                               int(body["max_tokens"]), promise_at_ms=int(promise) if promise else None)
                 self._remember(i, info)
                 out[i] = info
         return out
+
+
+def _relative_s(at_ms: int | None, now_ms: int) -> float:
+    """Seconds from ``now_ms`` to ``at_ms`` (never: inf)."""
+    return math.inf if at_ms is None else (at_ms - now_ms) / 1000
 
 
 class HandOff(NamedTuple):

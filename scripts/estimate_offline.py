@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.tiers import Tier  # noqa: E402
+from gateway import promises  # noqa: E402
+from gateway.config import GatewayConfig  # noqa: E402
 from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, rank_at, wait_s  # noqa: E402
 from gateway.wait_learning import ArrivalRates  # noqa: E402
 from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
@@ -51,41 +53,56 @@ SECONDS = Rates(prefill_tps=math.inf, decode_tps=1.0)  # Work(decode=s) holds a 
 FORECASTS = ("rates", "exact", "oracle", "none")
 
 
-def simulate(jobs: list[dict], slots: int, aging_s: float, dur) -> tuple[dict, dict]:
-    """Each job's wait, and what the queues and slots held when it arrived."""
-    free = [0.0] * slots  # heap of the times the slots free
+def simulate(jobs: list[dict], slots: int, aging_s: float, dur, on_arrival=None, noise: float = 0.0,
+             seed: int = 0) -> dict[int, float]:
+    """Each job's wait. ``on_arrival(job, busy, queued)``, called as each job comes with the rest of the slots'
+    work (as the model's rates see it) and the jobs queued, returns when its promise falls due (inf: none).
+    ``noise``: each job holds its slot dur x a lognormal factor of this sigma (the rates predict only the mean)."""
+    rng = random.Random(seed)
+    spread = {j["i"]: math.exp(rng.gauss(0.0, noise)) if noise else 1.0 for j in jobs}
+    free = [(0.0, 1.0)] * slots  # heap of (when the slot frees, the spread of the job there)
     queue: list[dict] = []
     waits: dict[int, float] = {}
-    seen: dict[int, tuple[list[float], list[dict]]] = {}
 
     def dispatch_until(limit: float) -> None:
-        while queue and free[0] <= limit:
-            t = free[0]
-            job = min(queue, key=lambda j: (rank_at(Tier(j["tier"]), j["at"], t, aging_s), j["at"]))
+        while queue and free[0][0] <= limit:
+            t = free[0][0]
+            job = min(queue, key=lambda j: (rank_at(Tier(j["tier"]), j["at"], t, aging_s, j["promise"]), j["at"]))
             queue.remove(job)
             waits[job["i"]] = t - job["at"]
-            heapq.heapreplace(free, t + dur(job))
+            heapq.heapreplace(free, (t + dur(job) * spread[job["i"]], spread[job["i"]]))
 
     for job in jobs:
-        dispatch_until(job["at"])
-        free = [max(f, job["at"]) for f in free]  # an idle slot is free from now
+        now = job["at"]
+        dispatch_until(now)
+        free = [(max(f, now), x) for f, x in free]  # an idle slot is free from now
         heapq.heapify(free)
-        seen[job["i"]] = ([f - job["at"] for f in free], list(queue))
+        job["promise"] = math.inf
+        if on_arrival is not None:
+            job["promise"] = on_arrival(job, [(f - now) / x for f, x in free], list(queue))
         queue.append(job)
-        dispatch_until(job["at"])
+        dispatch_until(now)
     dispatch_until(math.inf)
-    return waits, seen
+    return waits
 
 
-def estimates(jobs: list[dict], waits: dict, seen: dict, a, dur) -> list[tuple[str, float, float]]:
-    """(tier, estimate, wait) of every judged job, the estimate from wait_s with the chosen forecast."""
+def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
+    """(tier, estimate, wait) of every judged job: the reference simulation, the estimate from wait_s at each
+    arrival with the chosen forecast, and (--promise-factor) the promise made from it kept."""
+    estimates: dict[int, float] = {}
+    on_arrival = estimator(jobs, a, dur, estimates)
+    waits = simulate(jobs, a.slots, a.aging_interval, dur, on_arrival, a.noise, a.seed)
+    return [(j["tier"], estimates[j["i"]], waits[j["i"]]) for j in jobs if j.get("judged", True)]
+
+
+def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
+    """The on_arrival hook of simulate(): each job's estimate into ``out``; returns its promise's due time."""
     rates = ArrivalRates(a.tau, jobs[0]["at"])
-    out = []
-    for job in jobs:
+
+    def on_arrival(job: dict, busy: list[float], queued: list[dict]) -> float:
         tier, now = Tier(job["tier"]), job["at"]
-        busy, queued = seen[job["i"]]
         view = WorkerView(a.slots, SECONDS, [Held(Work(Tier.P3, 0, f), RUNNING, 0) for f in busy if f > 0])
-        line = [Queued(Work(Tier(q["tier"]), 0, dur(q)), q["at"] - now) for q in queued]
+        line = [Queued(Work(Tier(q["tier"]), 0, dur(q)), q["at"] - now, q["promise"] - now) for q in queued]
         arrivals: list[Arrivals] = []
         if a.forecast == "rates":
             for t in Tier:
@@ -99,16 +116,16 @@ def estimates(jobs: list[dict], waits: dict, seen: dict, a, dur) -> list[tuple[s
                 if came:
                     arrivals.append(Arrivals(Work(t, 0, statistics.fmean(map(dur, came))), len(came) / a.window))
         rates.add(tier, 0, dur(job), now)
-        if not job.get("judged", True):
-            continue
 
         def ask(rng=None):
             return wait_s(tier, [view], line, arrivals=arrivals, aging_interval_s=a.aging_interval, rng=rng)
 
-        sampled = a.samples and arrivals and a.forecast != "exact"
-        est = pick([ask(random.Random(s)) for s in range(a.samples)], a.pick) if sampled else ask()
-        out.append((job["tier"], est, waits[job["i"]]))
-    return out
+        sampled = a.samples and arrivals and a.forecast != "exact" and job.get("judged", True)
+        est = out[job["i"]] = pick([ask(random.Random(s)) for s in range(a.samples)], a.pick) if sampled else ask()
+        promise = promises.promise_s(tier, est, a.promise_factor, a.promise_lead)
+        return math.inf if promise is None else now + promise
+
+    return on_arrival
 
 
 def pick(waits: list[float], how: str) -> float:
@@ -163,6 +180,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mix", default="10,20,30,40")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--min-wait", type=float, default=0.5)
+    defaults = GatewayConfig()
+    ap.add_argument("--promise-factor", type=float, default=defaults.promise_factor,
+                    help="P2/P3 promises as the gateway makes them (gateway/promises.py); 0: none")
+    ap.add_argument("--promise-lead", type=float, default=defaults.promise_lead_s)
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="sigma of a lognormal spread of each job's time in its slot around the rates' prediction")
     return ap
 
 
@@ -192,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs = segment(a, 2 * k * a.arrivals)
         except SystemExit:
             break  # the trace ended
-        waits, seen = simulate(jobs, a.slots, a.aging_interval, dur)
-        result = judge(estimates(jobs, waits, seen, a, dur), a.min_wait)
+        result = judge(run(jobs, a, dur), a.min_wait)
         per_segment.append(result)
         print(f"rows {2 * k * a.arrivals:>6}: " + "  ".join(
             f"{t} {100 * s[0]:5.1f} % / {100 * s[1]:5.1f} % ({s[2]})" for t, s in result.items() if s), flush=True)
     how = f", {a.samples} drawn futures, their {a.pick}" if a.samples else ""
+    how += f", promises {a.promise_factor} x estimate - {a.promise_lead} s" if a.promise_factor else ", no promises"
+    how += f", noise {a.noise}" if a.noise else ""
     print(f"\n{len(per_segment)} segments, forecast {a.forecast}{how}: mean (worst) median error / within 2x")
     for t in ("all", "P1", "P2", "P3"):
         xs = [r[t] for r in per_segment if r[t]]

@@ -8,13 +8,11 @@ import pytest
 from scripts import estimate_offline as offline
 
 
-def run(forecast: str, *extra: str):
+def run(forecast: str, *extra: str, promises: bool = False):
     a = offline.parser().parse_args(["--forecast", forecast, "--arrivals", "200", "--load", "1.1",
-                                     "--aging-interval", "20", "--seed", "3", *extra])
-    dur = offline.durations(a)
-    jobs = offline.segment(a, 3000)
-    waits, seen = offline.simulate(jobs, a.slots, a.aging_interval, dur)
-    return offline.estimates(jobs, waits, seen, a, dur)
+                                     "--aging-interval", "20", "--seed", "3", *extra,
+                                     *([] if promises else ["--promise-factor", "0"])])
+    return offline.run(offline.segment(a, 3000), a, offline.durations(a))
 
 
 def test_the_model_replays_the_simulated_dispatches_exactly_given_the_real_arrivals():
@@ -37,7 +35,7 @@ def test_the_tail_arrives_but_is_not_judged():
     assert len(run("exact", "--tail", "100")) == len(judged) == 200
     # Later arrivals can only delay the judged jobs; with the same pace, some of the last ones are.
     a = offline.parser().parse_args(["--arrivals", "200", "--load", "1.1", "--aging-interval", "20", "--seed", "3",
-                                     "--tail", "100"])
+                                     "--tail", "100", "--promise-factor", "0"])
     jobs = offline.segment(a, 3000)
     assert [j["judged"] for j in jobs] == [True] * 200 + [False] * 100
     a.tail = 0

@@ -124,7 +124,7 @@ def test_keyspace_shares_one_slot_and_validates():
     ks = KeySpace(prefix="ts")
     assert ks.queue(P0) == "ts:{c}:q:P0"
     names = [*ks.queues(), ks.job("j1"), ks.inflight, ks.dead, ks.idem("a:b", "k:1"), ks.quota("t"),
-             ks.drain, ks.aging, ks.deadlines]  # fmt: skip
+             ks.drain, ks.aging, ks.deadlines, ks.promises]  # fmt: skip
     assert len({key_slot(n.encode()) for n in names}) == 1
     assert ks.idem("a:b", "c") != ks.idem("a", "b:c")  # tenant is escaped, so no collision
     for bad in ("", "x{y}"):
@@ -134,7 +134,8 @@ def test_keyspace_shares_one_slot_and_validates():
 
 def test_lua_scripts_have_headers_and_load_once(client):
     scripts = load_scripts(client)
-    assert set(scripts) == {"admit", "peek", "claim", "extend", "complete", "requeue", "age", "expire", "cancel"}
+    assert set(scripts) == {"admit", "peek", "claim", "extend", "complete", "requeue", "age", "expire", "cancel",
+                            "promote"}
     assert load_scripts(client) is scripts
     for path in LUA_DIR.glob("*.lua"):
         header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("--"))

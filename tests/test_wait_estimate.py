@@ -65,7 +65,8 @@ def test_estimates_count_unpreemptible_work_and_fall_as_it_drains(tiny_model_dir
 
 
 def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_path):
-    env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 5}'}
+    # Promises off: with them, the P2 below would stop being overtaken once its estimate was up (next test).
+    env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 5}', "TS_GATEWAY_PROMISE_FACTOR": "0"}
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env) as c:
         lab, batch, api = client(c, "lab-co"), client(c, "batch-co"), client(c, "api-co")
         blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
@@ -108,6 +109,31 @@ def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_
         with pytest.raises(JobExpired):
             p2.result(timeout=60)
         assert "queue timeout" in job_hash(c, p2.id)["reason"]
+        for j in overtakers:
+            api.cancel(j.id)
+
+
+def test_a_promise_keeps_p1s_admitted_later_from_overtaking_a_p2_past_its_estimate(tiny_model_dir, tmp_path):
+    # Overtaking as in the last test, with promises on (the default). The slot holds a P2 blocker, which no P1 may
+    # preempt, so every job waits for it to free. Once its estimate is up, the P2 under test moves to the P1 queue,
+    # ahead of the P1s admitted after it, and takes the next slot that frees: only the P1 that slot may already have
+    # gone to goes first (the promotion runs in the gateway's maintenance pass). Without the promise, all twelve
+    # would have gone first.
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1) as c:
+        batch, api = client(c, "batch-co"), client(c, "api-co")
+        blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=100, tier="P2", ignore_eos=True)
+        wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the P2 blocker to run")
+        p2 = batch.submit(prompt_token_ids=[6], max_tokens=2, tier="P2")
+        overtakers = [api.submit(prompt_token_ids=[9, 10], max_tokens=200, tier="P1", ignore_eos=True)
+                      for _ in range(12)]
+        r = p2.result(timeout=120)
+        assert r.finish_reason in ("length", "stop") and r.queued_s > 0
+        h = job_hash(c, p2.id)
+        assert int(h["promise_at_ms"]) <= int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
+        assert h["tier"] == "P1" and h["tier_granted"] == "P2"
+        ahead = [o.id for o in overtakers if int(job_hash(c, o.id).get("dispatched_at_ms") or 2**62)
+                 < int(h["dispatched_at_ms"])]
+        assert len(ahead) <= 1, ahead
         for j in overtakers:
             api.cancel(j.id)
 

@@ -7,7 +7,8 @@
 -- KEYS[7]     aging index zset
 -- KEYS[8]     deadlines index zset
 -- KEYS[9]     the tenant's unfinished-jobs zset (used only when ARGV[19] > 0)
--- KEYS[10]    idempotency key (present only when the request carries one)
+-- KEYS[10]    promises index zset (used only for a P2/P3 job given ARGV[21])
+-- KEYS[11]    idempotency key (present only when the request carries one)
 -- ARGV[1]     job id
 -- ARGV[2]     tenant
 -- ARGV[3]     tier requested by the client (P0..P3)
@@ -22,10 +23,12 @@
 -- ARGV[18]    quota exhausted policy: "refuse" | "downgrade" (to P1)
 -- ARGV[19]    most unfinished (queued or dispatched) jobs the tenant may hold, all tiers; 0 = no cap
 -- ARGV[20]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
+-- ARGV[21]    optional: ms from now at which a P2/P3 job's promised start falls due (gateway/promises.py); "": none
 --
 -- Returns one of:
---   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3}
---                                                    position = queued jobs ahead of it, then per tier
+--   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms}
+--                                                    position = queued jobs ahead of it, then per tier;
+--                                                    promise_at_ms "" where none was made
 --   {"duplicate", existing job id}                   the idempotency key was seen before
 --   {"quota", retry_after_s}                         P0 bucket empty, policy refuse
 --   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
@@ -43,8 +46,8 @@ local now = clock_ms(ARGV[6])
 local idem_ttl_ms = tonumber(ARGV[7])
 local quota_rate, quota_burst, on_exhausted = tonumber(ARGV[16]), tonumber(ARGV[17]), ARGV[18]
 
-if #KEYS >= 10 then
-    local existing = redis.call('GET', KEYS[10])
+if #KEYS >= 11 then
+    local existing = redis.call('GET', KEYS[11])
     if existing then
         return {'duplicate', existing}
     end
@@ -134,8 +137,14 @@ if timeout_ms >= 0 then
     redis.call('HSET', KEYS[5], 'deadline_ms', now + timeout_ms)
     redis.call('ZADD', KEYS[8], now + timeout_ms, job_id)
 end
-if #KEYS >= 10 then
-    redis.call('SET', KEYS[10], job_id, 'PX', idem_ttl_ms)
+local promise_at = ''
+if rank >= 2 and ARGV[21] and ARGV[21] ~= '' then
+    promise_at = now + math.max(0, math.floor(tonumber(ARGV[21])))
+    redis.call('HSET', KEYS[5], 'promise_at_ms', promise_at)
+    redis.call('ZADD', KEYS[10], promise_at, job_id)
+end
+if #KEYS >= 11 then
+    redis.call('SET', KEYS[11], job_id, 'PX', idem_ttl_ms)
 end
 if tenant_cap > 0 then
     for _, id in ipairs(gone) do
@@ -143,4 +152,4 @@ if tenant_cap > 0 then
     end
     redis.call('ZADD', KEYS[9], now, job_id)
 end
-return {'admitted', tier, tostring(estimate), ahead, by_tier[1], by_tier[2], by_tier[3], by_tier[4]}
+return {'admitted', tier, tostring(estimate), ahead, by_tier[1], by_tier[2], by_tier[3], by_tier[4], promise_at}

@@ -1,0 +1,192 @@
+"""Promised starts (gateway/promises.py): what admit.lua stores, what promote.lua moves and when, against a real
+redis-server; and how the wait model replays queued jobs' promises (gateway/estimate.py)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import msgpack
+import pytest
+
+from common.redis_keys import KeySpace
+from common.redis_server import RedisServer
+from common.tiers import ALL_TIERS, Tier
+from gateway import promises
+from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, rank_at, wait_s
+from gateway.redis_queue import DEFAULT_TIER_TIMEOUTS_S, RedisQueue
+
+T0 = 1_700_000_000_000
+P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
+RATES = Rates(prefill_tps=1000.0, decode_tps=100.0)  # 1 s per 100 output tokens
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+@pytest.fixture
+def keys():
+    return KeySpace(prefix=f"test-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def queue(server, keys):
+    client = server.client()
+    yield RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S)
+    client.close()
+
+
+def admit(q: RedisQueue, job_id: str, tier: Tier, *, now_ms: int = T0, estimate_s: float = 1.0,
+          promise_s: float | None = None):
+    return q.admit(job_id=job_id, tenant="acme", tier_requested=tier, tier=tier, payload=b"\x90", now_ms=now_ms,
+                   idempotency_key=None, quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS},
+                   estimate_s=estimate_s, promise_s=promise_s)
+
+
+def test_the_promise_is_made_from_the_estimate_for_p2_and_p3_only():
+    assert promises.promise_s(P3, 10.0, 1.0, 0.5) == pytest.approx(9.5)
+    assert promises.promise_s(P2, 10.0, 1.5, 0.0) == pytest.approx(15.0)
+    assert promises.promise_s(P2, 0.2, 1.0, 0.5) == 0.0  # due at once: nothing newer goes first
+    assert promises.promise_s(P1, 10.0, 1.0, 0.5) is None  # nothing but P0 above it, and never into P0
+    assert promises.promise_s(P0, 10.0, 1.0, 0.5) is None
+    assert promises.promise_s(P3, 10.0, 0.0, 0.5) is None  # off
+    assert promises.promise_s(P3, None, 1.0, 0.5) is None  # no estimate (no worker known)
+    assert promises.promise_s(P3, math.inf, 1.0, 0.5) is None
+    for bad in ((-1.0, 0.5), (1.0, -0.1), (math.nan, 0.5), (1.0, math.inf)):
+        with pytest.raises(ValueError):
+            promises.check(*bad)
+    promises.check(0.0, 0.0)
+
+
+def test_admit_stores_the_promise_and_promote_moves_the_job_to_p1_when_it_falls_due(queue, keys):
+    client = queue.client
+    p3 = admit(queue, "p3", P3, now_ms=T0, promise_s=5.0)
+    assert p3.promise_at_ms == T0 + 5000
+    assert client.zscore(keys.promises, "p3") == T0 + 5000
+    assert queue.get("p3").result["promise_at_ms"] == str(T0 + 5000).encode()
+    admit(queue, "newer-p1", P1, now_ms=T0 + 1000, promise_s=5.0)  # a P1 is given none, whatever it asks
+    admit(queue, "newer-p2", P2, now_ms=T0 + 2000)
+    admit(queue, "older-p1", P1, now_ms=T0 - 1000)
+    assert client.zcard(keys.promises) == 1 and "promise_at_ms" not in queue.get("newer-p1").result
+    assert queue.promote(T0 + 4999) == []
+    assert queue.peek(list(ALL_TIERS), 10) == ["older-p1", "newer-p1", "newer-p2", "p3"]
+    assert queue.promote(T0 + 5000) == [("p3", P3)]
+    # In P1 with its enqueue score: behind the older P1, ahead of everything newer, P1s included.
+    assert queue.peek(list(ALL_TIERS), 10) == ["older-p1", "p3", "newer-p1", "newer-p2"]
+    job = queue.get("p3")
+    assert (job.tier, job.tier_granted, job.tier_since_ms) == (P1, P3, T0 + 5000)  # it preempts as a P3 still
+    assert job.result["promoted_at_ms"] == str(T0 + 5000).encode()
+    assert client.zscore(keys.queue(P1), "p3") == T0
+    assert client.zcard(keys.promises) == 0 and client.zscore(keys.aging, "p3") is None  # P1 does not age
+    assert queue.promote(T0 + 10**6) == []
+
+
+def test_a_claimed_job_leaves_the_index_and_a_finished_or_aged_one_is_never_moved(queue, keys):
+    client = queue.client
+    for name, tier in (("claimed", P2), ("cancelled", P3), ("aged", P2), ("kept", P3)):
+        admit(queue, name, tier, promise_s=100.0)
+    assert client.zcard(keys.promises) == 4
+    assert [r.id for r in queue.claim(["claimed"], worker="w", gateway="g", lease_ms=1000, now_ms=T0)] == ["claimed"]
+    assert client.zscore(keys.promises, "claimed") is None  # its wait is over: nothing left to promise
+    queue.cancel("cancelled", now_ms=T0)
+    assert sorted(queue.age(T0 + 60_000, 60_000)) == [("aged", P2, P1), ("kept", P3, P2)]
+    # A lease that expires puts the claimed job back in its queue, but not its promise (it has started once).
+    assert [s.state for s in queue.requeue_expired(T0 + 2000, max_attempts=3)] == ["queued"]
+    assert queue.promote(T0 + 100_000) == [("kept", P2)]  # the stale entries are dropped, not acted on
+    assert client.zcard(keys.promises) == 0
+    assert (queue.get("cancelled").state.value, queue.get("cancelled").tier) == ("cancelled", P3)
+    assert queue.get("claimed").tier == P2 and queue.get("aged").tier == P1
+
+
+def test_a_bad_promise_is_refused_and_stores_nothing(queue, keys):
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            admit(queue, "bad", P3, promise_s=bad)
+    with pytest.raises(ValueError):  # a promise is made on an estimate
+        queue.admit(job_id="bad", tenant="acme", tier_requested=P3, tier=P3, payload=b"\x90", idempotency_key=None,
+                    quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS}, promise_s=1.0)
+    assert list(queue.client.scan_iter(match=keys.scan_pattern())) == []
+
+
+def test_an_idempotent_resubmission_still_finds_the_first_job(queue):
+    first = queue.admit(job_id="a", tenant="acme", tier_requested=P3, tier=P3, payload=b"\x90", idempotency_key="k",
+                        quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS}, estimate_s=1.0, promise_s=1.0)
+    again = queue.admit(job_id="b", tenant="acme", tier_requested=P3, tier=P3, payload=b"\x90", idempotency_key="k",
+                        quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS}, estimate_s=1.0, promise_s=1.0)
+    assert (first.job_id, again.job_id, again.duplicate) == ("a", "a", True)
+    assert queue.client.zcard(queue.keys.promises) == 1
+
+
+# -- the model ------------------------------------------------------------------------------------------------------
+
+def test_rank_at_lifts_a_promised_job_to_p1_and_never_a_p1_or_p0():
+    assert rank_at(P3, 0.0, 4.9, math.inf, promoted_s=5.0) == 3
+    assert rank_at(P3, 0.0, 5.0, math.inf, promoted_s=5.0) == 1
+    assert rank_at(P2, 0.0, 5.0, 60.0, promoted_s=5.0) == 1
+    assert rank_at(P1, 0.0, 5.0, 60.0, promoted_s=0.0) == 1
+    assert rank_at(P0, 0.0, 5.0, 60.0, promoted_s=0.0) == 0
+
+
+def test_a_promised_job_stops_being_overtaken_once_its_promise_falls_due():
+    # One slot, busy for 1 s; P2s arrive twice a second, 0.5 s each: without a promise they overtake a P3 for
+    # good (capped at MAX_RHO of the slot), with one due at 2 s it takes the first slot free after it.
+    w = WorkerView(1, RATES, [Held(Work(P3, 0, 100), RUNNING, 0)])
+    p2s = Arrivals(Work(P2, 0, 50), 2.0)
+    free = wait_s(P3, [w], [], arrivals=[p2s])
+    kept = wait_s(P3, [w], [], arrivals=[p2s], promoted_s=2.0)
+    assert kept == pytest.approx(2.0)  # the slot frees every 0.5 s: at 2 s exactly
+    assert free == pytest.approx(3.0)  # the P2s (capped at 0.8 of the slot) go first while one is waiting
+    assert wait_s(P3, [w], [], arrivals=[p2s], promoted_s=0.0) == pytest.approx(1.0)  # due: first at the slot
+
+
+def test_queued_jobs_promises_are_replayed_ahead_of_newer_work():
+    w = WorkerView(1, RATES, [Held(Work(P2, 0, 100), RUNNING, 0)])  # frees at 1 s
+    older_p3 = Queued(Work(P3, 0, 300), enqueued_s=-1.0, promoted_s=0.5)  # due before the slot frees
+    # A P2 admitted now would go first without the promise (1 s); with it, the P3 goes first (at 1 s, for 3 s).
+    assert wait_s(P2, [w], [Queued(Work(P3, 0, 300), -1.0)]) == pytest.approx(1.0)
+    assert wait_s(P2, [w], [older_p3]) == pytest.approx(4.0)
+    # Not yet due when the slot frees: the P2 goes first.
+    assert wait_s(P2, [w], [Queued(Work(P3, 0, 300), -1.0, promoted_s=2.0)]) == pytest.approx(1.0)
+    # A newer P1 waits for it too (it has nothing to preempt: a P2 runs), an older P1 does not.
+    assert wait_s(P1, [w], [older_p3]) == pytest.approx(4.0)
+    assert wait_s(P1, [w], [older_p3], enqueued_s=-2.0) == pytest.approx(1.0)
+    # Promised jobs go in enqueue order, and never in a slot a P1 takes by preemption (they preempt as P3s).
+    two = [Queued(Work(P3, 0, 100), -1.0, promoted_s=0.0), Queued(Work(P2, 0, 200), -2.0, promoted_s=0.5)]
+    assert wait_s(P2, [w], two) == pytest.approx(4.0)  # the P2 (older) at 1 s, the P3 at 3 s, then this one
+    victim = WorkerView(1, RATES, [Held(Work(P3, 0, 100), RUNNING, 0b11)])
+    assert wait_s(P1, [victim], [older_p3]) == 0.0
+
+
+def test_a_job_given_twice_is_two_jobs():
+    w = WorkerView(1, RATES, [Held(Work(P2, 0, 100), RUNNING, 0)])
+    q = Queued(Work(P3, 0, 100), -1.0, promoted_s=0.0)
+    assert wait_s(P2, [w], [q, q]) == pytest.approx(3.0)
+
+
+def test_the_estimator_reads_other_gateways_promises(queue):
+    """A job another gateway admitted: its promise comes from its hash, read once with its tokens."""
+    from gateway.wait_estimator import WaitEstimator
+    from gateway.workers import WorkerRegistry
+
+    class Load:  # what a worker's report carries, for a registry entry built here
+        prefill_tps, decode_tps, work = 1000.0, 100.0, {"x": (3, RUNNING, 0, 0, 100, 0)}
+
+    class Hello:
+        worker_id, max_num_seqs = "w", 1
+
+    class W:
+        hello, load, pending = Hello, Load, set()
+
+    registry = WorkerRegistry(5.0)
+    registry.workers["w"] = W
+    now_ms = queue.server_ms()
+    payload = msgpack.packb({"prompt_token_ids": [1], "max_tokens": 300})
+    queue.admit(job_id="theirs", tenant="acme", tier_requested=P3, tier=P3, payload=payload, idempotency_key=None,
+                quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS}, estimate_s=1.0, promise_s=0.0,
+                now_ms=now_ms - 1000)
+    est = WaitEstimator(queue, registry, lambda: now_ms / 1000)
+    # The slot frees at 1 s; the older P3, promised and due, goes first (3 s), then a new P2.
+    assert est.for_new("acme", P2, now_ms / 1000) == pytest.approx(4.0, abs=0.1)
