@@ -52,6 +52,9 @@ from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 P2_UP = tuple(t for t in ALL_TIERS if t.rank >= 2)  # the tiers that age and are promised
+# Who may preempt a job of each tier (a bit mask of tier ranks), by the default preemption matrix: for jobs not yet
+# on a worker, whose reports give the mask of the jobs they hold.
+PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
 # Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
 # slots: beyond it the wait has no finite expectation.
 MAX_RHO = 0.8
@@ -194,7 +197,9 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     for _ in range(MAX_EXACT_DISPATCHES):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
-        if work is None:
+        if work is None or (tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1):
+            # Its slot, or one the job preempts as soon as the job ahead of it there (aged or promised into the
+            # line ahead, but still what it was admitted as) starts.
             return max(0.0, t) + handoff(t, i)
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
         end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)

@@ -20,14 +20,12 @@ from typing import NamedTuple
 import msgpack
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.estimate import MAX_EXACT_DISPATCHES, RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
+from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
 from gateway.timeutil import time_ms
 from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
 FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
-# Who may preempt a job just dispatched and not yet in a report (the default preemption matrix).
-PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
 ARRIVAL_TAU_S = 30.0
 MAX_KNOWN_JOBS = 200_000  # job token counts kept in memory (oldest dropped first)
 # Oldest jobs read per queue for an estimate: the rest are counted, not read (a bound on an estimate's cost). More

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
-from scripts.estimate_report import TIERS, draw, mean_handoff, summarize, table  # noqa: E402
+from scripts.estimate_report import TIERS, draw, mean_handoff, promotions, summarize, table  # noqa: E402
 from common.arrival_traces import load_trace  # noqa: E402
 
 DEFAULT_LOAD = 0.8
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
                     help="the gateway's per-tier correction learned from finished jobs on top of its model "
                          "(wait_bias_correction; default: the gateway's own default, off)")
+    ap.add_argument("--promise-factor", type=float, default=None,
+                    help="the gateway's promised starts (promise_factor; 0: off; default: the gateway's own, on)")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
     args = ap.parse_args(argv)
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
     if args.bias_correction is not None:
         os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "true" if args.bias_correction else "false"
+    if args.promise_factor is not None:
+        os.environ["TS_GATEWAY_PROMISE_FACTOR"] = repr(args.promise_factor)
     cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
                                    ready_timeout=180.0, http=False))
     finished = False
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{paced:.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
         records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
         handoff = mean_handoff(state["metrics"][0])  # the gateway's: up.py starts the gateways first
+        promoted = promotions(state["metrics"][0])
         finished = True
     finally:
         cluster.stop(remove_logs=finished)  # a failed run keeps what tells why
@@ -279,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if handoff is not None:
         print(f"hand-off: {handoff[0]:.3f} s a job on average, dispatch until its first prefill started "
               f"({handoff[1]} jobs): its slot stood idle that long")
+    done = {t: sum(1 for r in records if r["tier"] == t and r.get("outcome") == "done") for t in promoted}
+    print("promised starts kept (moved to P1 when due; warm-up included): " + ", ".join(
+        f"{t} {n} ({done[t]} judged jobs done)" for t, n in sorted(promoted.items())))
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                          "calibrated": calibrated, "warmup_factor": factor,
                                          "paced_rates": rates, "tail_sent": tail_sent, "measured_load": real,
-                                         "handoff_mean_s": handoff and handoff[0],
+                                         "handoff_mean_s": handoff and handoff[0], "promotions": promoted,
                                          "jobs": records}, indent=1))
     return 0
 

@@ -13,13 +13,22 @@ from prometheus_client.parser import text_string_to_metric_families
 TIERS = ("P0", "P1", "P2", "P3")
 
 
+def _families(metrics_url: str, timeout_s: float):
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
+        return list(text_string_to_metric_families(r.read().decode()))
+
+
+def promotions(metrics_url: str, timeout_s: float = 5.0) -> dict[str, int]:
+    """Jobs the gateway moved to P1 when their promised start fell due (ts_promotions_total), by the tier left."""
+    return {s.labels["tier"]: int(s.value) for f in _families(metrics_url, timeout_s) if f.name == "ts_promotions"
+            for s in f.samples if s.name == "ts_promotions_total"}
+
+
 def mean_handoff(metrics_url: str, timeout_s: float = 5.0) -> tuple[float, int] | None:
     """The gateway's mean hand-off (dispatch until the first prefill started, ts_dispatch_handoff_seconds) over
     every worker, and how many jobs it covers; None if it has seen none."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
-        page = r.read().decode()
     total = count = 0.0
-    for family in text_string_to_metric_families(page):
+    for family in _families(metrics_url, timeout_s):
         if family.name == "ts_dispatch_handoff_seconds":
             for s in family.samples:
                 total += s.value if s.name.endswith("_sum") else 0.0
@@ -33,21 +42,27 @@ def summarize(records: list[dict], min_wait: float) -> dict:
         rel = [abs(r["estimate_s"] - r["wait_s"]) / r["wait_s"] for r in waited]
         within = [r for r in waited if r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"]]
         outcomes = {o: sum(1 for r in rs if r.get("outcome") == o) for o in ("done", "overloaded", "quota", "failed")}
+        waits = sorted(r["wait_s"] for r in rs if r.get("outcome") == "done")
         return {"jobs": len(rs), **outcomes, "waited": len(waited),
                 "median_rel_error": statistics.median(rel) if rel else None,
-                "within_2x": len(within) / len(waited) if waited else None}
+                "within_2x": len(within) / len(waited) if waited else None,
+                # What each tier waited, all jobs: what promised starts cost the higher tiers (BENCHMARKS.md).
+                "mean_wait_s": statistics.fmean(waits) if waits else None,
+                "p90_wait_s": waits[int(0.9 * (len(waits) - 1))] if waits else None}
 
     return {"all": stats(records), **{t: stats([r for r in records if r["tier"] == t]) for t in TIERS}}
 
 
 def table(summary: dict, min_wait: float) -> str:
     lines = [f"{'tier':<6}{'jobs':>6}{'done':>6}{'overload':>9}{'quota':>7}{'failed':>7}"
-             f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}"]
+             f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}{'mean wait':>11}{'p90 wait':>10}"]
     for name, s in summary.items():
         err = "-" if s["median_rel_error"] is None else f"{100 * s['median_rel_error']:.1f} %"
         w2 = "-" if s["within_2x"] is None else f"{100 * s['within_2x']:.1f} %"
+        mean = "-" if s.get("mean_wait_s") is None else f"{s['mean_wait_s']:.2f} s"
+        p90 = "-" if s.get("p90_wait_s") is None else f"{s['p90_wait_s']:.2f} s"
         lines.append(f"{name:<6}{s['jobs']:>6}{s['done']:>6}{s['overloaded']:>9}{s['quota']:>7}{s['failed']:>7}"
-                     f"{s['waited']:>14}{err:>16}{w2:>11}")
+                     f"{s['waited']:>14}{err:>16}{w2:>11}{mean:>11}{p90:>10}")
     return "\n".join(lines)
 
 

@@ -483,6 +483,28 @@ def test_request_split_over_two_traces(tmp_path, capsys):
             ["tiered-serve-gateway", "tiered-serve-worker"]
 
 
+def test_a_promised_start_is_named_as_a_cause(tmp_path, capsys):
+    """A P3 whose promise fell due while it waited (gateway/promises.py): the queue span's event says when, so the
+    user sees why nothing newer went ahead of it from then on."""
+    path = tmp_path / "promise.jsonl"
+    c = Cluster(path)
+    app, gw = c.tracer("app", "batch-app"), c.tracer("gw", "tiered-serve-gateway")
+    ra = req_attrs("prom-1", "P3", "lab-co")
+    root = start(app, "sdk.submit", 0.0, None, ra)
+    admission(gw, root, 0.001, "prom-1", "P3", "lab-co", position=3, ahead={"P2": 3}, estimate=2.0)
+    closed(gw, "gateway.queue", 0.002, 2.302, root, {**ra, "queue.tier": "P1", "queue.tier_granted": "P3"},
+           events=[("promised start", 1.502, {"to_tier": "P1"})])
+    closed(gw, "gateway.dispatch", 2.302, 2.303, root,
+           {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": 1})
+    root.end(end_time=ns(2.4))
+    c.shutdown()
+    data = as_json(capsys, "prom-1", "--spans", str(path))
+    promise = next(b for b in data["blame"] if b["kind"] == "promise")
+    assert promise["detail"] == {"to_tier": "P1", "after_queued_s": pytest.approx(1.5)}
+    assert "promised start fell due at +1.5 s: moved to P1" in promise["text"]
+    assert [b["kind"] for b in data["blame"]][:2] == ["queue", "promise"]
+
+
 def test_no_scheduling_spans(spans, capsys):
     path, _ = spans
     rc, out, err = run_main(capsys, "no-such-request", "--spans", str(path))

@@ -150,9 +150,13 @@ def test_queued_jobs_promises_are_replayed_ahead_of_newer_work():
     assert wait_s(P2, [w], [older_p3]) == pytest.approx(4.0)
     # Not yet due when the slot frees: the P2 goes first.
     assert wait_s(P2, [w], [Queued(Work(P3, 0, 300), -1.0, promoted_s=2.0)]) == pytest.approx(1.0)
-    # A newer P1 waits for it too (it has nothing to preempt: a P2 runs), an older P1 does not.
-    assert wait_s(P1, [w], [older_p3]) == pytest.approx(4.0)
-    assert wait_s(P1, [w], [older_p3], enqueued_s=-2.0) == pytest.approx(1.0)
+    # A newer P1 has nothing to preempt while the P2 runs; the promised P3 takes the slot at 1 s, and the P1
+    # preempts it as it starts (it is still a P3). Behind a promised P2, which no P1 may preempt, it waits for it.
+    assert wait_s(P1, [w], [older_p3]) == pytest.approx(1.0)
+    older_p2 = Queued(Work(P2, 0, 300), enqueued_s=-1.0, promoted_s=0.5)
+    assert wait_s(P1, [w], [older_p2]) == pytest.approx(4.0)
+    assert wait_s(P1, [w], [older_p2], enqueued_s=-2.0) == pytest.approx(1.0)  # an older P1 goes first
+    assert wait_s(P0, [w], [older_p2]) == pytest.approx(1.0)  # a P0 may preempt a P2
     # Promised jobs go in enqueue order, and never in a slot a P1 takes by preemption (they preempt as P3s).
     two = [Queued(Work(P3, 0, 100), -1.0, promoted_s=0.0), Queued(Work(P2, 0, 200), -2.0, promoted_s=0.5)]
     assert wait_s(P2, [w], two) == pytest.approx(4.0)  # the P2 (older) at 1 s, the P3 at 3 s, then this one

@@ -65,7 +65,7 @@ class Cause:
     """One entry of the blame chain: a wait (or an event) and what caused it."""
 
     at_s: float  # seconds since the request's first span started
-    kind: str  # quota | queue | aging | dispatch | redispatch | to_worker | worker_queue | declined | suspended
+    kind: str  # quota | queue | aging | promise | dispatch | redispatch | to_worker | worker_queue | declined | suspended
     #            | preempted (a decision without a recorded suspended period) | preempting (it was the beneficiary)
     text: str
     duration_s: float | None = None
