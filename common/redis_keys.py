@@ -48,8 +48,8 @@ key                     type         contents and lifetime
 ``deadlines``           sorted set   index: queued job id -> the ms at which its queue timeout
                                      expires (enqueue + timeout of the tier granted at
                                      admission). Member while queued, if the tier has a timeout.
-``promises``            sorted set   index: queued P2/P3 job id -> the ms its promised start falls
-                                     due (``promise_at_ms``), when promote.lua moves it to P1 (see
+``promises``            sorted set   index: queued P3 job id -> the ms its promised start falls
+                                     due (``promise_at_ms``), when promote.lua moves it to P2 (see
                                      gateway/promises.py). Member from admission until claimed; an
                                      entry of a job no longer queued is dropped when it falls due.
 ======================  ===========  ==========================================================
@@ -60,7 +60,7 @@ dispatched | done | failed | expired | cancelled | dead), ``payload`` (bytes, op
 gateway's msgpack request), ``enqueued_at_ms``, ``tier_since_ms`` (entered current tier),
 ``attempt`` (0 at admission, +1 per claim), ``estimate_s`` (wait estimate at admission),
 ``deadline_ms`` (queue deadline, absent if the tier has none), ``promise_at_ms`` (when its
-promise falls due, P2/P3 only), ``promoted_at_ms`` (when it did), ``worker`` and ``gateway``
+promise falls due, P3 only), ``promoted_at_ms`` (when it did), ``worker`` and ``gateway``
 (holder while dispatched), ``dispatched_at_ms``, ``reason`` (why it failed, expired, died or was
 cancelled), ``finished_at_ms``, plus any result fields given to complete().
 

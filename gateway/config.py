@@ -46,9 +46,9 @@ class GatewayConfig:
     # ratio it learns is one wait old, so it learns a burst's onset and multiplies the estimates made
     # after it (on the replayed trace at load 0.8: 59 % median error with it, 36-44 % without; BENCHMARKS.md).
     wait_bias_correction: bool = False
-    # A P2/P3 job still queued at admission + promise_factor x its wait estimate - promise_lead_s moves to the
-    # P1 queue (keeping its place by age), so that jobs admitted after it stop overtaking it: the wait it was
-    # told is one it gets (gateway/promises.py). 0 turns promises off.
+    # A P3 job still queued at admission + promise_factor x its wait estimate - promise_lead_s moves to the P2
+    # queue (keeping its place by age, as if it had aged early), so that P2s admitted after it stop overtaking
+    # it: the wait it was told is one it gets (gateway/promises.py). 0 turns promises off.
     promise_factor: float = 1.0
     promise_lead_s: float = 0.5
     # Drain rate (jobs/s per tier) assumed before any is measured, for wait estimates.

@@ -51,7 +51,6 @@ from dataclasses import dataclass, field, replace
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
-P2_UP = tuple(t for t in ALL_TIERS if t.rank >= 2)  # the tiers that age and are promised
 # Who may preempt a job of each tier (a bit mask of tier ranks), by the default preemption matrix: for jobs not yet
 # on a worker, whose reports give the mask of the jobs they hold.
 PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
@@ -61,9 +60,8 @@ MAX_RHO = 0.8
 # Dispatches replayed one by one per estimate; past them, the rest of the wait is the work still ahead spread over
 # every slot (see _fluid_tail). A bound on an estimate's cost: a deep queue must not make each admission slower.
 MAX_EXACT_DISPATCHES = 500
-# The queue a P2/P3 job moves to when its promise falls due (gateway/promises.py): ahead of every newer job but
-# P0's, as aging's last step puts it, and never into P0.
-PROMISED_RANK = 1
+# A P3 job whose promise falls due moves to the P2 queue (gateway/promises.py): it ages early, by its enqueue time.
+PROMISED_TIER, PROMISED_RANK = Tier.P3, 2
 
 
 @dataclass(frozen=True)
@@ -128,7 +126,7 @@ class Queued:
 
     work: Work
     enqueued_s: float  # when it was admitted, relative to now (<= 0): its place in line, kept by aging
-    # When its promise falls due, relative to now: from then on it is in the P1 queue (see PROMISED_RANK).
+    # When its promise falls due, relative to now (a P3's): from then on it is in the P2 queue, placed by that time.
     promoted_s: float = math.inf
 
 
@@ -142,14 +140,22 @@ class Arrivals:
 
 def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:
     """The queue a job admitted at ``tier`` is in at time ``t``: P2 and P3 move up one tier per aging
-    interval waited, up to P1, and straight to P1 once their promise falls due (``promoted_s``)."""
+    interval waited, up to P1, keeping their enqueue time (their place in line); a P3 whose promise falls due
+    (``promoted_s``) first moves to P2 then, as if it had aged early, and ages on from there."""
     if tier.rank < 2:
         return tier.rank
-    if t >= promoted_s:
-        return PROMISED_RANK
+    if promised(tier, enqueued_s, aging_interval_s, promoted_s):
+        if t < promoted_s:
+            return tier.rank
+        return PROMISED_RANK if t < promoted_s + aging_interval_s else 1
     if not math.isfinite(aging_interval_s):
         return tier.rank
     return max(1, tier.rank - int((t - enqueued_s) // aging_interval_s))
+
+
+def promised(tier: Tier, enqueued_s: float, aging_interval_s: float, promoted_s: float) -> bool:
+    """Does the job's promise move it (a P3's, falling due before aging would move it anyway)?"""
+    return tier is PROMISED_TIER and promoted_s < enqueued_s + aging_interval_s
 
 
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
@@ -164,7 +170,7 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
     ``unread``: per queue, how many more jobs it holds than ``queued`` has of it (a bounded read takes the
     oldest of each), and their mean work: newer than those read, they count past the replay only.
-    ``promoted_s``: when the job's own promise falls due (a queued job's; a new job's promise is made from this
+    ``promoted_s``: when the job's own promise falls due (a queued P3's; a new job's promise is made from this
     estimate, so it plays no part in it).
     """
     if not workers:
@@ -221,9 +227,7 @@ def _fluid_tail(line: _Line, free_at: list[float], unread: Mapping[Tier, tuple[i
     backlog = sum(f - t for f in free_at) + line.backlog_s(t, rank, unread)
     while True:
         overtaking = line.overtaking_s(rank)  # slot-seconds of work arriving per second, ahead of the job
-        ages_at = line.enqueued_s + (line.tier.rank - rank + 1) * line.aging if rank > line.final else math.inf
-        if rank > PROMISED_RANK:
-            ages_at = min(ages_at, max(t, line.promoted_s))
+        ages_at = line.moves_at(t)
         drain = slots - overtaking
         done_at = t + backlog / drain if drain > 0 else math.inf
         if done_at <= ages_at:
@@ -241,23 +245,23 @@ class _Line:
                  workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None,
                  promoted_s: float = math.inf) -> None:
         self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
-        self.promoted_s = promoted_s if tier.rank > PROMISED_RANK else math.inf
+        self.promoted_s = promoted_s if tier is PROMISED_TIER else math.inf
         by_tier: dict[Tier, list[tuple[int, Queued]]] = {t: [] for t in ALL_TIERS}
         for key, q in enumerate(queued):  # keyed by place: a job may be given twice
             by_tier[q.work.tier].append((key, q))
         self.heads = {t: deque(sorted(qs, key=lambda e: e[1].enqueued_s)) for t, qs in by_tier.items()}
-        # Promises falling due, in the order they do; those due by the time asked, oldest first (a heap); and the
-        # jobs taken out of line through it (still in their tier's deque until they reach its head).
-        self.promises = deque(sorted((q.promoted_s, q.enqueued_s, key, q) for tq in P2_UP for key, q in by_tier[tq]
-                                     if math.isfinite(q.promoted_s)))
+        # Promises falling due, in the order they do (those that move a job); the jobs they moved by the time asked,
+        # oldest first (a heap); and the jobs taken out of line (lazily out of their tier's deque).
+        self.promises = deque(sorted((q.promoted_s, key, q) for key, q in by_tier[PROMISED_TIER]
+                                     if promised(PROMISED_TIER, q.enqueued_s, aging_interval_s, q.promoted_s)))
         self.promised: list[tuple[float, int, Queued]] = []
         self.taken: set[int] = set()
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
         streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
         # The queue it ends in, aged (or promoted) as far as it goes; arrivals of the tiers above that overtake it
         # for good: capped (see MAX_RHO).
-        ends_up = tier.rank >= 2 and (math.isfinite(aging_interval_s) or math.isfinite(self.promoted_s))
-        final = self.final = PROMISED_RANK if ends_up else tier.rank
+        final = self.final = (1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else
+                              PROMISED_RANK if math.isfinite(self.promoted_s) else tier.rank)
         slots = sum(w.slots for w in workers)
         self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
                                  sum(w.rates.decode_tps * w.slots for w in workers) / slots)
@@ -274,16 +278,27 @@ class _Line:
         """The queue the job is in at ``t``."""
         return rank_at(self.tier, self.enqueued_s, t, self.aging, self.promoted_s)
 
+    def moves_at(self, t: float) -> float:
+        """When, after ``t``, the job next moves up a queue (by aging or its promise); inf: never."""
+        rank = self.rank(t)
+        times = []
+        if promised(self.tier, self.enqueued_s, self.aging, self.promoted_s):  # promised, then aged on
+            times = [self.promoted_s, self.promoted_s + self.aging] if self.aging < math.inf else [self.promoted_s]
+        elif rank > self.final:
+            times = [self.enqueued_s + (self.tier.rank - rank + 1) * self.aging]
+        return min((x for x in times if x > t), default=math.inf)
+
     def _due(self, t: float) -> None:
         """Promises due by ``t`` join the promoted line."""
         while self.promises and self.promises[0][0] <= t:
-            _, enq, key, q = self.promises.popleft()
+            _, key, q = self.promises.popleft()
             if key not in self.taken:
-                heapq.heappush(self.promised, (enq, key, q))
+                heapq.heappush(self.promised, (q.enqueued_s, key, q))
 
-    def _head(self, tier: Tier, t: float) -> tuple[float, Work] | None:
+    def _head(self, tier: Tier, t: float) -> tuple[float, Work, int] | None:
         heads = self.heads[tier]
-        while heads and heads[0][0] in self.taken:
+        self._due(t)
+        while heads and (heads[0][0] in self.taken or self._promoted(heads[0][1], t)):  # promoted: in that line
             heads.popleft()
         if heads:
             q = heads[0][1]
@@ -298,6 +313,20 @@ class _Line:
                 return at, work, tier.rank
         return None
 
+    def _promoted(self, q: Queued, t: float) -> bool:
+        return t >= q.promoted_s and promised(q.work.tier, q.enqueued_s, self.aging, q.promoted_s)
+
+    def _promised_head(self, t: float) -> tuple[tuple[int, float], int, Queued] | None:
+        """The first of the promoted jobs at ``t`` (the oldest: all are in P2 or, aged on, P1): (its place in
+        line, key, job)."""
+        self._due(t)
+        while self.promised and self.promised[0][1] in self.taken:
+            heapq.heappop(self.promised)
+        if not self.promised:
+            return None
+        _, key, q = self.promised[0]
+        return (rank_at(PROMISED_TIER, q.enqueued_s, t, self.aging, q.promoted_s), q.enqueued_s), key, q
+
     def passes(self, tier: Tier) -> bool:
         """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
         and never into P0."""
@@ -308,8 +337,11 @@ class _Line:
         """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
         ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
         dispatched yet."""
-        total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for tier, qs in self.heads.items()
-                    if self.passes(tier) for key, q in qs if key not in self.taken)
+        still = {key: q for tier, qs in self.heads.items() if self.passes(tier) for key, q in qs}
+        if self.passes(PROMISED_TIER):
+            still.update((key, q) for _, key, q in self.promised)  # promoted: out of their deque, maybe
+        total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for key, q in still.items()
+                    if key not in self.taken)
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
                      if n > 0 and self.passes(queue))
         for tier, (work, per_s) in self.streams.items():
@@ -334,13 +366,10 @@ class _Line:
             if head is not None and (key := (head[2], head[0])) <= best_key:
                 best, best_key = tier, key
         if not preempting:  # a promoted job waits for a free slot, as the tier it was admitted at
-            self._due(t)
-            while self.promised and self.promised[0][1] in self.taken:
-                heapq.heappop(self.promised)
-            if self.promised and (PROMISED_RANK, self.promised[0][0]) <= best_key:
-                enq, key, q = heapq.heappop(self.promised)
-                self.taken.add(key)
-                return q.work
+            promised = self._promised_head(t)
+            if promised is not None and promised[0] <= best_key:
+                self.taken.add(promised[1])
+                return promised[2].work
         if best is None:
             return None
         if self.heads[best]:

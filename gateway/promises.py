@@ -1,21 +1,21 @@
-"""Promised starts: the wait a P2/P3 job is told at admission is one the dispatcher keeps.
+"""Promised starts: the wait a P3 job is told at admission is one the dispatcher keeps, as far as the tiers allow.
 
 A job's wait estimate counts the higher-tier jobs expected to arrive and overtake it (gateway/estimate.py),
-but arrivals come in clumps: a job admitted as a burst begins would be passed by every job of the burst,
-and wait many times its estimate, however well the arrival rates are known (BENCHMARKS.md, issue 12: a
-forecast of rates, even a perfect one, leaves 15-25 % of P3 waits outside 2x of their estimate). So each
-P2/P3 job is also given a promised start: admission + ``promise_factor`` x its estimate - ``promise_lead_s``.
-If it is still queued then, promote.lua moves it to the P1 queue with its enqueue score, as aging's last step
-would, so that no job admitted after it goes first any more, apart from P0s (which also preempt) and the P1s
-that preempt running P3 work (in the slots they free so). Jobs expected to overtake it
-still do: the estimate made room for them. Only the ones beyond the forecast wait, and their own estimates
-count the promises already made (queued jobs' promise times are part of the replay).
+but arrivals come in clumps: a P3 admitted as a burst of P2s begins is passed by every job of the burst and
+waits many times its estimate, however well the arrival rates are known (BENCHMARKS.md, issue 12: a forecast
+of rates, even a perfect one, left a quarter of P3 waits outside 2x of their estimates). So each P3 job is
+also given a promised start: admission + ``promise_factor`` x its estimate - ``promise_lead_s``. If it is still
+queued then, promote.lua moves it to the P2 queue with its enqueue score, as if it had aged early: from then
+on no P2 admitted after it goes first. The P2s the estimate foresaw still do (it made room for them); only
+those beyond the forecast wait, and their own estimates count the promises already made (the replay knows
+every queued job's promise).
 
-What it costs: higher-tier jobs that arrive beyond the forecast wait for the promises falling due before
-them (BENCHMARKS.md measures it per tier). What it does not change: a job still preempts and is preempted
-as the tier it was admitted at, nothing is lifted into P0, and jobs ahead of it when it came stay ahead.
-The lead makes the promise fall due a little before the slot the estimate foresaw frees, so that a
-promotion (done by each gateway's maintenance pass) is in place when it does.
+What it does not change: P0 and P1 jobs still go first (they preempt P3 work, and are in higher queues),
+a promoted job still preempts and is preempted as a P3, it ages on from P2 like any P2, and P0/P1/P2 jobs
+are given no promise: what overtakes them preempts or is P0, which a place in a queue would not stop.
+What it costs: P2s that come in a burst wait for the P3 promises falling due before them (BENCHMARKS.md
+measures it). The lead makes a promise fall due a little before the slot the estimate foresaw frees, so
+that the promotion (each gateway's maintenance pass) is in place when it does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 
 from common.tiers import Tier
 
-PROMISED_TIERS = (Tier.P2, Tier.P3)  # P0 and P1 are never promoted: nothing above them but P0
+PROMISED_TIERS = (Tier.P3,)
 
 
 def check(factor: float, lead_s: float) -> None:

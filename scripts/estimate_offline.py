@@ -182,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-wait", type=float, default=0.5)
     defaults = GatewayConfig()
     ap.add_argument("--promise-factor", type=float, default=defaults.promise_factor,
-                    help="P2/P3 promises as the gateway makes them (gateway/promises.py); 0: none")
+                    help="P3 promises as the gateway makes them (gateway/promises.py); 0: none")
     ap.add_argument("--promise-lead", type=float, default=defaults.promise_lead_s)
     ap.add_argument("--noise", type=float, default=0.0,
                     help="sigma of a lognormal spread of each job's time in its slot around the rates' prediction")

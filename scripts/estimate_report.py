@@ -19,7 +19,7 @@ def _families(metrics_url: str, timeout_s: float):
 
 
 def promotions(metrics_url: str, timeout_s: float = 5.0) -> dict[str, int]:
-    """Jobs the gateway moved to P1 when their promised start fell due (ts_promotions_total), by the tier left."""
+    """Jobs the gateway moved to P2 when their promised start fell due (ts_promotions_total), by the tier left."""
     return {s.labels["tier"]: int(s.value) for f in _families(metrics_url, timeout_s) if f.name == "ts_promotions"
             for s in f.samples if s.name == "ts_promotions_total"}
 

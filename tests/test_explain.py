@@ -492,16 +492,16 @@ def test_a_promised_start_is_named_as_a_cause(tmp_path, capsys):
     ra = req_attrs("prom-1", "P3", "lab-co")
     root = start(app, "sdk.submit", 0.0, None, ra)
     admission(gw, root, 0.001, "prom-1", "P3", "lab-co", position=3, ahead={"P2": 3}, estimate=2.0)
-    closed(gw, "gateway.queue", 0.002, 2.302, root, {**ra, "queue.tier": "P1", "queue.tier_granted": "P3"},
-           events=[("promised start", 1.502, {"to_tier": "P1"})])
+    closed(gw, "gateway.queue", 0.002, 2.302, root, {**ra, "queue.tier": "P2", "queue.tier_granted": "P3"},
+           events=[("promised start", 1.502, {"to_tier": "P2"})])
     closed(gw, "gateway.dispatch", 2.302, 2.303, root,
            {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": 1})
     root.end(end_time=ns(2.4))
     c.shutdown()
     data = as_json(capsys, "prom-1", "--spans", str(path))
     promise = next(b for b in data["blame"] if b["kind"] == "promise")
-    assert promise["detail"] == {"to_tier": "P1", "after_queued_s": pytest.approx(1.5)}
-    assert "promised start fell due at +1.5 s: moved to P1" in promise["text"]
+    assert promise["detail"] == {"to_tier": "P2", "after_queued_s": pytest.approx(1.5)}
+    assert "promised start fell due at +1.5 s: moved to P2" in promise["text"]
     assert [b["kind"] for b in data["blame"]][:2] == ["queue", "promise"]
 
 

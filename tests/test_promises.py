@@ -46,12 +46,12 @@ def admit(q: RedisQueue, job_id: str, tier: Tier, *, now_ms: int = T0, estimate_
                    estimate_s=estimate_s, promise_s=promise_s)
 
 
-def test_the_promise_is_made_from_the_estimate_for_p2_and_p3_only():
+def test_the_promise_is_made_from_the_estimate_for_p3_only():
     assert promises.promise_s(P3, 10.0, 1.0, 0.5) == pytest.approx(9.5)
-    assert promises.promise_s(P2, 10.0, 1.5, 0.0) == pytest.approx(15.0)
-    assert promises.promise_s(P2, 0.2, 1.0, 0.5) == 0.0  # due at once: nothing newer goes first
-    assert promises.promise_s(P1, 10.0, 1.0, 0.5) is None  # nothing but P0 above it, and never into P0
-    assert promises.promise_s(P0, 10.0, 1.0, 0.5) is None
+    assert promises.promise_s(P3, 10.0, 1.5, 0.0) == pytest.approx(15.0)
+    assert promises.promise_s(P3, 0.2, 1.0, 0.5) == 0.0  # due at once: no P2 admitted after it goes first
+    for tier in (P0, P1, P2):  # what overtakes them preempts (or is P0): a place in a queue would not stop it
+        assert promises.promise_s(tier, 10.0, 1.0, 0.5) is None
     assert promises.promise_s(P3, 10.0, 0.0, 0.5) is None  # off
     assert promises.promise_s(P3, None, 1.0, 0.5) is None  # no estimate (no worker known)
     assert promises.promise_s(P3, math.inf, 1.0, 0.5) is None
@@ -61,44 +61,47 @@ def test_the_promise_is_made_from_the_estimate_for_p2_and_p3_only():
     promises.check(0.0, 0.0)
 
 
-def test_admit_stores_the_promise_and_promote_moves_the_job_to_p1_when_it_falls_due(queue, keys):
+def test_admit_stores_the_promise_and_promote_moves_the_job_to_p2_when_it_falls_due(queue, keys):
     client = queue.client
     p3 = admit(queue, "p3", P3, now_ms=T0, promise_s=5.0)
     assert p3.promise_at_ms == T0 + 5000
     assert client.zscore(keys.promises, "p3") == T0 + 5000
     assert queue.get("p3").result["promise_at_ms"] == str(T0 + 5000).encode()
-    admit(queue, "newer-p1", P1, now_ms=T0 + 1000, promise_s=5.0)  # a P1 is given none, whatever it asks
-    admit(queue, "newer-p2", P2, now_ms=T0 + 2000)
-    admit(queue, "older-p1", P1, now_ms=T0 - 1000)
-    assert client.zcard(keys.promises) == 1 and "promise_at_ms" not in queue.get("newer-p1").result
+    admit(queue, "newer-p2", P2, now_ms=T0 + 1000, promise_s=5.0)  # a P2 is given none, whatever it asks
+    admit(queue, "older-p2", P2, now_ms=T0 - 1000)
+    admit(queue, "newer-p1", P1, now_ms=T0 + 2000)
+    admit(queue, "older-p3", P3, now_ms=T0 - 2000)
+    assert client.zcard(keys.promises) == 1 and "promise_at_ms" not in queue.get("newer-p2").result
     assert queue.promote(T0 + 4999) == []
-    assert queue.peek(list(ALL_TIERS), 10) == ["older-p1", "newer-p1", "newer-p2", "p3"]
+    assert queue.peek(list(ALL_TIERS), 10) == ["newer-p1", "older-p2", "newer-p2", "older-p3", "p3"]
     assert queue.promote(T0 + 5000) == [("p3", P3)]
-    # In P1 with its enqueue score: behind the older P1, ahead of everything newer, P1s included.
-    assert queue.peek(list(ALL_TIERS), 10) == ["older-p1", "p3", "newer-p1", "newer-p2"]
+    # In P2 with its enqueue score, as if it had aged: behind the older P2, ahead of the newer one; P1 stays ahead.
+    assert queue.peek(list(ALL_TIERS), 10) == ["newer-p1", "older-p2", "p3", "newer-p2", "older-p3"]
     job = queue.get("p3")
-    assert (job.tier, job.tier_granted, job.tier_since_ms) == (P1, P3, T0 + 5000)  # it preempts as a P3 still
+    assert (job.tier, job.tier_granted, job.tier_since_ms) == (P2, P3, T0 + 5000)  # it preempts as a P3 still
     assert job.result["promoted_at_ms"] == str(T0 + 5000).encode()
-    assert client.zscore(keys.queue(P1), "p3") == T0
-    assert client.zcard(keys.promises) == 0 and client.zscore(keys.aging, "p3") is None  # P1 does not age
+    assert client.zscore(keys.queue(P2), "p3") == T0
+    assert client.zcard(keys.promises) == 0
+    assert client.zscore(keys.aging, "p3") == T0 + 5000  # it ages on from P2, from now
     assert queue.promote(T0 + 10**6) == []
+    assert ("p3", P2, P1) in queue.age(T0 + 65_000, 60_000)
 
 
 def test_a_claimed_job_leaves_the_index_and_a_finished_or_aged_one_is_never_moved(queue, keys):
     client = queue.client
-    for name, tier in (("claimed", P2), ("cancelled", P3), ("aged", P2), ("kept", P3)):
-        admit(queue, name, tier, promise_s=100.0)
+    for name in ("claimed", "cancelled", "aged", "kept"):
+        admit(queue, name, P3, now_ms=T0 if name != "kept" else T0 + 50_000, promise_s=100.0)
     assert client.zcard(keys.promises) == 4
     assert [r.id for r in queue.claim(["claimed"], worker="w", gateway="g", lease_ms=1000, now_ms=T0)] == ["claimed"]
     assert client.zscore(keys.promises, "claimed") is None  # its wait is over: nothing left to promise
     queue.cancel("cancelled", now_ms=T0)
-    assert sorted(queue.age(T0 + 60_000, 60_000)) == [("aged", P2, P1), ("kept", P3, P2)]
+    assert queue.age(T0 + 60_000, 60_000) == [("aged", P3, P2)]  # before its promise: aged, by its enqueue time
     # A lease that expires puts the claimed job back in its queue, but not its promise (it has started once).
     assert [s.state for s in queue.requeue_expired(T0 + 2000, max_attempts=3)] == ["queued"]
-    assert queue.promote(T0 + 100_000) == [("kept", P2)]  # the stale entries are dropped, not acted on
+    assert queue.promote(T0 + 150_000) == [("kept", P3)]  # the stale entries are dropped, not acted on
     assert client.zcard(keys.promises) == 0
     assert (queue.get("cancelled").state.value, queue.get("cancelled").tier) == ("cancelled", P3)
-    assert queue.get("claimed").tier == P2 and queue.get("aged").tier == P1
+    assert queue.get("claimed").tier == P3 and queue.get("aged").tier == P2
 
 
 def test_a_bad_promise_is_refused_and_stores_nothing(queue, keys):
@@ -122,12 +125,16 @@ def test_an_idempotent_resubmission_still_finds_the_first_job(queue):
 
 # -- the model ------------------------------------------------------------------------------------------------------
 
-def test_rank_at_lifts_a_promised_job_to_p1_and_never_a_p1_or_p0():
+def test_rank_at_moves_a_promised_p3_to_p2_as_early_aging():
     assert rank_at(P3, 0.0, 4.9, math.inf, promoted_s=5.0) == 3
-    assert rank_at(P3, 0.0, 5.0, math.inf, promoted_s=5.0) == 1
-    assert rank_at(P2, 0.0, 5.0, 60.0, promoted_s=5.0) == 1
-    assert rank_at(P1, 0.0, 5.0, 60.0, promoted_s=0.0) == 1
-    assert rank_at(P0, 0.0, 5.0, 60.0, promoted_s=0.0) == 0
+    assert rank_at(P3, 0.0, 5.0, math.inf, promoted_s=5.0) == 2
+    assert rank_at(P3, 0.0, 10**6, math.inf, promoted_s=5.0) == 2
+    assert rank_at(P3, 0.0, 64.9, 60.0, promoted_s=5.0) == 2  # it ages on from P2, one interval after
+    assert rank_at(P3, 0.0, 65.0, 60.0, promoted_s=5.0) == 1
+    assert rank_at(P3, 0.0, 60.0, 60.0, promoted_s=70.0) == 2  # aged before it fell due: aging as ever
+    assert rank_at(P3, 0.0, 120.0, 60.0, promoted_s=70.0) == 1
+    for tier in (P0, P1, P2):  # never promised: a promise time changes nothing
+        assert rank_at(tier, 0.0, 5.0, 60.0, promoted_s=0.0) == tier.rank
 
 
 def test_a_promised_job_stops_being_overtaken_once_its_promise_falls_due():
@@ -150,16 +157,17 @@ def test_queued_jobs_promises_are_replayed_ahead_of_newer_work():
     assert wait_s(P2, [w], [older_p3]) == pytest.approx(4.0)
     # Not yet due when the slot frees: the P2 goes first.
     assert wait_s(P2, [w], [Queued(Work(P3, 0, 300), -1.0, promoted_s=2.0)]) == pytest.approx(1.0)
-    # A newer P1 has nothing to preempt while the P2 runs; the promised P3 takes the slot at 1 s, and the P1
-    # preempts it as it starts (it is still a P3). Behind a promised P2, which no P1 may preempt, it waits for it.
+    # A P1 still goes first (P1 queue); so does a P0.
     assert wait_s(P1, [w], [older_p3]) == pytest.approx(1.0)
-    older_p2 = Queued(Work(P2, 0, 300), enqueued_s=-1.0, promoted_s=0.5)
-    assert wait_s(P1, [w], [older_p2]) == pytest.approx(4.0)
-    assert wait_s(P1, [w], [older_p2], enqueued_s=-2.0) == pytest.approx(1.0)  # an older P1 goes first
-    assert wait_s(P0, [w], [older_p2]) == pytest.approx(1.0)  # a P0 may preempt a P2
-    # Promised jobs go in enqueue order, and never in a slot a P1 takes by preemption (they preempt as P3s).
-    two = [Queued(Work(P3, 0, 100), -1.0, promoted_s=0.0), Queued(Work(P2, 0, 200), -2.0, promoted_s=0.5)]
+    assert wait_s(P0, [w], [older_p3]) == pytest.approx(1.0)
+    # A newer P3 waits for it, as for any older P3; a P3 older than it, not yet due, does not pass a P2.
+    assert wait_s(P3, [w], [older_p3]) == pytest.approx(4.0)
+    assert wait_s(P2, [w], [Queued(Work(P3, 0, 300), -5.0, promoted_s=3.0)]) == pytest.approx(1.0)
+    # In P2 by their enqueue time: behind an older P2; and never in a slot a P1 takes by preemption.
+    two = [Queued(Work(P3, 0, 100), -1.0, promoted_s=0.0), Queued(Work(P2, 0, 200), -2.0)]
     assert wait_s(P2, [w], two) == pytest.approx(4.0)  # the P2 (older) at 1 s, the P3 at 3 s, then this one
+    younger_first = [Queued(Work(P3, 0, 100), -1.0, promoted_s=0.0), Queued(Work(P3, 0, 200), -3.0, promoted_s=9.0)]
+    assert wait_s(P2, [w], younger_first) == pytest.approx(2.0)  # the older one is not due: it waits
     victim = WorkerView(1, RATES, [Held(Work(P3, 0, 100), RUNNING, 0b11)])
     assert wait_s(P1, [victim], [older_p3]) == 0.0
 

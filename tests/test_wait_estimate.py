@@ -113,29 +113,28 @@ def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_
             api.cancel(j.id)
 
 
-def test_a_promise_keeps_p1s_admitted_later_from_overtaking_a_p2_past_its_estimate(tiny_model_dir, tmp_path):
-    # Overtaking as in the last test, with promises on (the default). The slot holds a P2 blocker, which no P1 may
-    # preempt, so every job waits for it to free. Once its estimate is up, the P2 under test moves to the P1 queue,
-    # ahead of the P1s admitted after it, and takes the next slot that frees: only the P1 that slot may already have
-    # gone to goes first (the promotion runs in the gateway's maintenance pass). Without the promise, all twelve
-    # would have gone first.
+def test_a_promise_keeps_p2s_admitted_later_from_overtaking_a_p3_past_its_estimate(tiny_model_dir, tmp_path):
+    # With promises on (the default). The one slot holds a P2 blocker, so every job waits for it to free. Once its
+    # estimate is up, the P3 under test moves to the P2 queue with its enqueue time, ahead of the P2s admitted after
+    # it, and takes the next slot that frees: only the P2 that slot may already have gone to goes first (promotions
+    # run in the gateway's maintenance pass). Without the promise, all twelve would have gone first.
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1) as c:
-        batch, api = client(c, "batch-co"), client(c, "api-co")
+        batch, lab = client(c, "batch-co"), client(c, "lab-co")
         blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=100, tier="P2", ignore_eos=True)
         wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the P2 blocker to run")
-        p2 = batch.submit(prompt_token_ids=[6], max_tokens=2, tier="P2")
-        overtakers = [api.submit(prompt_token_ids=[9, 10], max_tokens=200, tier="P1", ignore_eos=True)
+        p3 = lab.submit(prompt_token_ids=[6], max_tokens=2)
+        overtakers = [batch.submit(prompt_token_ids=[9, 10], max_tokens=200, tier="P2", ignore_eos=True)
                       for _ in range(12)]
-        r = p2.result(timeout=120)
+        r = p3.result(timeout=120)
         assert r.finish_reason in ("length", "stop") and r.queued_s > 0
-        h = job_hash(c, p2.id)
+        h = job_hash(c, p3.id)
         assert int(h["promise_at_ms"]) <= int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
-        assert h["tier"] == "P1" and h["tier_granted"] == "P2"
+        assert h["tier"] == "P2" and h["tier_granted"] == "P3"
         ahead = [o.id for o in overtakers if int(job_hash(c, o.id).get("dispatched_at_ms") or 2**62)
                  < int(h["dispatched_at_ms"])]
         assert len(ahead) <= 1, ahead
         for j in overtakers:
-            api.cancel(j.id)
+            batch.cancel(j.id)
 
 
 def test_the_wait_ends_at_the_first_prefill_even_when_the_job_is_redispatched(tiny_model_dir, tmp_path):

@@ -1,7 +1,8 @@
--- promote.lua: move queued P2/P3 jobs whose promised start fell due to P1, keeping their enqueue
--- score (so they land ahead of every newer job there, and of none older), as aging's last step
--- would. Never into P0. Step two of promote(): step one read due ids from the promises index;
--- this re-verifies each (still queued in P2/P3). See gateway/promises.py for why.
+-- promote.lua: move queued P3 jobs whose promised start fell due to P2, keeping their enqueue score,
+-- as if they had aged early: ahead of every P2 admitted after them, so no job admitted since goes first
+-- but those that preempt (P0, and P1 where P3 work runs). From P2 they age on as any P2 does (from
+-- now). Step two of promote(): step one read due ids from the promises index; this re-verifies each
+-- (still queued in P3). See gateway/promises.py for why.
 --
 -- KEYS[1..4]  queue zsets of P0..P3
 -- KEYS[5]     aging index zset
@@ -16,16 +17,15 @@ local now = tonumber(ARGV[1])
 local moved = {}
 for i = 7, #KEYS do
     local job_key, job_id = KEYS[i], ARGV[i - 5]
-    local f = redis.call('HMGET', job_key, 'state', 'tier', 'enqueued_at_ms')
-    local rank = f[2] and tonumber(string.sub(f[2], 2))
-    if f[1] == 'queued' and rank and rank >= 2 and redis.call('ZREM', KEYS[rank + 1], job_id) == 1 then
-        redis.call('ZADD', KEYS[2], f[3], job_id)
-        redis.call('HSET', job_key, 'tier', 'P1', 'tier_since_ms', now, 'promoted_at_ms', now)
-        redis.call('ZREM', KEYS[5], job_id)  -- P1 does not age
+    local f = redis.call('HMGET', job_key, 'state', 'tier', 'promise_at_ms', 'enqueued_at_ms')
+    if f[1] == 'queued' and f[2] == 'P3' and f[3] and redis.call('ZREM', KEYS[4], job_id) == 1 then
+        redis.call('ZADD', KEYS[3], f[4], job_id)
+        redis.call('HSET', job_key, 'tier', 'P2', 'tier_since_ms', now, 'promoted_at_ms', now)
+        redis.call('ZADD', KEYS[5], now, job_id)  -- P2 ages on, from now
         moved[#moved + 1] = job_id
         moved[#moved + 1] = f[2]
     end
-    -- Promoted, aged into P1 already, claimed, or finished: the entry has done its work either way.
+    -- Promoted, aged out of P3 already, claimed, or finished: the entry has done its work either way.
     redis.call('ZREM', KEYS[6], job_id)
 end
 return moved

@@ -181,8 +181,8 @@ class _Analyser:
                                          "after_queued_s": round((ev.time_ns - q.start_ns) / 1e9, 9)}))
                 elif ev.name == "promised start":  # gateway/promises.py: no newer job went first from then on
                     at = self.rel(ev.time_ns)
-                    add(3, Cause(at, "promise", f"its promised start fell due at +{at:.1f} s: moved to P1, ahead of "
-                                 "every job admitted after it", detail={
+                    add(3, Cause(at, "promise", f"its promised start fell due at +{at:.1f} s: moved to P2, ahead of "
+                                 "every P2 admitted after it", detail={
                                      "to_tier": attr_str(ev.attributes.get("to_tier")),
                                      "after_queued_s": round((ev.time_ns - q.start_ns) / 1e9, 9)}))
 
