@@ -116,8 +116,8 @@ def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_
 def test_a_promise_keeps_p2s_admitted_later_from_overtaking_a_p3_past_its_estimate(tiny_model_dir, tmp_path):
     # With promises on (the default). The one slot holds a P2 blocker, so every job waits for it to free. Once its
     # estimate is up, the P3 under test moves to the P2 queue with its enqueue time, ahead of the P2s admitted after
-    # it, and takes the next slot that frees: only the P2 that slot may already have gone to goes first (promotions
-    # run in the gateway's maintenance pass). Without the promise, all twelve would have gone first.
+    # it, and takes the next slot that frees (promotions run in the gateway's maintenance pass). Without the
+    # promise, all twelve would have gone first.
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1) as c:
         batch, lab = client(c, "batch-co"), client(c, "lab-co")
         blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=100, tier="P2", ignore_eos=True)
@@ -130,9 +130,13 @@ def test_a_promise_keeps_p2s_admitted_later_from_overtaking_a_p3_past_its_estima
         h = job_hash(c, p3.id)
         assert int(h["promise_at_ms"]) <= int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
         assert h["tier"] == "P2" and h["tier_granted"] == "P3"
-        ahead = [o.id for o in overtakers if int(job_hash(c, o.id).get("dispatched_at_ms") or 2**62)
-                 < int(h["dispatched_at_ms"])]
-        assert len(ahead) <= 1, ahead
+        sent = [int(job_hash(c, o.id).get("dispatched_at_ms") or 2**62) for o in overtakers]
+        # From its promotion on, no P2 admitted after it went first (one dispatch may have been under way then).
+        promoted, started = int(h["promoted_at_ms"]), int(h["dispatched_at_ms"])
+        assert sum(promoted < t < started for t in sent) <= 1, (promoted, started, sent)
+        # How many went before that depends on how far the estimate (so the promise) is off on this machine, but
+        # most of the twelve, 200 tokens each, are still to go.
+        assert sum(t < started for t in sent) <= 6, (promoted, started, sent)
         for j in overtakers:
             batch.cancel(j.id)
 
