@@ -216,6 +216,9 @@ class WorkerLoad:
     # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
     # max_tokens, bit mask of tiers that may preempt it]: the work ahead of new jobs, for wait estimates.
     work: dict[str, list[int]] = field(default_factory=dict)
+    # Seconds from building this report to sending it (the heartbeat thread sends the latest one, up to a
+    # heartbeat old): with the time since it came, how far the running work has got past what ``work`` says.
+    age_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, 
 from gateway.timeutil import time_ms
 from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
+# A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
+MAX_REPORT_AGE_S = 5.0
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
 FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
 ARRIVAL_TAU_S = 30.0
@@ -118,7 +120,7 @@ class WaitEstimator:
         return [[(i.decode(), s) for i, s in ids] for ids in found[0::2]], found[1::2], time_ms(clock)
 
     def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float) -> float:
-        views = self._worker_views()
+        views = self._worker_views(now)
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
         per_queue, counts, now_ms = self._queued(tier, score)
@@ -153,7 +155,7 @@ class WaitEstimator:
         return Work(info.tier, info.prompt_tokens if prefill is None else prefill,
                     self.lengths.expected(info.tenant, info.tier, info.max_tokens, generated))
 
-    def _worker_views(self) -> list[WorkerView]:
+    def _worker_views(self, now: float) -> list[WorkerView]:
         ws = list(self.workers.workers.values())
         measured = [(w.load.prefill_tps, w.load.decode_tps) for w in ws
                     if w.load is not None and w.load.prefill_tps > 0 and w.load.decode_tps > 0]
@@ -166,13 +168,16 @@ class WaitEstimator:
             rates = (Rates(load.prefill_tps, load.decode_tps) if load is not None and load.prefill_tps > 0
                      and load.decode_tps > 0 else default)
             held = []
+            # The running work has gone on since the report was built: its age when sent, and since it came.
+            age = report_age_s(load, w.load_at, now) if load is not None else 0.0
             for job_id, entry in (load.work.items() if load is not None else ()):
                 if len(entry) < 6 or not 0 <= entry[0] < len(ALL_TIERS):
                     continue  # a malformed entry from a worker: leave it out rather than guess
                 rank, status, prefill, generated, max_tokens, mask = entry[:6]
                 known = self._jobs.get(job_id)
                 info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
-                held.append(Held(self._work(info, generated, prefill), status, mask))
+                work = self._work(info, generated, prefill)
+                held.append(Held(advanced(work, rates, age) if status == RUNNING else work, status, mask))
             for job_id in w.pending:  # sent since its last report: it starts as soon as it arrives
                 if job_id in pending:
                     info = pending[job_id]
@@ -199,6 +204,20 @@ class WaitEstimator:
                 self._remember(i, info)
                 out[i] = info
         return out
+
+
+def report_age_s(load, received_at: float, now: float) -> float:
+    """How long ago a worker built ``load``: its age when sent (a finite, bounded one) plus the time since it came."""
+    sent = load.age_s if isinstance(load.age_s, (int, float)) and math.isfinite(load.age_s) else 0.0
+    return min(MAX_REPORT_AGE_S, max(0.0, sent) + max(0.0, now - received_at))
+
+
+def advanced(work: Work, rates: Rates, seconds: float) -> Work:
+    """``work`` after running ``seconds`` more at ``rates``: prefill first, then decode; never below nothing."""
+    prefill_s = work.prefill / rates.prefill_tps
+    if seconds <= prefill_s:
+        return Work(work.tier, work.prefill - seconds * rates.prefill_tps, work.decode)
+    return Work(work.tier, 0.0, max(0.0, work.decode - (seconds - prefill_s) * rates.decode_tps))
 
 
 def _relative_s(at_ms: int | None, now_ms: int) -> float:

@@ -22,6 +22,7 @@ class WorkerState:
     load: WorkerLoad | None = None
     # Jobs sent but not yet listed in a load report: they use credit the report does not know about.
     pending: set[str] = field(default_factory=set)
+    load_at: float = 0.0  # when the latest load report came (this gateway's clock)
 
     @property
     def credit(self) -> int:
@@ -61,7 +62,7 @@ class WorkerRegistry:
         w = self.workers.get(msg.worker_id)
         if w is None:
             return False  # unknown: it must say hello first
-        w.load, w.last_seen = msg, now
+        w.load, w.last_seen, w.load_at = msg, now, now
         w.pending -= set(msg.job_ids)
         return True
 

@@ -183,18 +183,19 @@ def test_the_estimator_reads_other_gateways_promises(queue):
     from gateway.wait_estimator import WaitEstimator
     from gateway.workers import WorkerRegistry
 
+    now_ms = queue.server_ms()
+
     class Load:  # what a worker's report carries, for a registry entry built here
-        prefill_tps, decode_tps, work = 1000.0, 100.0, {"x": (3, RUNNING, 0, 0, 100, 0)}
+        prefill_tps, decode_tps, work, age_s = 1000.0, 100.0, {"x": (3, RUNNING, 0, 0, 100, 0)}, 0.0
 
     class Hello:
         worker_id, max_num_seqs = "w", 1
 
     class W:
-        hello, load, pending = Hello, Load, set()
+        hello, load, pending, load_at = Hello, Load, set(), now_ms / 1000
 
     registry = WorkerRegistry(5.0)
     registry.workers["w"] = W
-    now_ms = queue.server_ms()
     payload = msgpack.packb({"prompt_token_ids": [1], "max_tokens": 300})
     queue.admit(job_id="theirs", tenant="acme", tier_requested=P3, tier=P3, payload=payload, idempotency_key=None,
                 quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS}, estimate_s=1.0, promise_s=0.0,
@@ -202,3 +203,7 @@ def test_the_estimator_reads_other_gateways_promises(queue):
     est = WaitEstimator(queue, registry, lambda: now_ms / 1000)
     # The slot frees at 1 s; the older P3, promised and due, goes first (3 s), then a new P2.
     assert est.for_new("acme", P2, now_ms / 1000) == pytest.approx(4.0, abs=0.1)
+    # Half a second later, with no new report, the running job has gone on: half a second less.
+    Load.age_s = 0.2
+    W.load_at -= 0.3
+    assert est.for_new("acme", P2, now_ms / 1000) == pytest.approx(3.5, abs=0.1)

@@ -93,3 +93,19 @@ def test_jobs_aged_into_a_higher_queue_count_as_that_queues_jobs(server, monkeyp
     monkeypatch.undo()
     assert exact == pytest.approx(1.1 * len(jobs) / 2, rel=1e-3)
     assert est.for_new("t", Tier.P3, NOW) == pytest.approx(exact, rel=0.01)
+
+
+def test_a_reports_age_advances_its_running_work_and_a_bad_age_is_bounded():
+    from types import SimpleNamespace
+
+    from gateway.wait_estimator import MAX_REPORT_AGE_S, advanced, report_age_s
+
+    rates = Rates(prefill_tps=1000.0, decode_tps=100.0)
+    assert advanced(Work(Tier.P3, 100, 100), rates, 0.05) == Work(Tier.P3, 50, 100)
+    assert advanced(Work(Tier.P3, 100, 100), rates, 0.2) == Work(Tier.P3, 0.0, 90)  # 0.1 s of prefill, then decode
+    assert advanced(Work(Tier.P3, 100, 100), rates, 100.0) == Work(Tier.P3, 0.0, 0.0)  # done: nothing left
+    assert report_age_s(SimpleNamespace(age_s=0.25), 10.0, 10.5) == pytest.approx(0.75)
+    for bad in (math.nan, math.inf, -3.0, "x"):  # from a broken worker: not believed
+        assert report_age_s(SimpleNamespace(age_s=bad), 10.0, 10.5) == pytest.approx(0.5)
+    assert report_age_s(SimpleNamespace(age_s=1e9), 10.0, 10.5) == MAX_REPORT_AGE_S
+    assert report_age_s(SimpleNamespace(age_s=0.0), 10.0, 9.0) == 0.0  # a clock step back: no negative age

@@ -240,8 +240,9 @@ class WorkerService:
 
     def _beat(self) -> None:
         if self._snapshot is not None:
+            report = replace(self._snapshot, age_s=max(0.0, self.clock() - self._snapshot_at))
             for s in self.sockets:
-                self._send(s, self._snapshot)
+                self._send(s, report)
 
     def _refresh_snapshot(self, now: float) -> None:
         """The load report the heartbeat thread sends until the next refresh (built here: engine state
