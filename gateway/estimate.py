@@ -19,7 +19,8 @@ that exist (no job-count rates, no floors):
   job's wait ends at the first slot it is first in line for;
 - aging moves a P2 or P3 job up a tier each aging interval with its enqueue time, so from then
   on it is ahead of every newer job of its new tier, and an older P3 that ages into a P2
-  job's tier goes ahead of it;
+  job's tier goes ahead of it; a P3 whose promised start falls due (gateway/promises.py)
+  moves to P2 then, as if it had aged early, and every queued job's promise is replayed;
 - a job holds a slot for prompt / prefill rate + expected output / decode rate, with the
   per-sequence rates each worker measured (worker/calibration.py, in every heartbeat).
 - a job's prefill starts a hand-off after its slot is free, and the job holds the slot from then
@@ -126,7 +127,7 @@ class Queued:
 
     work: Work
     enqueued_s: float  # when it was admitted, relative to now (<= 0): its place in line, kept by aging
-    # When its promise falls due, relative to now (a P3's): from then on it is in the P2 queue, placed by that time.
+    # When its promise falls due, relative to now (a P3's): from then on it is in the P2 queue, by its enqueue time.
     promoted_s: float = math.inf
 
 
@@ -366,10 +367,10 @@ class _Line:
             if head is not None and (key := (head[2], head[0])) <= best_key:
                 best, best_key = tier, key
         if not preempting:  # a promoted job waits for a free slot, as the tier it was admitted at
-            promised = self._promised_head(t)
-            if promised is not None and promised[0] <= best_key:
-                self.taken.add(promised[1])
-                return promised[2].work
+            first = self._promised_head(t)
+            if first is not None and first[0] <= best_key:
+                self.taken.add(first[1])
+                return first[2].work
         if best is None:
             return None
         if self.heads[best]:
