@@ -282,11 +282,10 @@ class _Line:
     def moves_at(self, t: float) -> float:
         """When, after ``t``, the job next moves up a queue (by aging or its promise); inf: never."""
         rank = self.rank(t)
-        times = []
         if promised(self.tier, self.enqueued_s, self.aging, self.promoted_s):  # promised, then aged on
-            times = [self.promoted_s, self.promoted_s + self.aging] if self.aging < math.inf else [self.promoted_s]
-        elif rank > self.final:
-            times = [self.enqueued_s + (self.tier.rank - rank + 1) * self.aging]
+            times = [self.promoted_s, self.promoted_s + self.aging]
+        else:
+            times = [self.enqueued_s + (self.tier.rank - rank + 1) * self.aging] if rank > self.final else []
         return min((x for x in times if x > t), default=math.inf)
 
     def _due(self, t: float) -> None:
@@ -298,7 +297,6 @@ class _Line:
 
     def _head(self, tier: Tier, t: float) -> tuple[float, Work, int] | None:
         heads = self.heads[tier]
-        self._due(t)
         while heads and (heads[0][0] in self.taken or self._promoted(heads[0][1], t)):  # promoted: in that line
             heads.popleft()
         if heads:
@@ -320,7 +318,6 @@ class _Line:
     def _promised_head(self, t: float) -> tuple[tuple[int, float], int, Queued] | None:
         """The first of the promoted jobs at ``t`` (the oldest: all are in P2 or, aged on, P1): (its place in
         line, key, job)."""
-        self._due(t)
         while self.promised and self.promised[0][1] in self.taken:
             heapq.heappop(self.promised)
         if not self.promised:
@@ -361,6 +358,7 @@ class _Line:
         """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
         ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
         in line for it."""
+        self._due(t)  # before the heads: a promoted one leaves its deque for the promoted line
         best, best_key = None, (self.rank(t), self.enqueued_s)
         for tier in (PREEMPTING_TIERS if preempting else ALL_TIERS):
             head = self._head(tier, t)

@@ -24,8 +24,7 @@ from __future__ import annotations
 import math
 
 from common.tiers import Tier
-
-PROMISED_TIERS = (Tier.P3,)
+from gateway.estimate import PROMISED_TIER
 
 
 def check(factor: float, lead_s: float) -> None:
@@ -37,6 +36,6 @@ def check(factor: float, lead_s: float) -> None:
 def promise_s(tier: Tier, estimate_s: float | None, factor: float, lead_s: float) -> float | None:
     """Seconds from admission until the job's promised start falls due; None: no promise (not a P3, promises
     off, or no estimate to promise on, as before any worker reported)."""
-    if tier not in PROMISED_TIERS or factor <= 0 or estimate_s is None or not math.isfinite(estimate_s):
+    if tier is not PROMISED_TIER or factor <= 0 or estimate_s is None or not math.isfinite(estimate_s):
         return None
     return max(0.0, factor * estimate_s - lead_s)
