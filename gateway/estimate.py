@@ -7,10 +7,11 @@ that exist (no job-count rates, no floors):
   may not preempt (a P2 waits behind running P3 work; a P0 does not, it preempts it). Work
   waiting in a worker that has a free slot for it starts in the worker's next step: it counts
   as running;
-- held work that will start before the job takes the slot that frees first. P0 and P1 go to a
-  full worker and preempt there, so only held work of their tier or higher starts before them;
-  P2 and P3 go only where a slot is free, after all held work (a suspended job holds its
-  slot's credit). A slot a P0 or P1 takes by preemption is not one for the jobs aged up into
+- held work that will start before the job takes the slot that frees first. A suspended job
+  holds its slot's credit, so it resumes there before any new dispatch: P2 and P3 go after all
+  held work; a P0 or P1 only after held work it may not preempt (a P1 behind a P2 a P0
+  suspended; held P3 work it would preempt as soon as it resumed, so it goes first in effect).
+  A slot a P0 or P1 takes by preemption is not one for the jobs aged up into
   P1 ahead of it: they preempt as the tier they were admitted at (not at all), so they wait
   for a slot that frees, as the dispatcher has them;
 - then, each time a slot frees, the queues hand it to their first job, as Redis would: the
@@ -91,13 +92,20 @@ class Held:
     status: int  # RUNNING, SUSPENDED or WAITING
     preemptible_by: int  # bit mask of tier ranks that may preempt it
 
+    def yields_to(self, tier: Tier) -> bool:
+        """May a job of ``tier`` preempt this work?"""
+        return tier in PREEMPTING_TIERS and bool((self.preemptible_by >> tier.rank) & 1)
+
     def blocks(self, tier: Tier) -> bool:
         """Does this running work keep ``tier`` out of its slot until it ends?"""
-        return self.status == RUNNING and not (tier in PREEMPTING_TIERS and (self.preemptible_by >> tier.rank) & 1)
+        return self.status == RUNNING and not self.yields_to(tier)
 
     def goes_before(self, tier: Tier) -> bool:
-        """Held but not running, and will start first (a suspended job resumes before new work of its tier)."""
-        return self.status != RUNNING and (tier not in PREEMPTING_TIERS or self.work.tier.rank <= tier.rank)
+        """Held but not running, and will start first: it holds its slot's credit, so it resumes in the first
+        slot that frees there, unless the job may preempt it (a P1 waits behind a suspended P2 that resumes;
+        a suspended P3 it would preempt at once, so it goes first in effect; a suspended job resumes before new
+        work of its tier)."""
+        return self.status != RUNNING and not self.yields_to(tier)
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 bench_estimate.py judges the real cluster, one 500-job replay in about six minutes. This runs the
 same arrivals (the same tiers, tokens and --load pacing) through a small reference simulation of
-dispatch (slots, Redis order: tier then age, aging every --aging-interval; job durations from
-the given per-sequence rates; no preemption, so P0/P1 wait for a free slot like the rest) and
+dispatch (scripts/offline_dispatch.py: slots, Redis order: tier then age, aging every
+--aging-interval; P0/P1 preempting running P2/P3 work, unless --no-preempt; job durations from
+the given per-sequence rates) and
 asks gateway/estimate.py's wait_s, at every arrival, with the state the simulation had then and
 a forecast of the arrivals to come:
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import heapq
 import math
 import random
 import statistics
@@ -45,45 +45,13 @@ sys.path.insert(0, str(ROOT))
 from common.tiers import Tier  # noqa: E402
 from gateway import promises  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, rank_at, wait_s  # noqa: E402
+from gateway.estimate import Arrivals, Held, Queued, Rates, Work, WorkerView, wait_s  # noqa: E402
 from gateway.wait_learning import ArrivalRates  # noqa: E402
 from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
+from scripts.offline_dispatch import simulate  # noqa: E402
 
 SECONDS = Rates(prefill_tps=math.inf, decode_tps=1.0)  # Work(decode=s) holds a slot for s seconds
 FORECASTS = ("rates", "exact", "oracle", "none")
-
-
-def simulate(jobs: list[dict], slots: int, aging_s: float, dur, on_arrival=None, noise: float = 0.0,
-             seed: int = 0) -> dict[int, float]:
-    """Each job's wait. ``on_arrival(job, busy, queued)``, called as each job comes with the rest of the slots'
-    work (as the model's rates see it) and the jobs queued, returns when its promise falls due (inf: none).
-    ``noise``: each job holds its slot dur x a lognormal factor of this sigma (the rates predict only the mean)."""
-    rng = random.Random(seed)
-    spread = {j["i"]: math.exp(rng.gauss(0.0, noise)) if noise else 1.0 for j in jobs}
-    free = [(0.0, 1.0)] * slots  # heap of (when the slot frees, the spread of the job there)
-    queue: list[dict] = []
-    waits: dict[int, float] = {}
-
-    def dispatch_until(limit: float) -> None:
-        while queue and free[0][0] <= limit:
-            t = free[0][0]
-            job = min(queue, key=lambda j: (rank_at(Tier(j["tier"]), j["at"], t, aging_s, j["promise"]), j["at"]))
-            queue.remove(job)
-            waits[job["i"]] = t - job["at"]
-            heapq.heapreplace(free, (t + dur(job) * spread[job["i"]], spread[job["i"]]))
-
-    for job in jobs:
-        now = job["at"]
-        dispatch_until(now)
-        free = [(max(f, now), x) for f, x in free]  # an idle slot is free from now
-        heapq.heapify(free)
-        job["promise"] = math.inf
-        if on_arrival is not None:
-            job["promise"] = on_arrival(job, [(f - now) / x for f, x in free], list(queue))
-        queue.append(job)
-        dispatch_until(now)
-    dispatch_until(math.inf)
-    return waits
 
 
 def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
@@ -91,7 +59,7 @@ def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
     arrival with the chosen forecast, and (--promise-factor) the promise made from it kept."""
     estimates: dict[int, float] = {}
     on_arrival = estimator(jobs, a, dur, estimates)
-    waits = simulate(jobs, a.slots, a.aging_interval, dur, on_arrival, a.noise, a.seed)
+    waits = simulate(jobs, a.slots, a.aging_interval, dur, on_arrival, a.noise, a.seed, a.preempt)
     return [(j["tier"], estimates[j["i"]], waits[j["i"]]) for j in jobs if j.get("judged", True)]
 
 
@@ -99,9 +67,9 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
     """The on_arrival hook of simulate(): each job's estimate into ``out``; returns its promise's due time."""
     rates = ArrivalRates(a.tau, jobs[0]["at"])
 
-    def on_arrival(job: dict, busy: list[float], queued: list[dict]) -> float:
+    def on_arrival(job: dict, held: list[Held], queued: list[dict]) -> float:
         tier, now = Tier(job["tier"]), job["at"]
-        view = WorkerView(a.slots, SECONDS, [Held(Work(Tier.P3, 0, f), RUNNING, 0) for f in busy if f > 0])
+        view = WorkerView(a.slots, SECONDS, held)
         line = [Queued(Work(Tier(q["tier"]), 0, dur(q)), q["at"] - now, q["promise"] - now) for q in queued]
         arrivals: list[Arrivals] = []
         if a.forecast == "rates":
@@ -184,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--promise-factor", type=float, default=defaults.promise_factor,
                     help="P3 promises as the gateway makes them (gateway/promises.py); 0: none")
     ap.add_argument("--promise-lead", type=float, default=defaults.promise_lead_s)
+    ap.add_argument("--preempt", action=argparse.BooleanOptionalAction, default=True,
+                    help="P0/P1 preempt running P2/P3 work as on the cluster (scripts/offline_dispatch.py); "
+                         "--no-preempt: they wait for a free slot like the rest")
     ap.add_argument("--noise", type=float, default=0.0,
                     help="sigma of a lognormal spread of each job's time in its slot around the rates' prediction")
     return ap

@@ -59,6 +59,16 @@ def test_held_work_that_starts_first_counts_lower_tiers_do_not():
     assert wait_s(P1, [w], []) == pytest.approx(2.0)
 
 
+def test_a_p1_waits_behind_a_suspended_job_it_may_not_preempt_which_resumes_in_the_first_free_slot():
+    # A P0 preempted a P2 here. The suspended P2 holds its slot's credit, so when the P0 ends the worker resumes
+    # it, and a P1 (which may not preempt a P2) gets no slot until the P2 ends too.
+    w = WorkerView(1, RATES, [running(P0, 100), Held(Work(P2, 0, 200), SUSPENDED, BY_P0),
+                              Held(Work(P3, 0, 500), SUSPENDED, BY_P0_P1)])
+    assert wait_s(P1, [w], []) == pytest.approx(3.0)  # the P0, then the P2; the P3 it would preempt at once
+    assert wait_s(P0, [w], []) == pytest.approx(1.0)  # a P0 preempts the P2 as soon as it resumes
+    assert wait_s(P2, [w], []) == pytest.approx(8.0)  # and a P2 waits for all of it
+
+
 def test_slots_of_several_workers_and_their_own_rates():
     slow = WorkerView(1, Rates(1000.0, 10.0), [running(P3, 100)])  # free at 10 s
     fast = WorkerView(1, RATES, [running(P3, 100)])  # free at 1 s
