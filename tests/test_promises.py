@@ -207,3 +207,55 @@ def test_the_estimator_reads_other_gateways_promises(queue):
     Load.age_s = 0.2
     W.load_at -= 0.3
     assert est.for_new("acme", P2, now_ms / 1000) == pytest.approx(3.5, abs=0.1)
+
+
+def test_a_flood_of_due_promises_moves_at_most_a_pass_s_limit_each_pass_and_every_job_exactly_once(queue, keys):
+    n = 1234  # more than two passes' worth (SWEEP_LIMIT 500)
+    for k in range(n):
+        admit(queue, f"j{k:04d}", P3, now_ms=T0 + k, promise_s=0.0)  # due at once
+    client = queue.client
+    assert client.zcard(keys.promises) == n
+    moved: list[str] = []
+    passes = 0
+    while batch := queue.promote(T0 + 10**5):
+        passes += 1
+        assert len(batch) <= 500 and all(left is P3 for _, left in batch)
+        moved += [job_id for job_id, _ in batch]
+    assert passes == 3 and len(moved) == len(set(moved)) == n
+    assert client.zcard(keys.promises) == 0 and client.zcard(keys.queue(P3)) == 0
+    assert client.zcard(keys.queue(P2)) == n and client.zcard(keys.aging) == n
+    # In P2 by their enqueue scores: still oldest first.
+    assert queue.peek([P2], n) == [f"j{k:04d}" for k in range(n)]
+
+
+def test_two_gateways_promoting_the_same_due_jobs_at_once_move_each_once(server, keys):
+    import threading
+
+    clients = [server.client() for _ in range(3)]
+    first, *gateways = [RedisQueue(c, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S) for c in clients]
+    n = 600
+    for k in range(n):
+        admit(first, f"j{k:04d}", P3, now_ms=T0 + k, promise_s=0.0)
+    moved: list[list[str]] = [[], []]
+    go = threading.Barrier(2)
+
+    def sweep(i: int) -> None:
+        go.wait()
+        while batch := gateways[i].promote(T0 + 10**5, limit=50):  # small passes: many chances to collide
+            moved[i] += [job_id for job_id, _ in batch]
+
+    threads = [threading.Thread(target=sweep, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    both = moved[0] + moved[1]
+    assert len(both) == len(set(both)) == n  # none moved twice, none missed
+    assert first.client.zcard(keys.queue(P2)) == n and first.client.zcard(keys.queue(P3)) == 0
+    assert first.client.zcard(keys.aging) == n and first.client.zcard(keys.promises) == 0
+    for k in range(0, n, 97):
+        job = first.get(f"j{k:04d}")
+        assert job.tier == P2 and "promoted_at_ms" in job.result
+    for c in clients:
+        c.close()

@@ -1,0 +1,180 @@
+"""The line the wait model replays (gateway/estimate.py): who is first when a slot frees, with aging, promises and
+the arrivals to come; and, past the replayed dispatches, the rest of the wait spread over all the slots."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+
+from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
+from gateway.estimate_types import (MAX_RHO, PROMISED_RANK, PROMISED_TIER, Arrivals, Queued, Rates, Work, WorkerView,
+                                    promised, rank_at)
+
+
+def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
+    """When the job gets a slot, past the replayed dispatches: the work still ahead of it (the slots' rest, the
+    queued jobs still in line, the arrivals due by now that overtake it) and the arrivals that overtake it from
+    now on, at the mean rates, drained by all the slots; in phases, as aging moves the job up a tier. Queued
+    jobs of other tiers all count as ahead (where they can pass it at all): with a queue this deep, the older
+    ones age with the job and the newer ones of higher tiers mostly go before it ages up to them."""
+    t = min(free_at)
+    slots = len(free_at)
+    rank = line.rank(t)
+    backlog = sum(f - t for f in free_at) + line.backlog_s(t, rank, unread)
+    while True:
+        overtaking = line.overtaking_s(rank)  # slot-seconds of work arriving per second, ahead of the job
+        ages_at = line.moves_at(t)
+        drain = slots - overtaking
+        done_at = t + backlog / drain if drain > 0 else math.inf
+        if done_at <= ages_at:
+            return done_at
+        backlog -= (ages_at - t) * drain  # grows where the arrivals outpace the slots
+        t, rank = ages_at, line.rank(ages_at)
+
+
+class Line:
+    """Who is first in line at a given time: the queues by tier, oldest first, with aging; arrivals join
+    at the back of their tier. Per tier admitted, jobs not yet promoted stay in age order (the older one has
+    aged at least as far), so the first in line is one of the per-tier heads or the oldest promoted job."""
+
+    def __init__(self, tier: Tier, enqueued_s: float, queued: Iterable[Queued], arrivals: Iterable[Arrivals],
+                 workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None,
+                 promoted_s: float = math.inf) -> None:
+        self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
+        self.promoted_s = promoted_s if tier is PROMISED_TIER else math.inf
+        by_tier: dict[Tier, list[tuple[int, Queued]]] = {t: [] for t in ALL_TIERS}
+        for key, q in enumerate(queued):  # keyed by place: a job may be given twice
+            by_tier[q.work.tier].append((key, q))
+        self.heads = {t: deque(sorted(qs, key=lambda e: e[1].enqueued_s)) for t, qs in by_tier.items()}
+        # Promises falling due, in the order they do (those that move a job); the jobs they moved by the time asked,
+        # oldest first (a heap); and the jobs taken out of line (lazily out of their tier's deque).
+        self.promises = deque(sorted((q.promoted_s, key, q) for key, q in by_tier[PROMISED_TIER]
+                                     if promised(PROMISED_TIER, q.enqueued_s, aging_interval_s, q.promoted_s)))
+        self.promised: list[tuple[float, int, Queued]] = []
+        self.taken: set[int] = set()
+        # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
+        streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
+        # The queue it ends in, aged (or promoted) as far as it goes; arrivals of the tiers above that overtake it
+        # for good: capped (see MAX_RHO).
+        final = self.final = (1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else
+                              PROMISED_RANK if math.isfinite(self.promoted_s) else tier.rank)
+        slots = sum(w.slots for w in workers)
+        self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
+                                 sum(w.rates.decode_tps * w.slots for w in workers) / slots)
+        for_good = sum(a.per_s * mean.seconds(a.work.prefill, a.work.decode) for a in streams
+                       if a.work.tier.rank < final)
+        scale = min(1.0, MAX_RHO * slots / for_good) if for_good > 0 else 1.0
+        self.streams = {a.work.tier: (a.work, a.per_s * (scale if a.work.tier.rank < final else 1.0))
+                        for a in streams}
+        self.arrived = dict.fromkeys(self.streams, 0)  # arrivals of each tier dispatched so far
+        self.rng = rng  # drawn futures: when each tier's next one comes
+        self.drawn = {t: rng.expovariate(per_s) for t, (_, per_s) in self.streams.items()} if rng else {}
+
+    def rank(self, t: float) -> int:
+        """The queue the job is in at ``t``."""
+        return rank_at(self.tier, self.enqueued_s, t, self.aging, self.promoted_s)
+
+    def moves_at(self, t: float) -> float:
+        """When, after ``t``, the job next moves up a queue (by aging or its promise); inf: never."""
+        rank = self.rank(t)
+        if promised(self.tier, self.enqueued_s, self.aging, self.promoted_s):  # promised, then aged on
+            times = [self.promoted_s, self.promoted_s + self.aging]
+        else:
+            times = [self.enqueued_s + (self.tier.rank - rank + 1) * self.aging] if rank > self.final else []
+        return min((x for x in times if x > t), default=math.inf)
+
+    def _due(self, t: float) -> None:
+        """Promises due by ``t`` join the promoted line."""
+        while self.promises and self.promises[0][0] <= t:
+            _, key, q = self.promises.popleft()
+            if key not in self.taken:
+                heapq.heappush(self.promised, (q.enqueued_s, key, q))
+
+    def _head(self, tier: Tier, t: float) -> tuple[float, Work, int] | None:
+        heads = self.heads[tier]
+        while heads and (heads[0][0] in self.taken or self._promoted(heads[0][1], t)):  # promoted: in that line
+            heads.popleft()
+        if heads:
+            q = heads[0][1]
+            if q.enqueued_s > t:
+                return None  # a job not yet admitted waits its turn
+            return q.enqueued_s, q.work, rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s)
+        if tier in self.streams:
+            work, per_s = self.streams[tier]
+            # The k-th to come k gaps from now, as a Poisson stream has it on average; or one drawn future.
+            at = self.drawn[tier] if self.rng else (self.arrived[tier] + 1) / per_s
+            if at <= t:
+                return at, work, tier.rank
+        return None
+
+    def _promoted(self, q: Queued, t: float) -> bool:
+        return t >= q.promoted_s and promised(q.work.tier, q.enqueued_s, self.aging, q.promoted_s)
+
+    def _promised_head(self, t: float) -> tuple[tuple[int, float], int, Queued] | None:
+        """The first of the promoted jobs at ``t`` (the oldest: all are in P2 or, aged on, P1): (its place in
+        line, key, job)."""
+        while self.promised and self.promised[0][1] in self.taken:
+            heapq.heappop(self.promised)
+        if not self.promised:
+            return None
+        _, key, q = self.promised[0]
+        return (rank_at(PROMISED_TIER, q.enqueued_s, t, self.aging, q.promoted_s), q.enqueued_s), key, q
+
+    def passes(self, tier: Tier) -> bool:
+        """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
+        and never into P0."""
+        return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and (math.isfinite(self.aging) or
+                                                                        bool(self.promises or self.promised)))
+
+    def backlog_s(self, t: float, rank: int, unread: Mapping[Tier, tuple[int, Work]]) -> float:
+        """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
+        ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
+        dispatched yet."""
+        still = {key: q for tier, qs in self.heads.items() if self.passes(tier) for key, q in qs}
+        if self.passes(PROMISED_TIER):
+            still.update((key, q) for _, key, q in self.promised)  # promoted: out of their deque, maybe
+        total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for key, q in still.items()
+                    if key not in self.taken)
+        total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
+                     if n > 0 and self.passes(queue))
+        for tier, (work, per_s) in self.streams.items():
+            if tier.rank < rank:
+                due = (1 + (t - self.drawn[tier]) * per_s if self.drawn[tier] <= t else 0) if self.rng else \
+                    math.floor(t * per_s) - self.arrived[tier]
+                total += max(0, due) * self.mean.seconds(work.prefill, work.decode)
+        return total
+
+    def overtaking_s(self, rank: int) -> float:
+        """Slot-seconds a second of the arrivals that overtake the job while it is in queue ``rank``."""
+        return sum(per_s * self.mean.seconds(work.prefill, work.decode)
+                   for tier, (work, per_s) in self.streams.items() if tier.rank < rank)
+
+    def first_before_the_job(self, t: float, preempting: bool = False) -> Work | None:
+        """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
+        ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
+        in line for it."""
+        self._due(t)  # before the heads: a promoted one leaves its deque for the promoted line
+        best, best_key = None, (self.rank(t), self.enqueued_s)
+        for tier in (PREEMPTING_TIERS if preempting else ALL_TIERS):
+            head = self._head(tier, t)
+            if head is not None and (key := (head[2], head[0])) <= best_key:
+                best, best_key = tier, key
+        if not preempting:  # a promoted job waits for a free slot, as the tier it was admitted at
+            first = self._promised_head(t)
+            if first is not None and first[0] <= best_key:
+                self.taken.add(first[1])
+                return first[2].work
+        if best is None:
+            return None
+        if self.heads[best]:
+            key, q = self.heads[best].popleft()
+            self.taken.add(key)
+            return q.work
+        self.arrived[best] += 1
+        work, per_s = self.streams[best]
+        if self.rng:
+            self.drawn[best] += self.rng.expovariate(per_s)
+        return work

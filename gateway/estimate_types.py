@@ -1,0 +1,121 @@
+"""The wait model's data (gateway/estimate.py): the work workers hold, the queued jobs, the arrivals to come,
+and the queue a job is in as it ages or its promise falls due."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from common.tiers import PREEMPTING_TIERS, Tier
+
+RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
+# Who may preempt a job of each tier (a bit mask of tier ranks), by the default preemption matrix: for jobs not yet
+# on a worker, whose reports give the mask of the jobs they hold.
+PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
+# Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
+# slots: beyond it the wait has no finite expectation.
+MAX_RHO = 0.8
+# A P3 job whose promise falls due moves to the P2 queue (gateway/promises.py): it ages early, by its enqueue time.
+PROMISED_TIER, PROMISED_RANK = Tier.P3, 2
+
+
+@dataclass(frozen=True)
+class Rates:
+    prefill_tps: float  # per sequence
+    decode_tps: float  # per sequence
+
+    def seconds(self, prefill_tokens: float, decode_tokens: float) -> float:
+        return prefill_tokens / self.prefill_tps + decode_tokens / self.decode_tps
+
+
+@dataclass(frozen=True)
+class Work:
+    """One job's work still to do, in tokens."""
+
+    tier: Tier  # the tier it was admitted at: it preempts and ages from there
+    prefill: float
+    decode: float  # expected tokens still to generate
+
+
+@dataclass(frozen=True)
+class Held:
+    """Work a worker holds (WorkerLoad.work)."""
+
+    work: Work
+    status: int  # RUNNING, SUSPENDED or WAITING
+    preemptible_by: int  # bit mask of tier ranks that may preempt it
+
+    def yields_to(self, tier: Tier) -> bool:
+        """May a job of ``tier`` preempt this work?"""
+        return tier in PREEMPTING_TIERS and bool((self.preemptible_by >> tier.rank) & 1)
+
+    def blocks(self, tier: Tier) -> bool:
+        """Does this running work keep ``tier`` out of its slot until it ends?"""
+        return self.status == RUNNING and not self.yields_to(tier)
+
+    def goes_before(self, tier: Tier) -> bool:
+        """Held but not running, and will start first: it holds its slot's credit, so it resumes in the first
+        slot that frees there, unless the job may preempt it (a P1 waits behind a suspended P2 that resumes;
+        a suspended P3 it would preempt at once, so it goes first in effect; a suspended job resumes before new
+        work of its tier)."""
+        return self.status != RUNNING and not self.yields_to(tier)
+
+
+@dataclass
+class WorkerView:
+    slots: int
+    rates: Rates
+    held: list[Held] = field(default_factory=list)
+    # A job sent here starts this long after its slot freed (gateway/wait_learning.HandOffs): while the worker
+    # runs other work (it reads the job after the step in progress), and while it runs nothing.
+    handoff_s: float = 0.0
+    idle_handoff_s: float = 0.0
+
+    def next_step(self) -> list[Held]:
+        """The held work as the worker's next step leaves it: waiting work starts where a slot is free
+        (by tier, suspended first, as the scheduler takes it)."""
+        free = self.slots - sum(h.status == RUNNING for h in self.held)
+        if free <= 0:
+            return self.held
+        queued = sorted((h for h in self.held if h.status != RUNNING), key=lambda h: (h.work.tier.rank, h.status))
+        return ([h for h in self.held if h.status == RUNNING] + [replace(h, status=RUNNING) for h in queued[:free]]
+                + queued[free:])
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A job in the Redis queues."""
+
+    work: Work
+    enqueued_s: float  # when it was admitted, relative to now (<= 0): its place in line, kept by aging
+    # When its promise falls due, relative to now (a P3's): from then on it is in the P2 queue, by its enqueue time.
+    promoted_s: float = math.inf
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Jobs of one tier still to come: ``per_s`` a second, each a mean ``work``."""
+
+    work: Work
+    per_s: float
+
+
+def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:
+    """The queue a job admitted at ``tier`` is in at time ``t``: P2 and P3 move up one tier per aging
+    interval waited, up to P1, keeping their enqueue time (their place in line); a P3 whose promise falls due
+    (``promoted_s``) first moves to P2 then, as if it had aged early, and ages on from there."""
+    if tier.rank < 2:
+        return tier.rank
+    if promised(tier, enqueued_s, aging_interval_s, promoted_s):
+        if t < promoted_s:
+            return tier.rank
+        return PROMISED_RANK if t < promoted_s + aging_interval_s else 1
+    if not math.isfinite(aging_interval_s):
+        return tier.rank
+    return max(1, tier.rank - int((t - enqueued_s) // aging_interval_s))
+
+
+def promised(tier: Tier, enqueued_s: float, aging_interval_s: float, promoted_s: float) -> bool:
+    """Does the job's promise move it (a P3's, falling due before aging would move it anyway)?"""
+    return tier is PROMISED_TIER and promoted_s < enqueued_s + aging_interval_s
+
