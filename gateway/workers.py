@@ -55,8 +55,10 @@ class WorkerRegistry:
 
     def hello(self, msg: WorkerHello, identity: bytes, now: float) -> None:
         old = self.workers.get(msg.worker_id)
+        # A worker re-announces every few seconds: its latest report stays as it was, with when it came (its age
+        # advances the running work it lists, gateway/wait_estimator.report_age_s).
         self.workers[msg.worker_id] = WorkerState(msg, identity, now, old.load if old else None,
-                                                  old.pending if old else set())
+                                                  old.pending if old else set(), old.load_at if old else 0.0)
 
     def load(self, msg: WorkerLoad, now: float) -> bool:
         w = self.workers.get(msg.worker_id)

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the gateway's promised starts (promise_factor; 0: off; default: the gateway's own, on)")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
+    ap.add_argument("--spans", type=Path,
+                    help="keep the cluster's spans here (OTLP-JSON lines, for scripts/explain.py REQUEST_ID --spans); "
+                         "off by default: tracing costs the workers CPU, so the load a run offers shifts")
     args = ap.parse_args(argv)
     if len(args.mix.split(",")) != 4:
         ap.error("--mix takes four shares: P0,P1,P2,P3")
@@ -242,13 +245,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from scripts.up import Cluster, cluster_args
 
-    os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
+    if args.spans is None:
+        os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
+    else:
+        for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT"):  # up.py's file exporter, not these
+            os.environ.pop(name, None)
     if args.bias_correction is not None:
         os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "true" if args.bias_correction else "false"
     if args.promise_factor is not None:
         os.environ["TS_GATEWAY_PROMISE_FACTOR"] = repr(args.promise_factor)
     cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
-                                   ready_timeout=180.0, http=False))
+                                   ready_timeout=180.0, http=False, spans_file=args.spans))
     finished = False
     try:
         state = cluster.start()

@@ -109,3 +109,19 @@ def test_a_reports_age_advances_its_running_work_and_a_bad_age_is_bounded():
         assert report_age_s(SimpleNamespace(age_s=bad), 10.0, 10.5) == pytest.approx(0.5)
     assert report_age_s(SimpleNamespace(age_s=1e9), 10.0, 10.5) == MAX_REPORT_AGE_S
     assert report_age_s(SimpleNamespace(age_s=0.0), 10.0, 9.0) == 0.0  # a clock step back: no negative age
+
+
+def test_a_workers_periodic_hello_does_not_age_its_latest_load_report(server):
+    """Workers re-announce every 5 s (worker/service.HELLO_EVERY_S). The hello kept the report but not when it
+    came, so for the next half second every estimate saw the report 5 s old, advanced the running work 5 s and
+    read full workers as about to free: P1s told 0.05 s waited 1-2.6 s (bench_estimate, tenth session)."""
+    queue, est = cluster(server, slots=1)
+    workers = est.workers
+    running = {"job-a": [Tier.P2.rank, 0, 0, 0, 100, 0b01]}  # generated 0 of 100 tokens at 50/s: 2 s left
+    workers.load(P.WorkerLoad("wk-0", 0, 1000, {"P2": 1}, {}, ["job-a"], 0.0, {}, RATES.prefill_tps,
+                              RATES.decode_tps, running), NOW)
+    before = est.for_new("t", Tier.P1, NOW + 0.1)
+    assert before == pytest.approx(1.9, abs=0.05)  # the P2's 2 s less the 0.1 s since its report
+    workers.hello(P.WorkerHello("wk-0", "m", 512, 4096, 1, 1000), b"wk-0", NOW + 0.1)  # its periodic re-announce
+    assert workers.workers["wk-0"].load_at == NOW
+    assert est.for_new("t", Tier.P1, NOW + 0.1) == pytest.approx(before)
