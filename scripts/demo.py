@@ -25,15 +25,30 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.redis_server import redact_url  # noqa: E402
+from common.errors import QuotaExceeded  # noqa: E402
 from gateway.sdk import GatewayClient  # noqa: E402
 from scripts.up import Cluster, cluster_args as up_cluster_args  # noqa: E402
 
-# (tier, tenant, count, max_tokens, first arrival s, interval s)
+# (tier, tenant, count, max_tokens, first arrival s, interval s). The P0 turns come no faster than chat-co's P0
+# quota refills (scripts/up.py DEV_TENANTS: 2 per second, a burst of 4): faster, a slow machine that delays a few
+# submissions and then sends them together spends the quota (tests/test_demo.py checks the fit).
 WORKLOAD = [
     ("P3", "lab-co", 32, 400, 0.0, 0.0),
     ("P2", "batch-co", 8, 200, 0.2, 0.1),
-    ("P0", "chat-co", 12, 24, 0.8, 0.4),
+    ("P0", "chat-co", 12, 24, 0.8, 0.5),
 ]
+QUOTA_RETRIES = 20  # a refused P0 is sent again after the gateway's retry_after_s, as a client should
+
+
+def submit(client: GatewayClient, refused: list[int], **kw):
+    """Submit one job; a spent P0 quota waits the gateway's retry_after_s and tries again (counted in ``refused``)."""
+    for _ in range(QUOTA_RETRIES):
+        try:
+            return client.submit(**kw)
+        except QuotaExceeded as e:
+            refused[0] += 1
+            time.sleep(max(0.05, e.retry_after_s))
+    return client.submit(**kw)
 
 
 def run_workload(state: dict, fifo: bool, desc: str) -> list[dict]:
@@ -46,6 +61,7 @@ def run_workload(state: dict, fifo: bool, desc: str) -> list[dict]:
     clients = {t: GatewayClient(state["gateway"], state["tenants"][t]["api_key"], timeout_s=120)
                for t in {j[2] for j in jobs}}
     threads = []
+    refused = [0]
 
     def wait(job, tier: str, at: float) -> None:
         r = job.result(timeout=300)
@@ -58,14 +74,20 @@ def run_workload(state: dict, fifo: bool, desc: str) -> list[dict]:
     for i, (at, tier, tenant, n) in enumerate(jobs):
         time.sleep(max(0.0, t0 + at - time.monotonic()))  # the workload's arrival schedule
         # Under FIFO every job asks for the lowest tier: one queue, admission order, no preemption.
-        job = clients[tenant].submit(prompt_token_ids=[11 + i % 50, 12, 13], max_tokens=n, ignore_eos=True,
-                                     seed=i, tier="P3" if fifo else tier)
-        th = threading.Thread(target=wait, args=(job, tier, at))
+        job = submit(clients[tenant], refused, prompt_token_ids=[11 + i % 50, 12, 13], max_tokens=n,
+                     ignore_eos=True, seed=i, tier="P3" if fifo else tier)
+        # A daemon: if the run fails, the demo exits now rather than after every waiter's timeout.
+        th = threading.Thread(target=wait, args=(job, tier, at), daemon=True)
         th.start()
         threads.append(th)
     for th in threads:
         th.join()
     bar.close()
+    if refused[0]:
+        print(f"{desc.strip()}: {refused[0]} submissions refused over the P0 quota, sent again after retry_after_s",
+              file=sys.stderr)
+    if len(results) != len(jobs):
+        raise RuntimeError(f"{desc.strip()}: {len(jobs) - len(results)} of {len(jobs)} jobs did not finish")
     for c in clients.values():
         c.close()
     return results
