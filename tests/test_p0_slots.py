@@ -151,33 +151,3 @@ def test_the_load_report_offers_the_reserved_slots_to_p0_alone(tiny_model_dir):
         assert load.free_slots == 0 and load.victims["P0"] == 3 + 1 and load.victims["P2"] == 0
     finally:
         service.close()
-
-
-def test_the_load_report_leaves_out_victims_a_preemption_guard_protects(tiny_model_dir):
-    # A gateway sends a P0/P1 job to a full worker only on the victims its report lists. A victim the progress
-    # guard protects (a few tokens from done) or one within its residency cannot give way: counted, the urgent
-    # job was sent, then waited inside the worker (declined: victims_near_completion) instead of in Redis for a
-    # slot on any worker.
-    from worker.service import WorkerService
-    from worker.service_config import WorkerConfig
-
-    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_num_seqs=2))
-    service = WorkerService(WorkerConfig(worker_id="wk-g", gateways=["tcp://127.0.0.1:9"], model="tiny"), engine)
-    try:
-        guard = engine.scheduler.preemption.config.guard_remaining_tokens
-        engine.add_request("near-done", [5, 6, 7], SamplingParams(max_tokens=guard + 2, ignore_eos=True), tier="P3")
-        engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), tier="P3")
-        for _ in range(4):  # prefill, then decode until "near-done" has at most `guard` tokens left
-            engine.step()
-        near = engine.get_request("near-done")
-        assert near.status is RequestStatus.RUNNING and near.params.max_tokens - len(near.output_token_ids) <= guard
-        service._refresh_snapshot(0.0)
-        load = service._snapshot
-        assert load.free_slots == 0 and load.victims["P0"] == 1 and load.victims["P1"] == 1
-        # The report's count is what the worker really does: a P0 now preempts "long", never "near-done".
-        engine.add_request("p0", [5, 6, 7], SamplingParams(max_tokens=2), tier="P0")
-        engine.step()
-        assert engine.get_request("long").status is not RequestStatus.RUNNING
-        assert engine.get_request("near-done").status is RequestStatus.RUNNING
-    finally:
-        service.close()

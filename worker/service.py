@@ -262,15 +262,12 @@ class WorkerService:
                                        - sum(r.tier is not Tier.P0 for r in here)))
         low_running = any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING for r in e.scheduler.running)
         cost = 0.0 if any_free or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
-        policy = e.scheduler.preemption
+        may_preempt = e.scheduler.preemption.config.may_preempt
         # An urgent job already here but not yet running (added since the last step) will take a victim of its
         # own: counting that victim as free would let a gateway send one more urgent job to wait behind it.
-        # A victim a guard protects now (within its residency, or a few tokens from done) gives way to nobody.
         claimed = sum(r.tier.rank <= 1 for r in e.scheduler.waiting)
-        open_ = [r for r in e.scheduler.running
-                 if r.status is RequestStatus.RUNNING and policy.guard(r, e.scheduler.step_index) is None]
-        victims = {t.value: max(0, sum(policy.config.may_preempt(t, r.tier) for r in open_) - claimed)
-                   for t in ALL_TIERS}
+        victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
+                                       for r in e.scheduler.running) - claimed) for t in ALL_TIERS}
         victims[Tier.P0.value] += any_free - free_slots
         held = list(self.jobs) + [m.job_id for _, m, _ in self._unsent]
         self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
