@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.sdk import GatewayClient  # noqa: E402
-from scripts.up import Cluster, cluster_args  # noqa: E402
+from scripts.up import Cluster, cluster_args, exit_on_sigterm  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1 or args.every < 1:
         ap.error("--jobs and --every must be >= 1")
+    exit_on_sigterm()  # a killed run stops its cluster
     cluster = Cluster(cluster_args(workers=1, max_running=1, model="tiny", http=False))
     rows, finished = [], False
     try:

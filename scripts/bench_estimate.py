@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(wait_bias_correction; default: the gateway's own default, off)")
     ap.add_argument("--promise-factor", type=float, default=None,
                     help="the gateway's promised starts (promise_factor; 0: off; default: the gateway's own, on)")
+    ap.add_argument("--wait-futures", type=int, default=None,
+                    help="drawn arrival futures the gateway tells a job near a slot the likeliest of (wait_futures; "
+                         "0: the evenly spaced one only; default: the gateway's own, 16)")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
     ap.add_argument("--spans", type=Path,
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     planned = plan(load_trace(args.trace, args.start, args.arrivals + args.tail), args)
     jobs, tail = planned[:args.arrivals], planned[args.arrivals:]
 
-    from scripts.up import Cluster, cluster_args
+    from scripts.up import Cluster, cluster_args, exit_on_sigterm
 
     if args.spans is None:
         os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")  # spans cost CPU the workers need here
@@ -254,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "true" if args.bias_correction else "false"
     if args.promise_factor is not None:
         os.environ["TS_GATEWAY_PROMISE_FACTOR"] = repr(args.promise_factor)
+    if args.wait_futures is not None:
+        os.environ["TS_GATEWAY_WAIT_FUTURES"] = str(args.wait_futures)
+    exit_on_sigterm()  # a killed run stops its cluster
     cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
                                    ready_timeout=180.0, http=False, spans_file=args.spans))
     finished = False

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from common.redis_server import redact_url  # noqa: E402
 from common.errors import QuotaExceeded  # noqa: E402
 from gateway.sdk import GatewayClient  # noqa: E402
-from scripts.up import Cluster, cluster_args as up_cluster_args  # noqa: E402
+from scripts.up import Cluster, cluster_args as up_cluster_args, exit_on_sigterm  # noqa: E402
 
 # (tier, tenant, count, max_tokens, first arrival s, interval s). The P0 turns come no faster than chat-co's P0
 # quota refills (scripts/up.py DEV_TENANTS: 2 per second, a burst of 4): faster, a slow machine that delays a few
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "demo-output", help="folder for spans, PNG and JSON")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    exit_on_sigterm()  # a killed run stops its cluster
     runs: dict[str, list[dict]] = {}
     spans = {p: args.out / f"spans-{p}.jsonl" for p in ("priority", "fifo")}
     for policy in ("priority", "fifo"):

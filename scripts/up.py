@@ -259,6 +259,15 @@ class Cluster:
             print(f"cluster stopped; logs kept in {self.tmp}", file=sys.stderr, flush=True)
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit in a script that starts a Cluster, so its ``finally`` stops it: by default
+    SIGTERM ends Python on the spot, and redis-server, the gateways and the workers run on, orphaned."""
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def cluster_args(**options) -> argparse.Namespace:
     """up.py's options for a Cluster started in-process (the demo, benchmarks): its defaults with ``options``
     set, so such a script keeps working when up.py gains an option. An unknown option is a TypeError."""

@@ -3,9 +3,14 @@ through scripts/up.py's Cluster (it once broke when up.py gained an option the d
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +69,55 @@ def test_the_demo_runs_and_explains_its_slowest_p0(tmp_path):
     assert "why was the slowest P0 request" in done.stdout
     assert (tmp_path / "slowest-p0-timeline.png").stat().st_size > 0
     assert not re.search(r"redis://:[^*@\s]+@", out), "the demo printed the Redis password"
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_a_demo_killed_with_sigterm_stops_every_process_it_started(tmp_path):
+    # SIGTERM used to end the script on the spot: its redis-server, gateway and workers ran on, orphaned (found
+    # when a killed bench_estimate.py run left its cluster competing with the next one for the CPU).
+    proc = subprocess.Popen([sys.executable, "scripts/demo.py", "--out", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stderr:  # bounded: the demo prints this within seconds, or fails and closes stderr
+            if "cluster up" in line or time.monotonic() > deadline:
+                break
+        started = _descendants(proc.pid)
+        assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                   for p in started if _alive(p)), "no cluster under the demo"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while any(map(_alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in started if _alive(p)], "processes left running after SIGTERM"
+    finally:
+        for p in started | _descendants(proc.pid) | {proc.pid}:  # a failed run leaves none behind either
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        proc.wait(timeout=10)
