@@ -46,6 +46,9 @@ class GatewayConfig:
     # ratio it learns is one wait old, so it learns a burst's onset and multiplies the estimates made
     # after it (on the replayed trace at load 0.8: 59 % median error with it, 36-44 % without; BENCHMARKS.md).
     wait_bias_correction: bool = False
+    # For a job a few dispatches from a slot, the wait told is the likeliest of this many drawn futures of the
+    # higher tiers' arrivals, not the one evenly spaced future (gateway/estimate_futures.py); 0: that one only.
+    wait_futures: int = 8
     # A P3 job still queued at admission + promise_factor x its wait estimate - promise_lead_s moves to the P2
     # queue (keeping its place by age, as if it had aged early), so that P2s admitted after it stop overtaking
     # it: the wait it was told is one it gets (gateway/promises.py). 0 turns promises off.

@@ -36,6 +36,9 @@ arrivals that overtake it, phase by phase as it ages) over all the slots at thei
 the estimator reads only the oldest jobs of each queue, counting the rest (gateway/wait_estimator.py).
 Past a few hundred dispatches the two agree within a few per cent (tests/test_estimate.py).
 
+This is one future, with the arrivals evenly spaced; what a job is told, where a few arrivals decide its
+wait, is the likeliest of several drawn ones (gateway/estimate_futures.py).
+
 Pure functions here, with the data in ``gateway/estimate_types.py`` and the line replayed in
 ``gateway/estimate_line.py``; what is learned (expected output lengths, arrival rates) is in
 ``gateway/wait_learning.py``; ``gateway/wait_estimator.py`` feeds both from Redis and the
@@ -66,17 +69,19 @@ MAX_EXACT_DISPATCHES = 500
 def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
            rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None,
-           promoted_s: float = math.inf) -> float:
+           promoted_s: float = math.inf, max_exact: int = MAX_EXACT_DISPATCHES, tail: bool = True) -> float:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
     ``rng``: draw the arrivals to come as Poisson streams (exponential gaps) instead of evenly spaced: one
-    possible future, for judging how widely the wait may spread (scripts/estimate_offline.py).
+    possible future (gateway/estimate_futures.py, scripts/estimate_offline.py).
     ``unread``: per queue, how many more jobs it holds than ``queued`` has of it (a bounded read takes the
     oldest of each), and their mean work: newer than those read, they count past the replay only.
     ``promoted_s``: when the job's own promise falls due (a queued P3's; a new job's promise is made from this
     estimate, so it plays no part in it).
+    ``max_exact``: dispatches replayed one by one before the rest is spread over the slots; ``tail=False``:
+    not spread, NaN instead (the job is further back than that).
     """
     if not workers:
         return math.inf
@@ -98,6 +103,12 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             j = min(range(len(slots)), key=lambda j: slots[j][0])
             slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
             stepping[i] = max(stepping[i], slots[j][0])
+        # Held work the job may preempt resumes in the first slots that free after that (it holds their credit):
+        # there the job preempts it at once, but a job aged up ahead of it in line, which preempts as what it was
+        # admitted (not at all), waits for a slot that frees.
+        resuming = sum(h.status != RUNNING and h.yields_to(tier) for h in held)
+        for j in sorted((j for j, (_, urgent) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])[:resuming]:
+            slots[j] = (slots[j][0], True)
         heap += [(t, i, urgent) for t, urgent in slots]
     heapq.heapify(heap)
     line = Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng, promoted_s)
@@ -105,7 +116,7 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     def handoff(t: float, i: int) -> float:  # every job's, the waiting one's too
         return workers[i].handoff_s if stepping[i] > t else workers[i].idle_handoff_s
 
-    for _ in range(MAX_EXACT_DISPATCHES):
+    for _ in range(max_exact):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
         if work is None or (tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1):
@@ -116,6 +127,8 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)
         stepping[i] = max(stepping[i], end)
         heapq.heappush(heap, (end, i, urgent))
+    if not tail:
+        return math.nan
     handoff_s = sum(w.handoff_s * w.slots for w in workers) / len(heap)  # every worker is busy by then
     return max(0.0, fluid_tail(line, [t for t, _, _ in heap], unread or {})) + handoff_s
 

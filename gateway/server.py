@@ -57,6 +57,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     def __init__(self, config: GatewayConfig, queue: RedisQueue, tenants: TenantDirectory,
                  tokenizer=None, clock: Callable[[], float] = time.time) -> None:
         promises.check(config.promise_factor, config.promise_lead_s)
+        if config.wait_futures < 0:
+            raise ValueError(f"wait_futures must be >= 0, got {config.wait_futures}")
         self.config = config
         self.queue = queue
         self.tenants = tenants
@@ -66,7 +68,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self.hello_policy = security.HelloPolicy()
         self.spans = GatewaySpans()
         self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
-                                       learn_bias=config.wait_bias_correction)
+                                       learn_bias=config.wait_bias_correction, futures=config.wait_futures)
         self.waits = Waits()  # measured waits: admission until first prefill
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None,
                                    (lambda: IncrementalText(tokenizer)) if tokenizer is not None else None)

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import msgpack
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView, wait_s
+from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
+from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
 from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
@@ -47,7 +48,7 @@ class JobInfo:
 
 class WaitEstimator:
     def __init__(self, queue, workers, clock: Callable[[], float], aging_interval_s: float = math.inf,
-                 learn_bias: bool = True) -> None:
+                 learn_bias: bool = True, futures: int = FUTURES) -> None:
         self.queue = queue  # gateway.redis_queue.RedisQueue
         self.workers = workers  # gateway.workers.WorkerRegistry
         self.aging_interval_s = aging_interval_s
@@ -55,6 +56,7 @@ class WaitEstimator:
         self.handoffs = HandOffs()
         self.bias = BiasCorrection()
         self.learn_bias = learn_bias
+        self.futures = futures  # drawn futures for a job near a slot (gateway/estimate_futures.py)
         self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
         self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
 
@@ -138,10 +140,10 @@ class WaitEstimator:
             queued += read
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
         own = self._jobs.get(job_id) if job_id is not None else None
-        est = wait_s(tier, views, queued, enqueued_s=enqueued_s,
-                     arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
-                     aging_interval_s=self.aging_interval_s, unread=unread,
-                     promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
+        est = told_wait_s(tier, views, queued, futures=self.futures, enqueued_s=enqueued_s,
+                          arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
+                          aging_interval_s=self.aging_interval_s, unread=unread,
+                          promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
         return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
 
     def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:

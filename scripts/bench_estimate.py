@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the gateway's promised starts (promise_factor; 0: off; default: the gateway's own, on)")
     ap.add_argument("--wait-futures", type=int, default=None,
                     help="drawn arrival futures the gateway tells a job near a slot the likeliest of (wait_futures; "
-                         "0: the evenly spaced one only; default: the gateway's own, 16)")
+                         "0: the evenly spaced one only; default: the gateway's own, 8)")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
     ap.add_argument("--spans", type=Path,

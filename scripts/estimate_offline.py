@@ -17,6 +17,8 @@ a forecast of the arrivals to come:
 The --tail rows after each segment arrive too, unjudged: traffic does not stop when a segment
 ends, and jobs near its end would otherwise be judged against a future no deployment sees.
 
+By default each estimate is the one the gateway tells (gateway/estimate_futures.py: for a job a few
+dispatches from a slot, the likeliest of --futures drawn futures; --futures 0: the evenly spaced one).
 --samples N asks wait_s N times per job with drawn (Poisson) futures instead of evenly spaced
 arrivals, and takes the --pick of them: their median, or the estimate with the most of them
 within 2x. That tells what a forecast of the spread, not just the rate, would be worth.
@@ -32,7 +34,6 @@ several times the cluster's capacity, seconds long, between quiet spells.
 from __future__ import annotations
 
 import argparse
-import bisect
 import math
 import random
 import statistics
@@ -46,6 +47,7 @@ from common.tiers import Tier  # noqa: E402
 from gateway import promises  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.estimate import Arrivals, Held, Queued, Rates, Work, WorkerView, wait_s  # noqa: E402
+from gateway.estimate_futures import FUTURES, likeliest, told_wait_s  # noqa: E402
 from gateway.wait_learning import ArrivalRates  # noqa: E402
 from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
 from scripts.offline_dispatch import simulate  # noqa: E402
@@ -86,6 +88,9 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
         rates.add(tier, 0, dur(job), now)
 
         def ask(rng=None):
+            if rng is None:  # the wait the gateway tells (gateway/estimate_futures.py)
+                return told_wait_s(tier, [view], line, arrivals=arrivals, aging_interval_s=a.aging_interval,
+                                   futures=0 if a.forecast == "exact" else a.futures)
             return wait_s(tier, [view], line, arrivals=arrivals, aging_interval_s=a.aging_interval, rng=rng)
 
         sampled = a.samples and arrivals and a.forecast != "exact" and job.get("judged", True)
@@ -98,20 +103,8 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
 
 def pick(waits: list[float], how: str) -> float:
     """One estimate from sampled waits: their median, or the estimate with most of them within 2x of it
-    (of those, the one nearest their median)."""
-    ws = sorted(waits)
-    median = ws[len(ws) // 2]
-    if how == "median" or ws[-1] <= 0:
-        return median
-    best = (0, 0.0, median)
-    for i, lo in enumerate(ws):  # every estimate within 2x of ws[i]..ws[j]: [ws[j] / 2, 2 * ws[i]]
-        if lo <= 0:
-            continue
-        j = bisect.bisect_right(ws, 4 * lo) - 1
-        e = min(max(median, ws[j] / 2), 2 * lo)
-        key = (j - i + 1, -abs(math.log(e / median)) if median > 0 else 0.0, e)
-        best = max(best, key)
-    return best[2]
+    (gateway/estimate_futures.likeliest, as the gateway tells it)."""
+    return sorted(waits)[len(waits) // 2] if how == "median" else likeliest(waits)
 
 
 def judge(rows: list[tuple[str, float, float]], min_wait: float) -> dict[str, tuple[float, float, int] | None]:
@@ -137,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=float, default=60.0, help="the oracle's look ahead (s)")
     ap.add_argument("--tail", type=int, default=250, help="rows after each segment that arrive too, unjudged")
     ap.add_argument("--samples", type=int, default=0, help="drawn futures per job (0: the gateway's evenly spaced)")
+    ap.add_argument("--futures", type=int, default=FUTURES,
+                    help="drawn futures the estimate of a job near a slot is the likeliest of, as the gateway's "
+                         "wait_futures (0: the evenly spaced future only)")
     ap.add_argument("--pick", choices=("median", "within-2x"), default="median",
                     help="of the --samples waits, the median or the estimate with most of them within 2x")
     ap.add_argument("--slots", type=int, default=4)
@@ -190,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         per_segment.append(result)
         print(f"rows {2 * k * a.arrivals:>6}: " + "  ".join(
             f"{t} {100 * s[0]:5.1f} % / {100 * s[1]:5.1f} % ({s[2]})" for t, s in result.items() if s), flush=True)
-    how = f", {a.samples} drawn futures, their {a.pick}" if a.samples else ""
+    how = f", {a.samples} drawn futures, their {a.pick}" if a.samples else f", told from {a.futures} futures near a slot"
     how += f", promises {a.promise_factor} x estimate - {a.promise_lead} s" if a.promise_factor else ", no promises"
     how += f", noise {a.noise}" if a.noise else ""
     print(f"\n{len(per_segment)} segments, forecast {a.forecast}{how}: mean (worst) median error / within 2x")

@@ -307,3 +307,18 @@ def test_past_the_replay_the_spread_work_agrees_with_the_exact_replay(monkeypatc
             ratios.append(spread / exact)
     assert len(ratios) >= 25 and all(0.75 <= r <= 1.25 for r in ratios), sorted(ratios)
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_p1_preempts_the_suspended_work_that_resumes_in_a_freed_slot_before_jobs_aged_up_ahead_of_it():
+    # Found on the cluster (F1): P1s told 2.7-3 s started in 0.6 s. Their worker's slots freed in 0.6 s; the
+    # suspended P3 work there resumed in them (it holds their credit) and the P1 preempted it, while the P2s aged
+    # into the P1 queue ahead of it, which preempt as P2s (not at all), waited for a slot that frees.
+    w = WorkerView(1, RATES, [running(P0, 60), Held(Work(P3, 0, 500), SUSPENDED, BY_P0_P1)])
+    aged = [Queued(Work(P2, 0, 300), -70.0)]  # admitted 70 s ago: in P1 since 10 s ago, ahead of a new P1
+    assert wait_s(P1, [w], aged, aging_interval_s=60.0) == pytest.approx(0.6)
+    # Without suspended work there the freed slot is the aged job's, and the P1 waits for it to end.
+    w = WorkerView(1, RATES, [running(P0, 60)])
+    assert wait_s(P1, [w], aged, aging_interval_s=60.0) == pytest.approx(3.6)
+    # A P2 does not preempt the resuming P3: it waits for the aged job, then for the P3 (it holds the credit).
+    w = WorkerView(1, RATES, [running(P0, 60), Held(Work(P3, 0, 500), SUSPENDED, BY_P0_P1)])
+    assert wait_s(P2, [w], aged, aging_interval_s=60.0) == pytest.approx(0.6 + 5.0 + 3.0)
