@@ -58,7 +58,8 @@ from gateway.estimate_types import (MAX_RHO, PREEMPTED_BY, PROMISED_RANK, PROMIS
                                     Arrivals, Held, Queued, Rates, Work, WorkerView, promised, rank_at)
 
 __all__ = ["MAX_EXACT_DISPATCHES", "MAX_RHO", "PREEMPTED_BY", "PROMISED_RANK", "PROMISED_TIER", "RUNNING", "SUSPENDED",
-           "WAITING", "Arrivals", "Held", "Queued", "Rates", "Work", "WorkerView", "promised", "rank_at", "wait_s"]
+           "WAITING", "Arrivals", "Held", "Queued", "Rates", "Work", "WorkerView", "promised", "rank_at", "replay",
+           "wait_s"]
 
 # Dispatches replayed one by one per estimate; past them, the rest of the wait is the work still ahead spread over
 # every slot (estimate_line.fluid_tail). A bound on an estimate's cost: a deep queue must not make each admission
@@ -66,11 +67,18 @@ __all__ = ["MAX_EXACT_DISPATCHES", "MAX_RHO", "PREEMPTED_BY", "PROMISED_RANK", "
 MAX_EXACT_DISPATCHES = 500
 
 
-def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
+def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), **kw) -> float:
+    """Seconds until a job of ``tier`` gets a slot: replay()'s estimate, with the same arguments."""
+    return replay(tier, workers, queued, **kw)[0]
+
+
+def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
            rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None,
-           promoted_s: float = math.inf, max_exact: int = MAX_EXACT_DISPATCHES, tail: bool = True) -> float:
-    """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring).
+           promoted_s: float = math.inf, max_exact: int = MAX_EXACT_DISPATCHES) -> tuple[float, int | None]:
+    """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring), and the
+    dispatches replayed one by one to get there, the job's own included (None: past ``max_exact`` of them, the
+    rest of the work ahead was spread over the slots).
 
     ``queued``: the other jobs in the queues, in any order; only those that may go before it matter.
     ``arrivals``: the jobs still to come per tier; only tiers above the job's can overtake it.
@@ -80,11 +88,10 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     oldest of each), and their mean work: newer than those read, they count past the replay only.
     ``promoted_s``: when the job's own promise falls due (a queued P3's; a new job's promise is made from this
     estimate, so it plays no part in it).
-    ``max_exact``: dispatches replayed one by one before the rest is spread over the slots; ``tail=False``:
-    not spread, NaN instead (the job is further back than that).
+    ``max_exact``: dispatches replayed one by one before the rest is spread over the slots.
     """
     if not workers:
-        return math.inf
+        return math.inf, None
     heap: list[tuple[float, int, bool]] = []  # (free at, worker index, only for a job that may preempt there)
     stepping = [0.0] * len(workers)  # until when each worker runs something (then a job sent there waits a step)
     for i, w in enumerate(workers):
@@ -116,19 +123,17 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     def handoff(t: float, i: int) -> float:  # every job's, the waiting one's too
         return workers[i].handoff_s if stepping[i] > t else workers[i].idle_handoff_s
 
-    for _ in range(max_exact):
+    for n in range(max_exact):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
         if work is None or (tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1):
             # Its slot, or one the job preempts as soon as the job ahead of it there (aged or promised into the
             # line ahead, but still what it was admitted as) starts.
-            return max(0.0, t) + handoff(t, i)
+            return max(0.0, t) + handoff(t, i), n + 1
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
         end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)
         stepping[i] = max(stepping[i], end)
         heapq.heappush(heap, (end, i, urgent))
-    if not tail:
-        return math.nan
     handoff_s = sum(w.handoff_s * w.slots for w in workers) / len(heap)  # every worker is busy by then
-    return max(0.0, fluid_tail(line, [t for t, _, _ in heap], unread or {})) + handoff_s
+    return max(0.0, fluid_tail(line, [t for t, _, _ in heap], unread or {})) + handoff_s, None
 

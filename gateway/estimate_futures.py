@@ -22,7 +22,7 @@ import random
 from collections.abc import Iterable, Sequence
 
 from common.tiers import Tier
-from gateway.estimate import Arrivals, Queued, WorkerView, wait_s
+from gateway.estimate import Arrivals, Queued, WorkerView, replay
 
 FUTURES = 8
 FUTURE_DISPATCHES = 64
@@ -48,12 +48,15 @@ def told_wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queu
     """The wait to tell a job of ``tier``: wait_s's, or, for a job near a slot with higher-tier arrivals to
     come, the likeliest over ``futures`` drawn ones (module docstring). ``kw``: wait_s's other arguments."""
     queued, arrivals = list(queued), list(arrivals)
+    even, dispatches = replay(tier, workers, queued, arrivals=arrivals, **kw)
     overtaking = any(a.per_s > 0 and a.work.tier.rank < tier.rank for a in arrivals)
-    if futures > 0 and overtaking:
-        near = wait_s(tier, workers, queued, arrivals=arrivals, max_exact=FUTURE_DISPATCHES, tail=False, **kw)
-        if not math.isnan(near):
-            drawn = [wait_s(tier, workers, queued, arrivals=arrivals, rng=random.Random(seed),
-                            max_exact=FUTURE_DISPATCHES, tail=False, **kw) for seed in range(futures)]
-            # A drawn future may reach further than the evenly spaced one: too far to judge, keep that one.
-            return near if any(map(math.isnan, drawn)) else likeliest(drawn)
-    return wait_s(tier, workers, queued, arrivals=arrivals, **kw)
+    if futures <= 0 or not overtaking or dispatches is None or dispatches > FUTURE_DISPATCHES:
+        return even
+    drawn = []
+    for seed in range(futures):
+        wait, reached = replay(tier, workers, queued, arrivals=arrivals, rng=random.Random(seed),
+                               max_exact=FUTURE_DISPATCHES, **kw)
+        if reached is None:
+            return even  # a drawn future may reach further than the evenly spaced one: too far to judge
+        drawn.append(wait)
+    return likeliest(drawn)

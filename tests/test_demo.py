@@ -16,7 +16,7 @@ import pytest
 
 from scripts.demo import WORKLOAD
 from scripts.up import DEV_TENANTS, cluster_args
-from tests.cluster_helpers import ROOT
+from tests.cluster_helpers import ROOT, process_running
 
 
 def bucket_refuses(times: list[float], rate: float, burst: int) -> int:
@@ -87,14 +87,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_a_demo_killed_with_sigterm_stops_every_process_it_started(tmp_path):
     # SIGTERM used to end the script on the spot: its redis-server, gateway and workers ran on, orphaned (found
@@ -109,13 +101,13 @@ def test_a_demo_killed_with_sigterm_stops_every_process_it_started(tmp_path):
                 break
         started = _descendants(proc.pid)
         assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
-                   for p in started if _alive(p)), "no cluster under the demo"
+                   for p in started if process_running(p)), "no cluster under the demo"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 30
-        while any(map(_alive, started)) and time.monotonic() < deadline:
+        while any(map(process_running, started)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in started if _alive(p)], "processes left running after SIGTERM"
+        assert not [p for p in started if process_running(p)], "processes left running after SIGTERM"
     finally:
         for p in started | _descendants(proc.pid) | {proc.pid}:  # a failed run leaves none behind either
             with contextlib.suppress(OSError):

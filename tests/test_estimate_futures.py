@@ -3,11 +3,10 @@ the arrivals that overtake it; everywhere else, the evenly spaced replay of gate
 
 from __future__ import annotations
 
-import math
 import random
 
 from common.tiers import Tier
-from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, wait_s
+from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, replay, wait_s
 from gateway.estimate_futures import FUTURE_DISPATCHES, FUTURES, likeliest, told_wait_s
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
@@ -59,9 +58,9 @@ def test_the_evenly_spaced_estimate_stays_where_futures_cannot_differ_or_would_c
     assert deep == wait_s(P2, workers, queued, arrivals=arrivals) and deep > FUTURE_DISPATCHES * 0.5
 
 
-def test_the_replay_says_nan_rather_than_spread_a_job_it_cannot_reach():
+def test_the_replay_says_how_many_dispatches_it_replayed_and_when_it_spread_the_rest():
     workers, arrivals = near_a_slot()
     queued = [Queued(Work(P2, 0, 50), -10.0 + i * 1e-3) for i in range(20)]
-    assert math.isnan(wait_s(P2, workers, queued, arrivals=arrivals, max_exact=5, tail=False))
-    assert wait_s(P2, workers, queued, arrivals=arrivals, max_exact=50, tail=False) == \
-        wait_s(P2, workers, queued, arrivals=arrivals)
+    assert replay(P2, workers, queued, arrivals=arrivals, max_exact=5)[1] is None  # too far back: spread
+    wait, dispatches = replay(P2, workers, queued, arrivals=arrivals, max_exact=50)
+    assert wait == wait_s(P2, workers, queued, arrivals=arrivals) and 21 <= dispatches <= 50  # 20 ahead, then its own
