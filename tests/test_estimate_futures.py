@@ -3,6 +3,7 @@ the arrivals that overtake it; everywhere else, the evenly spaced replay of gate
 
 from __future__ import annotations
 
+import math
 import random
 
 from common.tiers import Tier
@@ -51,6 +52,7 @@ def test_the_evenly_spaced_estimate_stays_where_futures_cannot_differ_or_would_c
     assert told_wait_s(P0, workers, [], arrivals=arrivals) == wait_s(P0, workers, [], arrivals=arrivals)
     assert told_wait_s(P1, workers, [], arrivals=arrivals) == wait_s(P1, workers, [], arrivals=arrivals)
     assert told_wait_s(P2, workers, [], arrivals=arrivals, futures=0) == 2.0
+    assert told_wait_s(P2, [], [], arrivals=arrivals) == math.inf  # no workers: no capacity, as wait_s says
     assert told_wait_s(P2, workers, [], arrivals=[Arrivals(Work(P1, 0, 150), 0.0)]) == 2.0
     # A job more than FUTURE_DISPATCHES dispatches back: the deep replay, once, as before.
     queued = [Queued(Work(P2, 0, 50), -10.0 + i * 1e-3) for i in range(FUTURE_DISPATCHES + 10)]
