@@ -49,6 +49,9 @@ class GatewayConfig:
     # For a job a few dispatches from a slot, the wait told is the likeliest of this many drawn futures of the
     # higher tiers' arrivals, not the one evenly spaced future (gateway/estimate_futures.py); 0: that one only.
     wait_futures: int = 8
+    # A JSON-lines file each admitted job's wait estimate inputs are appended to, for scripts/estimate_replay.py
+    # (gateway/estimate_dump.py); "" writes none. A debugging aid: it costs a line written per admission.
+    estimate_dump: str = ""
     # A P3 job still queued at admission + promise_factor x its wait estimate - promise_lead_s moves to the P2
     # queue (keeping its place by age, as if it had aged early), so that P2s admitted after it stop overtaking
     # it: the wait it was told is one it gets (gateway/promises.py). 0 turns promises off.

@@ -75,7 +75,8 @@ def wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
 def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] = (), *, enqueued_s: float = 0.0,
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
            rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None,
-           promoted_s: float = math.inf, max_exact: int = MAX_EXACT_DISPATCHES) -> tuple[float, int | None]:
+           promoted_s: float = math.inf, max_exact: int = MAX_EXACT_DISPATCHES,
+           dispatches: list[tuple[float, int, Work]] | None = None) -> tuple[float, int | None]:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring), and the
     dispatches replayed one by one to get there, the job's own included (None: past ``max_exact`` of them, the
     rest of the work ahead was spread over the slots).
@@ -89,6 +90,8 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     ``promoted_s``: when the job's own promise falls due (a queued P3's; a new job's promise is made from this
     estimate, so it plays no part in it).
     ``max_exact``: dispatches replayed one by one before the rest is spread over the slots.
+    ``dispatches``: where given, each replayed dispatch before the job's is appended to it, as (slot free at,
+    worker index, work): what the model expects to go first (scripts/estimate_replay.py --explain).
     """
     if not workers:
         return math.inf, None
@@ -130,6 +133,8 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             # Its slot, or one the job preempts as soon as the job ahead of it there (aged or promised into the
             # line ahead, but still what it was admitted as) starts.
             return max(0.0, t) + handoff(t, i), n + 1
+        if dispatches is not None:
+            dispatches.append((t, i, work))
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
         end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)
         stepping[i] = max(stepping[i], end)

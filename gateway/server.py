@@ -25,7 +25,7 @@ from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import REDIS_FULL_LOG_EVERY_S, ClientApi
-from gateway import metrics, promises, security
+from gateway import estimate_dump, metrics, promises, security
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
 from gateway.dispatch import Dispatcher
@@ -68,7 +68,9 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self.hello_policy = security.HelloPolicy()
         self.spans = GatewaySpans()
         self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
-                                       learn_bias=config.wait_bias_correction, futures=config.wait_futures)
+                                       learn_bias=config.wait_bias_correction, futures=config.wait_futures,
+                                       dump=estimate_dump.DumpWriter(config.estimate_dump)
+                                       if config.estimate_dump else None)
         self.waits = Waits()  # measured waits: admission until first prefill
         self.streams = StreamTable(self._detokenize if tokenizer is not None else None,
                                    (lambda: IncrementalText(tokenizer)) if tokenizer is not None else None)
@@ -110,6 +112,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     def close(self) -> None:
         self.clients.close(linger=0)
         self.worker_sock.close(linger=0)
+        if self.estimator.dump is not None:
+            self.estimator.dump.close()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import msgpack
 
 from common.tiers import ALL_TIERS, Tier
+from gateway import estimate_dump
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
@@ -48,7 +49,8 @@ class JobInfo:
 
 class WaitEstimator:
     def __init__(self, queue, workers, clock: Callable[[], float], aging_interval_s: float = math.inf,
-                 learn_bias: bool = True, futures: int = FUTURES) -> None:
+                 learn_bias: bool = True, futures: int = FUTURES,
+                 dump: estimate_dump.DumpWriter | None = None) -> None:
         self.queue = queue  # gateway.redis_queue.RedisQueue
         self.workers = workers  # gateway.workers.WorkerRegistry
         self.aging_interval_s = aging_interval_s
@@ -59,6 +61,7 @@ class WaitEstimator:
         self.futures = futures  # drawn futures for a job near a slot (gateway/estimate_futures.py)
         self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
         self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
+        self.dump = dump  # each admitted job's estimate inputs, for scripts/estimate_replay.py
 
     # -- what happened ----------------------------------------------------------------------------------------------
 
@@ -66,7 +69,10 @@ class WaitEstimator:
                  now: float, promise_at_ms: int | None = None) -> None:
         raw = estimate_s / self.bias.factor(tier)
         self._remember(job_id, JobInfo(tenant, tier, prompt_tokens, max_tokens, raw, promise_at_ms))
-        self.arrivals.add(tier, prompt_tokens, self.lengths.expected(tenant, tier, max_tokens), now)
+        expected = self.lengths.expected(tenant, tier, max_tokens)
+        if self.dump is not None:
+            self.dump.admitted(job_id, now, Work(tier, prompt_tokens, expected))
+        self.arrivals.add(tier, prompt_tokens, expected, now)
 
     def finished(self, job_id: str, state: str, num_tokens: int, queued_s: float | None) -> None:
         info = self._jobs.pop(job_id, None)
@@ -140,11 +146,16 @@ class WaitEstimator:
             queued += read
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
         own = self._jobs.get(job_id) if job_id is not None else None
-        est = told_wait_s(tier, views, queued, futures=self.futures, enqueued_s=enqueued_s,
-                          arrivals=[self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]],
-                          aging_interval_s=self.aging_interval_s, unread=unread,
-                          promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
-        return est * self.bias.factor(tier) if math.isfinite(est) else 0.0
+        arrivals = [self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]]
+        kw = dict(enqueued_s=enqueued_s, aging_interval_s=self.aging_interval_s,
+                  promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
+        est = told_wait_s(tier, views, queued, futures=self.futures, arrivals=arrivals, unread=unread, **kw)
+        bias = self.bias.factor(tier)
+        told = est * bias if math.isfinite(est) else 0.0
+        if self.dump is not None and job_id is None:  # a new job's: written once it is admitted
+            self.dump.hold(estimate_dump.encode(told, bias, now, tier, views, queued, arrivals, unread,
+                                                self.arrivals.counts(now), **kw))
+        return told
 
     def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:
         key = (info.tenant, info.tier, info.prompt_tokens, info.max_tokens)

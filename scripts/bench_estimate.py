@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-futures", type=int, default=None,
                     help="drawn arrival futures the gateway tells a job near a slot the likeliest of (wait_futures; "
                          "0: the evenly spaced one only; default: the gateway's own, 8)")
+    ap.add_argument("--dump", type=Path,
+                    help="have the gateway write what its wait model saw at each admission here (estimate_dump), "
+                         "for scripts/estimate_replay.py: other models judged on this run's very states")
     ap.add_argument("--png", type=Path, help="draw estimate against actual wait here")
     ap.add_argument("--json", type=Path, help="write every job and the summary here")
     ap.add_argument("--spans", type=Path,
@@ -259,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TS_GATEWAY_PROMISE_FACTOR"] = repr(args.promise_factor)
     if args.wait_futures is not None:
         os.environ["TS_GATEWAY_WAIT_FUTURES"] = str(args.wait_futures)
+    if args.dump is not None:
+        args.dump.unlink(missing_ok=True)  # the gateway appends: one run's states, not two runs' mixed
+        os.environ["TS_GATEWAY_ESTIMATE_DUMP"] = str(args.dump.resolve())
     exit_on_sigterm()  # a killed run stops its cluster
     cluster = Cluster(cluster_args(workers=args.workers, model=args.model, max_running=args.max_running,
                                    ready_timeout=180.0, http=False, spans_file=args.spans))

@@ -1,0 +1,142 @@
+"""What the wait model saw at each admission, written down so that it can be replayed offline.
+
+A wait estimate depends on the whole cluster's state at one instant (the queues, every worker's held work and
+rates, the learned arrival rates), which no later run reproduces: two runs of one trace differ more than most
+changes to the model do (BENCHMARKS.md, issue 12). With ``estimate_dump`` set, the gateway appends one JSON line
+per admitted job: the job's id, the inputs ``told_wait_s`` was given and the estimate it told.
+``scripts/estimate_replay.py`` then asks any version of the model about the same states and judges it against the
+waits a bench run measured, so two models are compared on identical states.
+
+A debugging aid, off by default: it costs a line written per admission.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from common.tiers import Tier
+from gateway.estimate_types import Arrivals, Held, Queued, Rates, Work, WorkerView
+
+VERSION = 1
+
+
+def _work(w: Work) -> list:
+    return [w.tier.value, w.prefill, w.decode]
+
+
+def _unwork(x: list) -> Work:
+    return Work(Tier(x[0]), float(x[1]), float(x[2]))
+
+
+def _num(x: float) -> float | str:
+    """JSON has no infinity: the standard's strict readers refuse Python's ``Infinity``."""
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def _unnum(x: float | str) -> float:
+    return float(x)
+
+
+def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[WorkerView], queued: list[Queued],
+           arrivals: list[Arrivals], unread: dict[Tier, tuple[int, Work]],
+           arrival_counts: dict[Tier, float] | None = None, **kw: float) -> dict[str, Any]:
+    """One estimate's inputs and what it told, as plain JSON values; ``kw``: told_wait_s's scalar keywords;
+    ``arrival_counts``: how many arrivals (decayed) each tier's rate rests on."""
+    return {
+        **({"arrival_counts": {t.value: n for t, n in arrival_counts.items()}} if arrival_counts else {}),
+        "v": VERSION, "at": at, "told_s": _num(told_s), "bias": bias, "tier": tier.value,
+        "workers": [{"slots": w.slots, "rates": [w.rates.prefill_tps, w.rates.decode_tps],
+                     "held": [[*_work(h.work), h.status, h.preemptible_by] for h in w.held],
+                     "handoff_s": w.handoff_s, "idle_handoff_s": w.idle_handoff_s} for w in workers],
+        "queued": [[*_work(q.work), q.enqueued_s, _num(q.promoted_s)] for q in queued],
+        "arrivals": [[*_work(a.work), a.per_s] for a in arrivals],
+        "unread": {t.value: [n, *_work(w)] for t, (n, w) in unread.items()},
+        "kw": {k: _num(v) for k, v in kw.items()},
+    }
+
+
+@dataclass
+class Dumped:
+    """One admission's estimate as written: the job, what the model was asked, what it told."""
+
+    job_id: str
+    at: float  # the gateway's clock
+    told_s: float  # the estimate returned (after any bias factor)
+    bias: float  # the bias factor applied (1: none)
+    tier: Tier
+    workers: list[WorkerView]
+    queued: list[Queued]
+    arrivals: list[Arrivals]
+    unread: dict[Tier, tuple[int, Work]]
+    kw: dict[str, float]  # enqueued_s, aging_interval_s, promoted_s
+    work: Work | None = None  # the job's own, as the arrival rates counted it
+    arrival_counts: dict[Tier, float] | None = None  # the decayed count of arrivals behind each tier's rate
+
+    def args(self) -> tuple[tuple, dict[str, Any]]:
+        """told_wait_s's positional and keyword arguments (without ``futures``)."""
+        return ((self.tier, self.workers, self.queued),
+                {"arrivals": self.arrivals, "unread": self.unread, **self.kw})
+
+
+def decode(line: dict[str, Any]) -> Dumped:
+    if line.get("v") != VERSION:
+        raise ValueError(f"estimate dump line of version {line.get('v')!r}; this code reads {VERSION}")
+    return Dumped(
+        job_id=line["job_id"], at=float(line["at"]), told_s=float(line["told_s"]), bias=float(line["bias"]),
+        tier=Tier(line["tier"]),
+        workers=[WorkerView(w["slots"], Rates(*w["rates"]),
+                            [Held(_unwork(h[:3]), int(h[3]), int(h[4])) for h in w["held"]],
+                            w["handoff_s"], w["idle_handoff_s"]) for w in line["workers"]],
+        queued=[Queued(_unwork(q[:3]), float(q[3]), _unnum(q[4])) for q in line["queued"]],
+        arrivals=[Arrivals(_unwork(a[:3]), float(a[3])) for a in line["arrivals"]],
+        unread={Tier(t): (int(x[0]), _unwork(x[1:])) for t, x in line["unread"].items()},
+        kw={k: _unnum(v) for k, v in line["kw"].items()},
+        work=_unwork(line["work"]) if "work" in line else None,
+        arrival_counts={Tier(t): float(n) for t, n in line["arrival_counts"].items()}
+        if "arrival_counts" in line else None,
+    )
+
+
+class DumpWriter:
+    """Appends an admitted job's estimate inputs: ``hold`` keeps the last estimate's, ``admitted`` writes it with
+    the job's id if it is that admission's (a refused admission's is dropped with the next estimate)."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115: open for the gateway's life
+        except OSError as e:  # a configuration error: the gateway says so and exits 2
+            raise ValueError(f"estimate_dump: cannot append to {str(path)!r}: {e.strerror or e}") from None
+        self._held: dict[str, Any] | None = None
+
+    def hold(self, record: dict[str, Any]) -> None:
+        self._held = record
+
+    def admitted(self, job_id: str, at: float, work: Work | None = None) -> None:
+        """``at``: the clock the admission's estimate was made at; a record held from another (a refused one's, an
+        idempotent duplicate's) is not this job's. ``work``: the job's own (prompt, expected output), so that a
+        replay can rebuild the arrivals from the dump itself and try other forecasts of them."""
+        record, self._held = self._held, None
+        if record is None or record["at"] != at:
+            return
+        own = {"work": _work(work)} if work is not None else {}
+        self._file.write(json.dumps({"job_id": job_id, **record, **own}) + "\n")
+        self._file.flush()  # a killed gateway's dump is read up to its last admission
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path: str | Path) -> Iterator[Dumped]:
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                yield decode(json.loads(text))
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise ValueError(f"{path}:{n}: not an estimate dump line: {e}") from None

@@ -1,0 +1,185 @@
+"""Ask the wait model again about the cluster states a bench run saw, and judge it against the real waits.
+
+A run of scripts/bench_estimate.py with --dump FILE has the gateway write, per admitted job, what its wait
+model was given and the estimate it told (gateway/estimate_dump.py). This script reads that file and the run's
+--json, replays every judged job's estimate with the model as it is now (or with --futures N), and prints, per
+tier, the median relative error and the share within 2x, as the bench judges them, for the estimate the gateway
+told and for the replayed one, side by side: a change to the model is compared on identical states, without
+the run-to-run spread of the cluster (BENCHMARKS.md, issue 12).
+
+With the model unchanged, every replayed estimate equals the told one; --check fails the run where one does not
+(a dump that no longer reproduces the gateway is worthless for comparisons).
+
+  scripts/estimate_replay.py --dump est.jsonl --bench-json run.json [--futures 0] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import json  # noqa: E402
+
+from tqdm import tqdm  # noqa: E402
+
+from common.tiers import ALL_TIERS  # noqa: E402
+from gateway import estimate_dump  # noqa: E402
+from gateway.estimate import Arrivals, replay, wait_s  # noqa: E402
+from gateway.wait_learning import ArrivalRates  # noqa: E402
+from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
+from scripts.estimate_report import summarize, table  # noqa: E402
+
+
+def replayed(dump: estimate_dump.Dumped, futures: int, rate_counts: float | None = None,
+             arrivals: list[Arrivals] | None = None) -> float:
+    args, kw = dump.args()
+    if arrivals is not None:
+        kw["arrivals"] = arrivals
+    if rate_counts is not None:  # drawn futures draw the rates too, from the arrivals they rest on
+        counts = dump.arrival_counts or {}
+        kw["arrivals"] = [replace(x, count=counts.get(x.work.tier, math.inf) * rate_counts) for x in kw["arrivals"]]
+    est = told_wait_s(*args, futures=futures, **kw)
+    return est * dump.bias if math.isfinite(est) else 0.0
+
+
+def rebuilt_arrivals(dumps: list[estimate_dump.Dumped], tau_s: float,
+                     share_tau_s: float | None = None) -> dict[str, list[Arrivals]]:
+    """Per job, the arrival forecast an ArrivalRates of decay ``tau_s`` would have made at its admission, fed the
+    dump's admissions in order (every admitted job's own work is in its line; refused ones are not).
+    ``share_tau_s``: pooled instead: every tier's arrivals at decay ``tau_s``, times the tier's share of them at
+    decay ``share_tau_s``."""
+    ordered = sorted(dumps, key=lambda d: d.at)
+    rates = ArrivalRates(tau_s, ordered[0].at)
+    slow = ArrivalRates(share_tau_s or tau_s, ordered[0].at)
+    out = {}
+    for d in ordered:
+        if share_tau_s is None:
+            out[d.job_id] = [rates.arrivals(t, d.at) for t in ALL_TIERS[:d.tier.rank]]
+        else:
+            total = sum(rates.arrivals(t, d.at).per_s for t in ALL_TIERS)
+            long = {t: slow.arrivals(t, d.at) for t in ALL_TIERS}
+            long_total = sum(a.per_s for a in long.values())
+            out[d.job_id] = [Arrivals(long[t].work, total * long[t].per_s / long_total if long_total else 0.0)
+                             for t in ALL_TIERS[:d.tier.rank]]
+        if d.work is not None:
+            rates.add(d.work.tier, d.work.prefill, d.work.decode, d.at)
+            slow.add(d.work.tier, d.work.prefill, d.work.decode, d.at)
+    return out
+
+
+def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict], futures: int) -> str:
+    """What the model expected to go before ``job`` (the evenly spaced future's dispatches), against what did: the
+    run's jobs that started between its admission and its start."""
+    out = [f"job {job['job_id']} {job['tier']} admitted at {job['at']:.2f} s: told {d.told_s:.2f} s, waited "
+           f"{job['wait_s']:.2f} s (the evenly spaced future: {wait_s(*d.args()[0], **d.args()[1]):.2f} s; "
+           f"told from {futures} futures near a slot)"]
+    for i, w in enumerate(d.workers):
+        held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.rates.seconds(h.work.prefill, h.work.decode):.1f}s"
+                         for h in w.held)
+        out.append(f"  worker {i}: {w.slots} slots, hand-off {w.handoff_s:.3f}/{w.idle_handoff_s:.3f} s; "
+                   f"holds {held or 'nothing'}")
+    by = {t: sum(q.work.tier is t for q in d.queued) for t in ALL_TIERS}
+    out.append("  queued (read): " + ", ".join(f"{t.value} {n}" for t, n in by.items() if n)
+               + "".join(f"; {t.value} +{n} unread" for t, (n, _) in d.unread.items()))
+    out.append("  arrivals forecast: " + ", ".join(f"{a.work.tier.value} {a.per_s:.2f}/s" for a in d.arrivals))
+    seen: list = []
+    args, kw = d.args()
+    replay(*args, dispatches=seen, **kw)
+    streams = {id(a.work) for a in d.arrivals}
+    model = [f"{w.tier.value}{'*' if id(w) in streams else ''}@{t:.1f}" for t, _, w in seen]
+    out.append(f"  the model's {len(seen)} dispatches before it (* an arrival to come, @ when its slot frees): "
+               + " ".join(model))
+    start = job["at"] + job["wait_s"]
+    went = sorted((j for j in jobs if j is not job and j.get("outcome") == "done"
+                   and job["at"] <= j["at"] + j["wait_s"] < start), key=lambda j: j["at"] + j["wait_s"])
+    out.append(f"  what started before it ({len(went)}; + admitted after it): " + " ".join(
+        f"{j['tier']}{'+' if j['at'] > job['at'] else ''}@{j['at'] + j['wait_s'] - job['at']:.1f}" for j in went))
+    return "\n".join(out)
+
+
+def same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump", type=Path, required=True, help="the gateway's estimate dump (estimate_dump)")
+    ap.add_argument("--bench-json", type=Path, required=True, help="scripts/bench_estimate.py --json of that run")
+    ap.add_argument("--futures", type=int, default=FUTURES,
+                    help="drawn futures for a job near a slot, as the gateway's wait_futures (0: evenly spaced)")
+    ap.add_argument("--rate-counts", type=float, default=None, metavar="SCALE",
+                    help="drawn futures draw each tier's rate too, as uncertain as SCALE x the arrivals it was "
+                         "measured from make it (the dump's arrival_counts)")
+    ap.add_argument("--tau", type=float, default=None,
+                    help="forecast the arrivals anew from the dump's admissions with rates of this decay time (s), "
+                         "instead of the forecast the gateway made (its own: 30 s)")
+    ap.add_argument("--explain", metavar="JOB", action="append", default=[],
+                    help="for this job (an id or its start), what the model expected to go before it against what "
+                         "did; repeatable; 'misses': every judged job not within 2x")
+    ap.add_argument("--share-tau", type=float, default=None,
+                    help="with --tau: pool the tiers' arrivals (every tier's at --tau, times each tier's share of "
+                         "them at this decay time)")
+    ap.add_argument("--min-wait", type=float, default=None, help="judge jobs that waited this long (default: "
+                                                                  "the bench run's --min-wait)")
+    ap.add_argument("--check", action="store_true", help="fail where a replayed estimate differs from the told one")
+    ap.add_argument("--json", type=Path, help="write the replayed summary and each judged job's estimates here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.futures < 0:
+        raise SystemExit("estimate_replay: --futures must be >= 0")
+    try:
+        bench = json.loads(a.bench_json.read_text())
+        jobs = {j["job_id"]: j for j in bench["jobs"] if j.get("job_id")}
+        min_wait = a.min_wait if a.min_wait is not None else float(bench["args"].get("min_wait", 0.5))
+        every = list(estimate_dump.read(a.dump))
+        dumps = {d.job_id: d for d in every if d.job_id in jobs}
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"estimate_replay: {e}") from None
+    missing = [i for i in jobs if i not in dumps]
+    if len(missing) == len(jobs):
+        raise SystemExit("estimate_replay: no job of the bench run is in the dump (another run's dump?)")
+    forecast = rebuilt_arrivals(every, a.tau, a.share_tau) if a.tau else {}
+    told, now, differ = [], [], 0
+    for job_id, d in tqdm(dumps.items(), desc="replaying", unit="estimate", file=sys.stderr):
+        job = jobs[job_id]
+        e = replayed(d, a.futures, a.rate_counts, forecast.get(job_id))
+        differ += not same(e, d.told_s)
+        told.append({**job, "estimate_s": d.told_s})
+        now.append({**job, "estimate_s": e})
+    if a.explain:
+        judged = [j for j in jobs.values() if j.get("outcome") == "done" and j["wait_s"] >= min_wait]
+        wanted = ([j for j in judged if not j["wait_s"] / 2 <= j["estimate_s"] <= 2 * j["wait_s"]]
+                  if a.explain == ["misses"] else [j for j in jobs.values() if any(j["job_id"].startswith(x)
+                                                                                 for x in a.explain)])
+        for j in sorted(wanted, key=lambda j: j["at"]):
+            if j["job_id"] in dumps:
+                print(explain(j, dumps[j["job_id"]], list(jobs.values()), a.futures), end="\n\n")
+    print(f"{len(dumps)} estimates replayed ({len(missing)} of the run's jobs not in the dump); "
+          f"{differ} differ from what the gateway told")
+    print("as told by the gateway:")
+    print(table(summarize(told, min_wait), min_wait))
+    print(f"replayed (futures {a.futures}{f', rate counts x{a.rate_counts:g}' if a.rate_counts else ''}):")
+    summary = summarize(now, min_wait)
+    print(table(summary, min_wait))
+    if a.json:
+        a.json.write_text(json.dumps({"summary": summary, "jobs": [
+            {"job_id": j["job_id"], "tier": j["tier"], "wait_s": j.get("wait_s"), "told_s": t["estimate_s"],
+             "replayed_s": j["estimate_s"]} for j, t in zip(now, told)]}, indent=1))
+    if a.check and differ:
+        print(f"estimate_replay: {differ} replayed estimates differ from the told ones", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

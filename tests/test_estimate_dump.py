@@ -1,0 +1,148 @@
+"""The estimate dump (gateway/estimate_dump.py) and its replay (scripts/estimate_replay.py): what the wait model saw
+at each admission, written by a real gateway, must give back exactly the estimate it told, for the admitted job it
+is filed under, or comparing models on it compares nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from common.errors import Overloaded
+from common.tiers import Tier
+from gateway import estimate_dump
+from gateway.estimate import RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView
+from gateway.estimate_futures import told_wait_s
+from gateway.sdk import GatewayClient
+from scripts import estimate_replay
+from tests.cluster_helpers import job_hash, local_cluster, wait_for
+
+P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: Python's Infinity and NaN are not JSON, and other readers refuse them."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def random_state(rng: random.Random):
+    tier = rng.choice([P1, P2, P3])
+    workers = [WorkerView(rng.randint(1, 4), Rates(rng.uniform(200, 2000), rng.uniform(10, 60)),
+                          [Held(Work(rng.choice([P0, P1, P2, P3]), rng.choice([0.0, rng.uniform(0, 900)]),
+                                     rng.uniform(1, 300)), rng.choice([RUNNING, SUSPENDED, WAITING]),
+                                rng.choice([0, 0b01, 0b11])) for _ in range(rng.randint(0, 6))],
+                          rng.uniform(0, 0.5), rng.uniform(0, 0.05)) for _ in range(rng.randint(1, 3))]
+    queued = [Queued(Work(rng.choice([P0, P1, P2, P3]), rng.uniform(1, 900), rng.uniform(1, 300)),
+                     -rng.uniform(0, 200), rng.choice([math.inf, rng.uniform(-30, 60)]))
+              for _ in range(rng.randint(0, 90))]
+    arrivals = [Arrivals(Work(t, rng.uniform(0, 900), rng.uniform(0, 300)), rng.choice([0.0, rng.uniform(0, 2)]))
+                for t in (P0, P1, P2)[:tier.rank]]
+    unread = {P3: (rng.randint(1, 5000), Work(P3, 100.0, 50.0))} if rng.random() < 0.3 else {}
+    kw = {"enqueued_s": 0.0, "aging_interval_s": rng.choice([60.0, math.inf]),
+          "promoted_s": rng.choice([math.inf, rng.uniform(1, 50)])}
+    return tier, workers, queued, arrivals, unread, kw
+
+
+def test_a_dumped_state_gives_back_the_same_estimate(tmp_path):
+    rng = random.Random(12)
+    path = tmp_path / "dump.jsonl"
+    writer = estimate_dump.DumpWriter(path)
+    told = {}
+    for n in range(60):
+        tier, workers, queued, arrivals, unread, kw = random_state(rng)
+        est = told_wait_s(tier, workers, queued, arrivals=arrivals, unread=unread, **kw)
+        counts = {t: rng.uniform(0, 40) for t in (P0, P1, P2, P3)}
+        writer.hold(estimate_dump.encode(est, 1.0, 1000.0 + n, tier, workers, queued, arrivals, unread, counts, **kw))
+        if n % 7 == 3:  # refused after its estimate: written for nobody, and not under the next job's id
+            continue
+        own = Work(tier, rng.randint(1, 900), rng.uniform(1, 300))
+        writer.admitted(f"job-{n}", 1000.0 + n, own)
+        told[f"job-{n}"] = est, own, counts
+    writer.admitted("after-a-refusal", 2000.0)  # what is held is the refused admission's: nothing written
+    writer.admitted("no-estimate-held", 1000.0 + n)  # nothing held: nothing written
+    writer.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(told)
+    for line in lines:
+        strict_json(line)
+    dumps = list(estimate_dump.read(path))
+    assert [d.job_id for d in dumps] == list(told)
+    for d in dumps:
+        est, own, counts = told[d.job_id]
+        args, kw = d.args()
+        again = told_wait_s(*args, **kw)
+        assert again == est or (math.isinf(again) and math.isinf(est)), d.job_id
+        assert (d.work, d.arrival_counts, d.told_s) == (own, counts, est)
+
+
+def test_a_line_that_is_not_a_dump_is_refused_with_its_place(tmp_path):
+    path = tmp_path / "dump.jsonl"
+    path.write_text('{"v": 1, "job_id": "a"}\n')
+    with pytest.raises(ValueError, match=r"dump.jsonl:1: not an estimate dump line"):
+        list(estimate_dump.read(path))
+    path.write_text('{"v": 99, "job_id": "a"}\n')
+    with pytest.raises(ValueError, match="version 99"):
+        list(estimate_dump.read(path))
+
+
+def test_a_dump_file_that_cannot_be_written_is_a_configuration_error(tmp_path):
+    with pytest.raises(ValueError, match=r"estimate_dump: cannot append to '.*no-such-dir/d.jsonl'"):
+        estimate_dump.DumpWriter(tmp_path / "no-such-dir" / "d.jsonl")
+
+
+def test_the_replay_refuses_a_dump_of_another_run(tmp_path, capsys):
+    dump, bench = tmp_path / "dump.jsonl", tmp_path / "run.json"
+    rng = random.Random(3)
+    writer = estimate_dump.DumpWriter(dump)
+    tier, workers, queued, arrivals, unread, kw = random_state(rng)
+    writer.hold(estimate_dump.encode(1.0, 1.0, 0.0, tier, workers, queued, arrivals, unread, **kw))
+    writer.admitted("job-a", 0.0)
+    writer.close()
+    bench.write_text(json.dumps({"args": {"min_wait": "0.5"}, "jobs": [
+        {"job_id": "job-b", "tier": "P2", "outcome": "done", "wait_s": 3.0, "estimate_s": 2.0}]}))
+    with pytest.raises(SystemExit, match="no job of the bench run is in the dump"):
+        estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench)])
+
+
+def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reproduces_them(tiny_model_dir, tmp_path,
+                                                                                        capsys):
+    dump = tmp_path / "estimates.jsonl"
+    env = {"TS_GATEWAY_ESTIMATE_DUMP": str(dump), "TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 1}'}
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env) as c:
+        def client(tenant):
+            return GatewayClient(c["gateway"], c["tenants"][tenant]["api_key"], timeout_s=30)
+        lab, batch, api, chat = client("lab-co"), client("batch-co"), client("api-co"), client("chat-co")
+        blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
+        wait_for(lambda: job_hash(c, blocker.id).get("state") == "dispatched", 60, "the blocker to run")
+        handles, refused = [blocker], 0
+        # Mixed tiers queue behind the unpreemptible P3; P2s past the 1 s timeout are refused after their estimate
+        # was made: their estimates must be written for nobody, never under the next admitted job's id.
+        for i in range(24):
+            who, tier = [(batch, "P2"), (lab, "P3"), (api, "P1"), (batch, "P2")][i % 4]
+            try:
+                handles.append(who.submit(prompt_token_ids=[5 + i, 6, 7], max_tokens=40, tier=tier, ignore_eos=True))
+            except Overloaded:
+                refused += 1
+        handles.append(chat.submit(prompt_token_ids=[9, 9], max_tokens=4, tier="P0"))
+        assert refused > 0  # the case the test is about happened
+        lab.cancel(blocker.id)
+        jobs = []
+        for h in handles[1:]:
+            r = h.result(timeout=300)
+            jobs.append({"job_id": h.id, "tier": h.tier, "outcome": "done", "wait_s": r.queued_s,
+                         "estimate_s": h.estimated_wait_s})
+    dumps = {d.job_id: d for d in estimate_dump.read(dump)}
+    assert set(dumps) == {h.id for h in handles}  # every admitted job, once; no refused one
+    assert len(dump.read_text().splitlines()) == len(handles)
+    for h in handles:
+        assert math.isclose(dumps[h.id].told_s, h.estimated_wait_s, rel_tol=1e-6, abs_tol=1e-6), h.id
+        assert dumps[h.id].tier.value == h.tier
+    assert any(d.workers and d.workers[0].held for d in dumps.values())  # the blocker was seen
+    bench = tmp_path / "run.json"
+    bench.write_text(json.dumps({"args": {"min_wait": "0.5"}, "jobs": jobs}))
+    assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--check", "--min-wait", "0"]) == 0
+    assert f"{len(jobs)} estimates replayed (0 of the run's jobs not in the dump); 0 differ" in capsys.readouterr().out
