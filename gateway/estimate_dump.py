@@ -43,12 +43,9 @@ def _unnum(x: float | str) -> float:
 
 
 def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[WorkerView], queued: list[Queued],
-           arrivals: list[Arrivals], unread: dict[Tier, tuple[int, Work]],
-           arrival_counts: dict[Tier, float] | None = None, **kw: float) -> dict[str, Any]:
-    """One estimate's inputs and what it told, as plain JSON values; ``kw``: told_wait_s's scalar keywords;
-    ``arrival_counts``: how many arrivals (decayed) each tier's rate rests on."""
+           arrivals: list[Arrivals], unread: dict[Tier, tuple[int, Work]], **kw: float) -> dict[str, Any]:
+    """One estimate's inputs and what it told, as plain JSON values; ``kw``: told_wait_s's scalar keywords."""
     return {
-        **({"arrival_counts": {t.value: n for t, n in arrival_counts.items()}} if arrival_counts else {}),
         "v": VERSION, "at": at, "told_s": _num(told_s), "bias": bias, "tier": tier.value,
         "workers": [{"slots": w.slots, "rates": [w.rates.prefill_tps, w.rates.decode_tps],
                      "held": [[*_work(h.work), h.status, h.preemptible_by] for h in w.held],
@@ -75,7 +72,6 @@ class Dumped:
     unread: dict[Tier, tuple[int, Work]]
     kw: dict[str, float]  # enqueued_s, aging_interval_s, promoted_s
     work: Work | None = None  # the job's own, as the arrival rates counted it
-    arrival_counts: dict[Tier, float] | None = None  # the decayed count of arrivals behind each tier's rate
 
     def args(self) -> tuple[tuple, dict[str, Any]]:
         """told_wait_s's positional and keyword arguments (without ``futures``)."""
@@ -97,8 +93,6 @@ def decode(line: dict[str, Any]) -> Dumped:
         unread={Tier(t): (int(x[0]), _unwork(x[1:])) for t, x in line["unread"].items()},
         kw={k: _unnum(v) for k, v in line["kw"].items()},
         work=_unwork(line["work"]) if "work" in line else None,
-        arrival_counts={Tier(t): float(n) for t, n in line["arrival_counts"].items()}
-        if "arrival_counts" in line else None,
     )
 
 
@@ -132,9 +126,10 @@ class DumpWriter:
 
 
 def read(path: str | Path) -> Iterator[Dumped]:
+    """Every line of a dump; a last line cut short (a gateway killed while writing it) is left out."""
     with open(path, encoding="utf-8") as f:
         for n, text in enumerate(f, 1):
-            if not text.strip():
+            if not text.strip() or not text.endswith("\n"):
                 continue
             try:
                 yield decode(json.loads(text))

@@ -57,9 +57,6 @@ class Line:
         self.taken: set[int] = set()
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
         streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
-        if rng:  # a drawn future's rates too, where measured from few arrivals (Gamma: their posterior)
-            streams = [Arrivals(a.work, a.per_s * rng.gammavariate(a.count + 0.5, 1 / (a.count + 0.5)))
-                       if math.isfinite(a.count) else a for a in streams]
         # The queue it ends in, aged (or promoted) as far as it goes; arrivals of the tiers above that overtake it
         # for good: capped (see MAX_RHO).
         final = self.final = (1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else

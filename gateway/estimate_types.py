@@ -98,9 +98,6 @@ class Arrivals:
 
     work: Work
     per_s: float
-    # How many arrivals the rate was measured from (decayed): a drawn future draws its rate too, as uncertain as
-    # that many make it (gateway/estimate_futures.py). inf: the rate is known.
-    count: float = math.inf
 
 
 def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:

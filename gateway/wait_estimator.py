@@ -153,8 +153,7 @@ class WaitEstimator:
         bias = self.bias.factor(tier)
         told = est * bias if math.isfinite(est) else 0.0
         if self.dump is not None and job_id is None:  # a new job's: written once it is admitted
-            self.dump.hold(estimate_dump.encode(told, bias, now, tier, views, queued, arrivals, unread,
-                                                self.arrivals.counts(now), **kw))
+            self.dump.hold(estimate_dump.encode(told, bias, now, tier, views, queued, arrivals, unread, **kw))
         return told
 
     def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:

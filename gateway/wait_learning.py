@@ -119,11 +119,6 @@ class ArrivalRates:
         level[1] += decode
         level[2] += 1
 
-    def counts(self, now: float) -> dict[Tier, float]:
-        """The decayed count of arrivals each tier's rate rests on (how sure of it to be)."""
-        self._decay(now)
-        return {t: v[2] for t, v in self._level.items()}
-
     def arrivals(self, tier: Tier, now: float) -> Arrivals:
         self._decay(now)
         # A young gateway has seen less than tau of history: scale up, or early rates read low (but not

@@ -61,7 +61,7 @@ def plan(trace, args) -> list[dict]:
     weights = [float(x) for x in args.mix.split(",")]
     jobs = []
     for i, (at, ctx, gen) in enumerate(trace):
-        out = max(1, round(gen * args.token_scale))
+        out = max(1, min(round(gen * args.token_scale), args.max_len - 1))  # a trace's longest outputs fit too
         prompt = max(1, min(round(ctx * args.token_scale), args.max_len - out))
         tier = rng.choices(TIERS, weights)[0]
         jobs.append({"i": i, "at": at / (args.speedup or 1.0), "tier": tier, "prompt_tokens": prompt, "max_tokens": out,

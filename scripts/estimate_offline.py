@@ -77,8 +77,7 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
         if a.forecast == "rates":
             for t in Tier:
                 r = rates.arrivals(t, now)
-                count = rates.counts(now)[t] * a.rate_counts if a.rate_counts else math.inf
-                arrivals.append(Arrivals(Work(t, 0, r.work.decode), r.per_s, count))
+                arrivals.append(Arrivals(Work(t, 0, r.work.decode), r.per_s))
         elif a.forecast == "exact":  # future jobs as queued jobs admitted later (wait_s waits for them)
             line += [Queued(Work(Tier(f["tier"]), 0, dur(f)), f["at"] - now) for f in jobs if f["at"] > now]
         elif a.forecast == "oracle":
@@ -134,9 +133,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--futures", type=int, default=FUTURES,
                     help="drawn futures the estimate of a job near a slot is the likeliest of, as the gateway's "
                          "wait_futures (0: the evenly spaced future only)")
-    ap.add_argument("--rate-counts", type=float, default=None, metavar="SCALE",
-                    help="drawn futures draw each tier's rate too, as uncertain as SCALE x the arrivals it was "
-                         "measured from make it")
     ap.add_argument("--pick", choices=("median", "within-2x"), default="median",
                     help="of the --samples waits, the median or the estimate with most of them within 2x")
     ap.add_argument("--slots", type=int, default=4)

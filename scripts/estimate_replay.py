@@ -8,23 +8,25 @@ told and for the replayed one, side by side: a change to the model is compared o
 the run-to-run spread of the cluster (BENCHMARKS.md, issue 12).
 
 With the model unchanged, every replayed estimate equals the told one; --check fails the run where one does not
-(a dump that no longer reproduces the gateway is worthless for comparisons).
+(a dump that no longer reproduces the gateway is worthless for comparisons). --tau S forecasts the arrivals anew
+from the dump's own admissions, at another decay time. --explain JOB (or 'misses') prints, for a job, what the
+model saw, the dispatches it expected before the job, and the run's jobs that really started before it: where a
+miss came from (an arrival the forecast did not foresee, a slot that freed late, a promise that fell due).
 
   scripts/estimate_replay.py --dump est.jsonl --bench-json run.json [--futures 0] [--check]
+  scripts/estimate_replay.py --dump est.jsonl --bench-json run.json --explain misses
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-import json  # noqa: E402
 
 from tqdm import tqdm  # noqa: E402
 
@@ -36,49 +38,32 @@ from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
 from scripts.estimate_report import summarize, table  # noqa: E402
 
 
-def replayed(dump: estimate_dump.Dumped, futures: int, rate_counts: float | None = None,
-             arrivals: list[Arrivals] | None = None) -> float:
+def replayed(dump: estimate_dump.Dumped, futures: int, arrivals: list[Arrivals] | None = None) -> float:
     args, kw = dump.args()
     if arrivals is not None:
         kw["arrivals"] = arrivals
-    if rate_counts is not None:  # drawn futures draw the rates too, from the arrivals they rest on
-        counts = dump.arrival_counts or {}
-        kw["arrivals"] = [replace(x, count=counts.get(x.work.tier, math.inf) * rate_counts) for x in kw["arrivals"]]
     est = told_wait_s(*args, futures=futures, **kw)
     return est * dump.bias if math.isfinite(est) else 0.0
 
 
-def rebuilt_arrivals(dumps: list[estimate_dump.Dumped], tau_s: float,
-                     share_tau_s: float | None = None) -> dict[str, list[Arrivals]]:
+def rebuilt_arrivals(dumps: list[estimate_dump.Dumped], tau_s: float) -> dict[str, list[Arrivals]]:
     """Per job, the arrival forecast an ArrivalRates of decay ``tau_s`` would have made at its admission, fed the
-    dump's admissions in order (every admitted job's own work is in its line; refused ones are not).
-    ``share_tau_s``: pooled instead: every tier's arrivals at decay ``tau_s``, times the tier's share of them at
-    decay ``share_tau_s``."""
+    dump's admissions in order (every admitted job's own work is in its line; refused ones are not)."""
     ordered = sorted(dumps, key=lambda d: d.at)
     rates = ArrivalRates(tau_s, ordered[0].at)
-    slow = ArrivalRates(share_tau_s or tau_s, ordered[0].at)
     out = {}
     for d in ordered:
-        if share_tau_s is None:
-            out[d.job_id] = [rates.arrivals(t, d.at) for t in ALL_TIERS[:d.tier.rank]]
-        else:
-            total = sum(rates.arrivals(t, d.at).per_s for t in ALL_TIERS)
-            long = {t: slow.arrivals(t, d.at) for t in ALL_TIERS}
-            long_total = sum(a.per_s for a in long.values())
-            out[d.job_id] = [Arrivals(long[t].work, total * long[t].per_s / long_total if long_total else 0.0)
-                             for t in ALL_TIERS[:d.tier.rank]]
+        out[d.job_id] = [rates.arrivals(t, d.at) for t in ALL_TIERS[:d.tier.rank]]
         if d.work is not None:
             rates.add(d.work.tier, d.work.prefill, d.work.decode, d.at)
-            slow.add(d.work.tier, d.work.prefill, d.work.decode, d.at)
     return out
 
 
-def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict], futures: int) -> str:
+def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     """What the model expected to go before ``job`` (the evenly spaced future's dispatches), against what did: the
     run's jobs that started between its admission and its start."""
     out = [f"job {job['job_id']} {job['tier']} admitted at {job['at']:.2f} s: told {d.told_s:.2f} s, waited "
-           f"{job['wait_s']:.2f} s (the evenly spaced future: {wait_s(*d.args()[0], **d.args()[1]):.2f} s; "
-           f"told from {futures} futures near a slot)"]
+           f"{job['wait_s']:.2f} s (the evenly spaced future: {wait_s(*d.args()[0], **d.args()[1]):.2f} s)"]
     for i, w in enumerate(d.workers):
         held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.rates.seconds(h.work.prefill, h.work.decode):.1f}s"
                          for h in w.held)
@@ -114,18 +99,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--bench-json", type=Path, required=True, help="scripts/bench_estimate.py --json of that run")
     ap.add_argument("--futures", type=int, default=FUTURES,
                     help="drawn futures for a job near a slot, as the gateway's wait_futures (0: evenly spaced)")
-    ap.add_argument("--rate-counts", type=float, default=None, metavar="SCALE",
-                    help="drawn futures draw each tier's rate too, as uncertain as SCALE x the arrivals it was "
-                         "measured from make it (the dump's arrival_counts)")
     ap.add_argument("--tau", type=float, default=None,
                     help="forecast the arrivals anew from the dump's admissions with rates of this decay time (s), "
                          "instead of the forecast the gateway made (its own: 30 s)")
     ap.add_argument("--explain", metavar="JOB", action="append", default=[],
                     help="for this job (an id or its start), what the model expected to go before it against what "
                          "did; repeatable; 'misses': every judged job not within 2x")
-    ap.add_argument("--share-tau", type=float, default=None,
-                    help="with --tau: pool the tiers' arrivals (every tier's at --tau, times each tier's share of "
-                         "them at this decay time)")
     ap.add_argument("--min-wait", type=float, default=None, help="judge jobs that waited this long (default: "
                                                                   "the bench run's --min-wait)")
     ap.add_argument("--check", action="store_true", help="fail where a replayed estimate differs from the told one")
@@ -135,8 +114,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    if a.futures < 0:
-        raise SystemExit("estimate_replay: --futures must be >= 0")
+    if a.futures < 0 or (a.tau is not None and a.tau <= 0):
+        raise SystemExit("estimate_replay: --futures must be >= 0 and --tau > 0")
     try:
         bench = json.loads(a.bench_json.read_text())
         jobs = {j["job_id"]: j for j in bench["jobs"] if j.get("job_id")}
@@ -148,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = [i for i in jobs if i not in dumps]
     if len(missing) == len(jobs):
         raise SystemExit("estimate_replay: no job of the bench run is in the dump (another run's dump?)")
-    forecast = rebuilt_arrivals(every, a.tau, a.share_tau) if a.tau else {}
+    forecast = rebuilt_arrivals(every, a.tau) if a.tau else {}
     told, now, differ = [], [], 0
     for job_id, d in tqdm(dumps.items(), desc="replaying", unit="estimate", file=sys.stderr):
         job = jobs[job_id]
-        e = replayed(d, a.futures, a.rate_counts, forecast.get(job_id))
+        e = replayed(d, a.futures, forecast.get(job_id))
         differ += not same(e, d.told_s)
         told.append({**job, "estimate_s": d.told_s})
         now.append({**job, "estimate_s": e})
@@ -161,14 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         wanted = ([j for j in judged if not j["wait_s"] / 2 <= j["estimate_s"] <= 2 * j["wait_s"]]
                   if a.explain == ["misses"] else [j for j in jobs.values() if any(j["job_id"].startswith(x)
                                                                                  for x in a.explain)])
+        if not wanted and a.explain != ["misses"]:
+            raise SystemExit(f"estimate_replay: no job of the run starts with {', '.join(a.explain)}")
         for j in sorted(wanted, key=lambda j: j["at"]):
             if j["job_id"] in dumps:
-                print(explain(j, dumps[j["job_id"]], list(jobs.values()), a.futures), end="\n\n")
+                print(explain(j, dumps[j["job_id"]], list(jobs.values())), end="\n\n")
     print(f"{len(dumps)} estimates replayed ({len(missing)} of the run's jobs not in the dump); "
           f"{differ} differ from what the gateway told")
     print("as told by the gateway:")
     print(table(summarize(told, min_wait), min_wait))
-    print(f"replayed (futures {a.futures}{f', rate counts x{a.rate_counts:g}' if a.rate_counts else ''}):")
+    print(f"replayed (futures {a.futures}{f', arrivals forecast anew, tau {a.tau:g} s' if a.tau else ''}):")
     summary = summarize(now, min_wait)
     print(table(summary, min_wait))
     if a.json:

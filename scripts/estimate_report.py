@@ -4,6 +4,7 @@ estimates against the actual waits as a picture."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import urllib.request
 from pathlib import Path
@@ -36,6 +37,16 @@ def mean_handoff(metrics_url: str, timeout_s: float = 5.0) -> tuple[float, int] 
     return (total / count, int(count)) if count else None
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """The 95 % (Wilson) interval of a share of k in n: what a tier's within-2x says with as few jobs as P0 and P1
+    have a run (10 jobs at 80 % is anything from 49 % to 94 %)."""
+    if n <= 0:
+        return None
+    p, z2 = k / n, z * z
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def summarize(records: list[dict], min_wait: float) -> dict:
     def stats(rs: list[dict]) -> dict:
         waited = [r for r in rs if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
@@ -46,6 +57,7 @@ def summarize(records: list[dict], min_wait: float) -> dict:
         return {"jobs": len(rs), **outcomes, "waited": len(waited),
                 "median_rel_error": statistics.median(rel) if rel else None,
                 "within_2x": len(within) / len(waited) if waited else None,
+                "within_2x_95ci": wilson(len(within), len(waited)),
                 # What each tier waited, all jobs: what promised starts cost the higher tiers (BENCHMARKS.md).
                 "mean_wait_s": statistics.fmean(waits) if waits else None,
                 "p90_wait_s": waits[int(0.9 * (len(waits) - 1))] if waits else None}
@@ -55,14 +67,17 @@ def summarize(records: list[dict], min_wait: float) -> dict:
 
 def table(summary: dict, min_wait: float) -> str:
     lines = [f"{'tier':<6}{'jobs':>6}{'done':>6}{'overload':>9}{'quota':>7}{'failed':>7}"
-             f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}{'mean wait':>11}{'p90 wait':>10}"]
+             f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}{'(95 % CI)':>11}{'mean wait':>11}"
+             f"{'p90 wait':>10}"]
     for name, s in summary.items():
         err = "-" if s["median_rel_error"] is None else f"{100 * s['median_rel_error']:.1f} %"
+        ci = s.get("within_2x_95ci")
         w2 = "-" if s["within_2x"] is None else f"{100 * s['within_2x']:.1f} %"
+        w2ci = "-" if ci is None else f"{100 * ci[0]:.0f}-{100 * ci[1]:.0f} %"
         mean = "-" if s.get("mean_wait_s") is None else f"{s['mean_wait_s']:.2f} s"
         p90 = "-" if s.get("p90_wait_s") is None else f"{s['p90_wait_s']:.2f} s"
         lines.append(f"{name:<6}{s['jobs']:>6}{s['done']:>6}{s['overloaded']:>9}{s['quota']:>7}{s['failed']:>7}"
-                     f"{s['waited']:>14}{err:>16}{w2:>11}{mean:>11}{p90:>10}")
+                     f"{s['waited']:>14}{err:>16}{w2:>11}{w2ci:>11}{mean:>11}{p90:>10}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import pytest
@@ -116,3 +117,34 @@ def test_the_pace_comes_from_the_warm_up_jobs_real_time_in_their_slots():
     assert bench_estimate.offered_load(jobs, paced) == pytest.approx(bench_estimate.offered_load(jobs, rates) / 2)
     with pytest.raises(SystemExit, match="no warm-up job finished"):
         bench_estimate.paced_rates(rates, [dict(outcome="failed", error="refused")])
+
+
+def test_a_traces_largest_rows_are_capped_to_the_context_not_sent_to_be_refused():
+    # BurstGPT and the 2024 Azure traces have outputs longer than the bench model's context once scaled, and
+    # rows with no output at all (failed requests): each must become a request the cluster accepts.
+    trace = [(0.0, 100_000, 100_000), (0.5, 10, 100_000), (1.0, 100_000, 3), (1.5, 0, 0), (2.0, 40, 20)]
+
+    class A:
+        seed, mix, token_scale, max_len, speedup = 1, "10,20,30,40", 0.25, 2048, None
+    jobs = bench_estimate.plan(trace, A)
+    assert all(1 <= j["max_tokens"] and 1 <= j["prompt_tokens"] and j["prompt_tokens"] + j["max_tokens"] <= 2048
+               and len(j["prompt_token_ids"]) == j["prompt_tokens"] for j in jobs), jobs
+    assert [(j["prompt_tokens"], j["max_tokens"]) for j in jobs][-1] == (10, 5)  # an ordinary row as it was
+
+
+def test_the_report_judges_each_tier_as_the_issue_says_with_the_uncertainty_of_few_jobs():
+    summarize, table, wilson = estimate_report.summarize, estimate_report.table, estimate_report.wilson
+
+    def job(tier, estimate, wait, outcome="done"):
+        return {"tier": tier, "estimate_s": estimate, "wait_s": wait, "outcome": outcome}
+    records = ([job("P2", 2.0, 1.0), job("P2", 0.5, 1.0), job("P2", 2.01, 1.0), job("P2", 1.0, 4.0),  # 2x counts
+                job("P2", 9.0, 0.4), job("P2", 1.0, None, "overloaded")]  # too short to judge; never ran
+               + [job("P1", 1.1, 1.0)] * 8 + [job("P1", 5.0, 1.0)] * 2)
+    s = summarize(records, min_wait=0.5)
+    assert (s["P2"]["waited"], s["P2"]["within_2x"], s["P2"]["overloaded"]) == (4, 0.5, 1)
+    assert s["P2"]["median_rel_error"] == (0.75 + 1.0) / 2  # of |e - w| / w: 1.0, 0.5, 1.01, 0.75
+    assert (s["P1"]["waited"], s["P1"]["within_2x"]) == (10, 0.8)
+    lo, hi = s["P1"]["within_2x_95ci"]
+    assert 0.49 < lo < 0.50 and 0.94 < hi < 0.95  # 8 of 10: the Wilson interval
+    assert wilson(0, 0) is None and wilson(5, 5)[1] == 1.0 and wilson(0, 5)[0] == 0.0
+    assert re.search(r"^P1 .* 80\.0 % +49-94 % ", table(s, 0.5), re.M)

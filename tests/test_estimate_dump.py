@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 
-from common.errors import Overloaded
+from common.errors import QuotaExceeded
 from common.tiers import Tier
 from gateway import estimate_dump
-from gateway.estimate import RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView
+from gateway.estimate import (RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView,
+                              replay)
 from gateway.estimate_futures import told_wait_s
 from gateway.sdk import GatewayClient
 from scripts import estimate_replay
@@ -55,13 +57,12 @@ def test_a_dumped_state_gives_back_the_same_estimate(tmp_path):
     for n in range(60):
         tier, workers, queued, arrivals, unread, kw = random_state(rng)
         est = told_wait_s(tier, workers, queued, arrivals=arrivals, unread=unread, **kw)
-        counts = {t: rng.uniform(0, 40) for t in (P0, P1, P2, P3)}
-        writer.hold(estimate_dump.encode(est, 1.0, 1000.0 + n, tier, workers, queued, arrivals, unread, counts, **kw))
+        writer.hold(estimate_dump.encode(est, 1.0, 1000.0 + n, tier, workers, queued, arrivals, unread, **kw))
         if n % 7 == 3:  # refused after its estimate: written for nobody, and not under the next job's id
             continue
         own = Work(tier, rng.randint(1, 900), rng.uniform(1, 300))
         writer.admitted(f"job-{n}", 1000.0 + n, own)
-        told[f"job-{n}"] = est, own, counts
+        told[f"job-{n}"] = est, own
     writer.admitted("after-a-refusal", 2000.0)  # what is held is the refused admission's: nothing written
     writer.admitted("no-estimate-held", 1000.0 + n)  # nothing held: nothing written
     writer.close()
@@ -72,11 +73,23 @@ def test_a_dumped_state_gives_back_the_same_estimate(tmp_path):
     dumps = list(estimate_dump.read(path))
     assert [d.job_id for d in dumps] == list(told)
     for d in dumps:
-        est, own, counts = told[d.job_id]
+        est, own = told[d.job_id]
         args, kw = d.args()
         again = told_wait_s(*args, **kw)
         assert again == est or (math.isinf(again) and math.isinf(est)), d.job_id
-        assert (d.work, d.arrival_counts, d.told_s) == (own, counts, est)
+        assert (d.work, d.told_s) == (own, est)
+
+
+def test_the_replay_lists_the_dispatches_it_expects_before_the_job():
+    rates = Rates(prefill_tps=1000.0, decode_tps=100.0)
+    workers = [WorkerView(1, rates, [Held(Work(P3, 0, 200), RUNNING, 0b11)])]  # its slot frees in 2 s
+    older = [Queued(Work(P2, 0, 50 * (i + 1)), -10.0 + i) for i in range(3)]  # 0.5, 1 and 1.5 s each
+    newer = Queued(Work(P2, 0, 50), -1.0)  # admitted after the job: never before it
+    seen: list = []
+    wait, n = replay(P2, workers, [newer, *older], enqueued_s=-2.0, dispatches=seen)
+    assert [(t, i, w) for t, i, w in seen] == [(2.0, 0, older[0].work), (2.5, 0, older[1].work),
+                                               (3.5, 0, older[2].work)]
+    assert (wait, n) == (5.0, len(seen) + 1) == (5.0, replay(P2, workers, [newer, *older], enqueued_s=-2.0)[1])
 
 
 def test_a_line_that_is_not_a_dump_is_refused_with_its_place(tmp_path):
@@ -87,6 +100,15 @@ def test_a_line_that_is_not_a_dump_is_refused_with_its_place(tmp_path):
     path.write_text('{"v": 99, "job_id": "a"}\n')
     with pytest.raises(ValueError, match="version 99"):
         list(estimate_dump.read(path))
+    # A gateway killed while writing its last line: the lines before it are read, the cut one left out.
+    writer = estimate_dump.DumpWriter(tmp_path / "cut.jsonl")
+    tier, workers, queued, arrivals, unread, kw = random_state(random.Random(1))
+    writer.hold(estimate_dump.encode(1.0, 1.0, 5.0, tier, workers, queued, arrivals, unread, **kw))
+    writer.admitted("whole", 5.0)
+    writer.close()
+    whole = (tmp_path / "cut.jsonl").read_text()
+    (tmp_path / "cut.jsonl").write_text(whole + whole[:len(whole) // 2])
+    assert [d.job_id for d in estimate_dump.read(tmp_path / "cut.jsonl")] == ["whole"]
 
 
 def test_a_dump_file_that_cannot_be_written_is_a_configuration_error(tmp_path):
@@ -111,29 +133,32 @@ def test_the_replay_refuses_a_dump_of_another_run(tmp_path, capsys):
 def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reproduces_them(tiny_model_dir, tmp_path,
                                                                                         capsys):
     dump = tmp_path / "estimates.jsonl"
-    env = {"TS_GATEWAY_ESTIMATE_DUMP": str(dump), "TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 1}'}
+    env = {"TS_GATEWAY_ESTIMATE_DUMP": str(dump)}
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env) as c:
         def client(tenant):
             return GatewayClient(c["gateway"], c["tenants"][tenant]["api_key"], timeout_s=30)
         lab, batch, api, chat = client("lab-co"), client("batch-co"), client("api-co"), client("chat-co")
         blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
         wait_for(lambda: job_hash(c, blocker.id).get("state") == "dispatched", 60, "the blocker to run")
-        handles, refused = [blocker], 0
-        # Mixed tiers queue behind the unpreemptible P3; P2s past the 1 s timeout are refused after their estimate
-        # was made: their estimates must be written for nobody, never under the next admitted job's id.
-        for i in range(24):
-            who, tier = [(batch, "P2"), (lab, "P3"), (api, "P1"), (batch, "P2")][i % 4]
+        t0 = time.monotonic()
+        handles, refused, at = [blocker], 0, {blocker.id: 0.0}
+        # Mixed tiers queue behind the P3 (a P2 may not preempt it); then P0s past chat-co's quota (a burst of 4)
+        # are refused after their estimate was made: theirs must be written for nobody, never under the next
+        # admitted job's id.
+        for i in range(32):
+            who, tier = [(batch, "P2"), (lab, "P3"), (api, "P1"), (batch, "P2")][i % 4] if i < 24 else (chat, "P0")
             try:
-                handles.append(who.submit(prompt_token_ids=[5 + i, 6, 7], max_tokens=40, tier=tier, ignore_eos=True))
-            except Overloaded:
+                handles.append(who.submit(prompt_token_ids=[5 + i, 6, 7], max_tokens=40 if i < 24 else 4, tier=tier,
+                                          ignore_eos=True))
+                at[handles[-1].id] = time.monotonic() - t0
+            except QuotaExceeded:
                 refused += 1
-        handles.append(chat.submit(prompt_token_ids=[9, 9], max_tokens=4, tier="P0"))
         assert refused > 0  # the case the test is about happened
         lab.cancel(blocker.id)
         jobs = []
         for h in handles[1:]:
             r = h.result(timeout=300)
-            jobs.append({"job_id": h.id, "tier": h.tier, "outcome": "done", "wait_s": r.queued_s,
+            jobs.append({"job_id": h.id, "at": at[h.id], "tier": h.tier, "outcome": "done", "wait_s": r.queued_s,
                          "estimate_s": h.estimated_wait_s})
     dumps = {d.job_id: d for d in estimate_dump.read(dump)}
     assert set(dumps) == {h.id for h in handles}  # every admitted job, once; no refused one
@@ -146,3 +171,16 @@ def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reprodu
     bench.write_text(json.dumps({"args": {"min_wait": "0.5"}, "jobs": jobs}))
     assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--check", "--min-wait", "0"]) == 0
     assert f"{len(jobs)} estimates replayed (0 of the run's jobs not in the dump); 0 differ" in capsys.readouterr().out
+    # Why a job waited: the last P2 admitted, behind the older P1s and P2s, and the P0s that came after it.
+    last_p2 = [h for h in handles if h.tier == "P2"][-1]
+    assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--explain", last_p2.id[:12]]) == 0
+    said = capsys.readouterr().out
+    assert f"job {last_p2.id} P2" in said and "worker 0: 1 slots" in said
+    model = next(line for line in said.splitlines() if "the model's" in line)
+    listed = model.split(": ", 1)[1].split()
+    assert f"the model's {len(listed)} dispatches before it" in model and listed  # P1s and P2s were ahead of it
+    mine = next(j for j in jobs if j["job_id"] == last_p2.id)
+    went = [j for j in jobs if j is not mine and mine["at"] <= j["at"] + j["wait_s"] < mine["at"] + mine["wait_s"]]
+    assert any(j["tier"] == "P0" for j in went)  # admitted after it, they preempted their way in first
+    said_went = next(line for line in said.splitlines() if "what started before it" in line)
+    assert said_went.startswith(f"  what started before it ({len(went)};")

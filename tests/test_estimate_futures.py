@@ -9,7 +9,6 @@ import random
 from common.tiers import Tier
 from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, replay, wait_s
 from gateway.estimate_futures import FUTURE_DISPATCHES, FUTURES, likeliest, told_wait_s
-from gateway.estimate_line import Line
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 RATES = Rates(prefill_tps=1000.0, decode_tps=100.0)  # 1 s per 100 output tokens
@@ -67,18 +66,3 @@ def test_the_replay_says_how_many_dispatches_it_replayed_and_when_it_spread_the_
     assert replay(P2, workers, queued, arrivals=arrivals, max_exact=5)[1] is None  # too far back: spread
     wait, dispatches = replay(P2, workers, queued, arrivals=arrivals, max_exact=50)
     assert wait == wait_s(P2, workers, queued, arrivals=arrivals) and 21 <= dispatches <= 50  # 20 ahead, then its own
-
-
-def test_a_drawn_future_draws_a_rate_as_uncertain_as_the_arrivals_it_was_measured_from():
-    workers = [WorkerView(64, RATES)]  # slots enough that no drawn rate reaches the MAX_RHO cap
-    for count in (0.0, 3.0, 40.0):
-        rates = [Line(P2, 0.0, [], [Arrivals(Work(P1, 0, 150), 0.4, count)], workers, math.inf,
-                      random.Random(seed)).streams[P1][1] for seed in range(4000)]
-        mean = sum(rates) / len(rates)
-        cv = math.sqrt(sum((r - mean) ** 2 for r in rates) / len(rates)) / mean
-        assert abs(mean / 0.4 - 1) < 0.05, (count, mean)  # the measured rate, on average
-        assert abs(cv * math.sqrt(count + 0.5) - 1) < 0.1, (count, cv)  # spread as a Gamma posterior's
-    # A known rate (the default) is drawn as measured, and the evenly spaced future never draws one.
-    assert Line(P2, 0.0, [], [Arrivals(Work(P1, 0, 150), 0.4)], workers, math.inf,
-                random.Random(1)).streams[P1][1] == 0.4
-    assert Line(P2, 0.0, [], [Arrivals(Work(P1, 0, 150), 0.4, 1.0)], workers, math.inf).streams[P1][1] == 0.4
