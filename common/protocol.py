@@ -214,7 +214,8 @@ class WorkerLoad:
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
     # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
-    # max_tokens, bit mask of tiers that may preempt it]: the work ahead of new jobs, for wait estimates.
+    # max_tokens, bit mask of tiers that may preempt it, tokens it still generates before its preemption guards
+    # let it be preempted (absent from older workers: none)]: the work ahead of new jobs, for wait estimates.
     work: dict[str, list[int]] = field(default_factory=dict)
     # Seconds from building this report to sending it (the heartbeat thread sends the latest one, up to a
     # heartbeat old): with the time since it came, how far the running work has got past what ``work`` says.

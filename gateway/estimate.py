@@ -101,24 +101,30 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         held = w.next_step()
         stepping[i] = max((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.status == RUNNING),
                           default=0.0)
-        busy = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.blocks(tier)),
-                      reverse=True)[:w.slots]
-        # Running work the job may preempt: its slot is the job's now, but not a job's aged up to its tier
-        # (that one waits for a free slot, as the tier it was admitted at, however far ahead in line).
-        victims = min(w.slots - len(busy), sum(h.status == RUNNING and not h.blocks(tier) for h in held))
-        slots = ([(t, False) for t in busy] + [(0.0, True)] * victims
-                 + [(0.0, False)] * (w.slots - len(busy) - victims))
+        victims = [h for h in held if h.status == RUNNING and not h.blocks(tier)]
+        # Work the job may not preempt, and work its guards protect to its end, free their slots as they end.
+        busy = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held
+                       if h.blocks(tier) or (h in victims and h.guarded_to_end())), reverse=True)[:w.slots]
+        # Running work the job may preempt: its slot is the job's once the worker's guards let it (at once, unless
+        # it resumed lately), but not a job's aged up to its tier (that one waits for a free slot, as the tier it
+        # was admitted at, however far ahead in line).
+        guarded = sorted(h.guarded_s(w.rates) for h in victims if not h.guarded_to_end())[:w.slots - len(busy)]
+        slots = ([(t, False) for t in busy] + [(g, True) for g in guarded]
+                 + [(0.0, False)] * (w.slots - len(busy) - len(guarded)))
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=lambda j: slots[j][0])
             slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
             stepping[i] = max(stepping[i], slots[j][0])
         # Held work the job may preempt resumes in the first slots that free after that (it holds their credit):
-        # there the job preempts it at once, but a job aged up ahead of it in line, which preempts as what it was
-        # admitted (not at all), waits for a slot that frees.
-        resuming = sum(h.status != RUNNING and h.yields_to(tier) for h in held)
-        for j in sorted((j for j, (_, urgent) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])[:resuming]:
-            slots[j] = (slots[j][0], True)
+        # there the job preempts it once it has re-read its prompt and passed its residency, but a job aged up
+        # ahead of it in line, which preempts as what it was admitted (not at all), waits for a slot that frees.
+        resuming = sorted((h for h in held if h.status != RUNNING and h.yields_to(tier)),
+                          key=lambda h: (h.work.tier.rank, h.status))
+        first_free = sorted((j for j, (_, urgent) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])
+        for j, h in zip(first_free, resuming):
+            slots[j] = ((slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), False) if h.guarded_to_end()
+                        else (slots[j][0] + h.guarded_s(w.rates), True))
         heap += [(t, i, urgent) for t, urgent in slots]
     heapq.heapify(heap)
     line = Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng, promoted_s)

@@ -48,7 +48,7 @@ def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[Work
     return {
         "v": VERSION, "at": at, "told_s": _num(told_s), "bias": bias, "tier": tier.value,
         "workers": [{"slots": w.slots, "rates": [w.rates.prefill_tps, w.rates.decode_tps],
-                     "held": [[*_work(h.work), h.status, h.preemptible_by] for h in w.held],
+                     "held": [[*_work(h.work), h.status, h.preemptible_by, h.guard] for h in w.held],
                      "handoff_s": w.handoff_s, "idle_handoff_s": w.idle_handoff_s} for w in workers],
         "queued": [[*_work(q.work), q.enqueued_s, _num(q.promoted_s)] for q in queued],
         "arrivals": [[*_work(a.work), a.per_s] for a in arrivals],
@@ -86,7 +86,8 @@ def decode(line: dict[str, Any]) -> Dumped:
         job_id=line["job_id"], at=float(line["at"]), told_s=float(line["told_s"]), bias=float(line["bias"]),
         tier=Tier(line["tier"]),
         workers=[WorkerView(w["slots"], Rates(*w["rates"]),
-                            [Held(_unwork(h[:3]), int(h[3]), int(h[4])) for h in w["held"]],
+                            [Held(_unwork(h[:3]), int(h[3]), int(h[4]), float(h[5]) if len(h) > 5 else 0.0)
+                             for h in w["held"]],
                             w["handoff_s"], w["idle_handoff_s"]) for w in line["workers"]],
         queued=[Queued(_unwork(q[:3]), float(q[3]), _unnum(q[4])) for q in line["queued"]],
         arrivals=[Arrivals(_unwork(a[:3]), float(a[3])) for a in line["arrivals"]],

@@ -44,6 +44,16 @@ class Held:
     work: Work
     status: int  # RUNNING, SUSPENDED or WAITING
     preemptible_by: int  # bit mask of tier ranks that may preempt it
+    # Tokens it still generates (after the prompt it has left) before the worker's preemption guards let a job
+    # that may preempt it do so: a resumed job's residency, or to its end near completion.
+    guard: float = 0.0
+
+    def guarded_s(self, rates: Rates) -> float:
+        """How long until a job that may preempt it can: its prefill left and its guarded tokens."""
+        return rates.seconds(self.work.prefill, self.guard) if self.guard > 0 else 0.0
+
+    def guarded_to_end(self) -> bool:
+        return self.guard > 0 and self.guard >= self.work.decode
 
     def yields_to(self, tier: Tier) -> bool:
         """May a job of ``tier`` preempt this work?"""

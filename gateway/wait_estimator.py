@@ -186,10 +186,15 @@ class WaitEstimator:
                 if len(entry) < 6 or not 0 <= entry[0] < len(ALL_TIERS):
                     continue  # a malformed entry from a worker: leave it out rather than guess
                 rank, status, prefill, generated, max_tokens, mask = entry[:6]
+                # Guarded tokens: absent from an older worker, and a bad value not believed (no guard).
+                guard = entry[6] if len(entry) > 6 and isinstance(entry[6], int) and entry[6] > 0 else 0
                 known = self._jobs.get(job_id)
                 info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
                 work = self._work(info, generated, prefill)
-                held.append(Held(advanced(work, rates, age) if status == RUNNING else work, status, mask))
+                if status == RUNNING:  # both have gone on since the report
+                    now_work = advanced(work, rates, age)
+                    guard, work = max(0.0, guard - (work.decode - now_work.decode)), now_work
+                held.append(Held(work, status, mask, float(guard)))
             for job_id in w.pending:  # sent since its last report: it starts as soon as it arrives
                 if job_id in pending:
                     info = pending[job_id]

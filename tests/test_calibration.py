@@ -42,7 +42,7 @@ def test_first_prefill_start_and_held_work(tiny_model_dir):
     tracker.added("b")
     work = tracker.work()
     # Nothing ran yet: both wait with their whole prompts; P3 may be preempted by P0 and P1, P2 by P0.
-    assert work == {"a": [3, 2, 3, 0, 20, 0b11], "b": [2, 2, 2, 0, 5, 0b01]}
+    assert work == {"a": [3, 2, 3, 0, 20, 0b11, 0], "b": [2, 2, 2, 0, 5, 0b01, 0]}  # no guard on either
     tracker.before_step()
     tracker.after_step(engine.step())
     started = {r: tracker.prefill_start_s(r) for r in "ab"}
@@ -52,6 +52,35 @@ def test_first_prefill_start_and_held_work(tiny_model_dir):
     run(engine, tracker)
     assert tracker.prefill_start_s("a") > started["b"]
     assert all(r > 0 for r in tracker.rates())
+
+
+def test_held_work_says_how_long_its_preemption_guards_protect_it(tiny_model_dir):
+    # One slot: a P0 suspends the P3; the P3 resumes with a residency of min_residency_steps (8) tokens, during
+    # which the next P0 must wait, and the report counts it down; near its end the progress guard covers the rest.
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_num_seqs=1, num_kv_blocks=64))
+    tracker = RateTracker(engine)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), tier="P3")
+    for _ in range(3):
+        engine.step()
+    assert tracker.work()["a"][6] == 0  # never suspended: nothing protects it
+    engine.add_request("p0", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True), tier="P0")
+    engine.step()
+    assert tracker.work()["a"][1] == 1 and tracker.work()["a"][6] == 8  # suspended: it resumes protected
+    while tracker.work()["a"][1] != 0:
+        engine.step()
+    left = tracker.work()["a"]
+    ends_at = left[3] + left[6]  # the token its residency ends at: counted down, one a token
+    assert 0 < left[6] <= 8
+    while left[6] > 0:
+        assert left[3] + left[6] == ends_at, left
+        engine.step()
+        left = tracker.work()["a"]
+    assert left[3] == ends_at and left[4] - left[3] > 4  # free to be preempted again, far from its end
+    while left[4] - left[3] > 4:
+        engine.step()
+        left = tracker.work()["a"]
+    assert left[6] == left[4] - left[3]  # the last few tokens: protected to its end
+    run(engine, tracker)
 
 
 def test_a_step_that_changes_what_runs_is_reported_at_once(tiny_model_dir):

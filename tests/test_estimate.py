@@ -322,3 +322,24 @@ def test_a_p1_preempts_the_suspended_work_that_resumes_in_a_freed_slot_before_jo
     # A P2 does not preempt the resuming P3: it waits for the aged job, then for the P3 (it holds the credit).
     w = WorkerView(1, RATES, [running(P0, 60), Held(Work(P3, 0, 500), SUSPENDED, BY_P0_P1)])
     assert wait_s(P2, [w], aged, aging_interval_s=60.0) == pytest.approx(0.6 + 5.0 + 3.0)
+
+
+def test_a_victim_its_guards_protect_frees_its_slot_to_preemption_only_when_they_lift():
+    """The worker leaves a resumed victim alone for its residency (min_residency_steps tokens, after any prompt it
+    must re-read) and one near its end to the end (worker/preemption.PreemptionPolicy.guard): a P0 told it takes
+    such a slot at once waited that long (bench_estimate, runs r6 and r4 of the twelfth session: told 0.07-0.28 s,
+    waited 0.67-1.02 s, with nothing started before it)."""
+    def p3(decode: float, guard: float, prefill: float = 0.0, status: int = RUNNING) -> Held:
+        return Held(Work(P3, prefill, decode), status, BY_P0_P1, guard)
+    one = lambda *held: [WorkerView(1, RATES, list(held))]  # noqa: E731
+    assert wait_s(P0, one(p3(300, 0))) == 0.0  # unguarded: preempted at once
+    assert wait_s(P0, one(p3(300, 8))) == pytest.approx(0.08)  # 8 tokens of residency left at 100/s
+    assert wait_s(P0, one(p3(300, 8, prefill=500))) == pytest.approx(0.58)  # re-reading its prompt first
+    assert wait_s(P0, one(p3(3, 3))) == pytest.approx(0.03)  # protected to its end: the slot frees then
+    assert wait_s(P2, one(p3(300, 8))) == pytest.approx(3.0)  # a P2 may not preempt it at all, guard or none
+    # A suspended P3 resumes in the first slot that frees (it holds its credit), re-reads its prompt and only
+    # after its residency may the P0 preempt it; the guard of the running P1 (which a P0 may not preempt) is moot.
+    held = [Held(Work(P1, 0, 100), RUNNING, 0, 8), p3(200, 8, prefill=500, status=SUSPENDED)]
+    assert wait_s(P0, [WorkerView(1, RATES, held)]) == pytest.approx(1.0 + 0.5 + 0.08)
+    # Of two victims, the one whose guard lifts first.
+    assert wait_s(P0, [WorkerView(2, RATES, [p3(300, 20), p3(300, 5)])]) == pytest.approx(0.05)

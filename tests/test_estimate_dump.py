@@ -36,7 +36,8 @@ def random_state(rng: random.Random):
     workers = [WorkerView(rng.randint(1, 4), Rates(rng.uniform(200, 2000), rng.uniform(10, 60)),
                           [Held(Work(rng.choice([P0, P1, P2, P3]), rng.choice([0.0, rng.uniform(0, 900)]),
                                      rng.uniform(1, 300)), rng.choice([RUNNING, SUSPENDED, WAITING]),
-                                rng.choice([0, 0b01, 0b11])) for _ in range(rng.randint(0, 6))],
+                                rng.choice([0, 0b01, 0b11]), rng.choice([0.0, float(rng.randint(1, 16))]))
+                           for _ in range(rng.randint(0, 6))],
                           rng.uniform(0, 0.5), rng.uniform(0, 0.05)) for _ in range(rng.randint(1, 3))]
     queued = [Queued(Work(rng.choice([P0, P1, P2, P3]), rng.uniform(1, 900), rng.uniform(1, 300)),
                      -rng.uniform(0, 200), rng.choice([math.inf, rng.uniform(-30, 60)]))

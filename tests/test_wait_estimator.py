@@ -125,3 +125,21 @@ def test_a_workers_periodic_hello_does_not_age_its_latest_load_report(server):
     workers.hello(P.WorkerHello("wk-0", "m", 512, 4096, 1, 1000), b"wk-0", NOW + 0.1)  # its periodic re-announce
     assert workers.workers["wk-0"].load_at == NOW
     assert est.for_new("t", Tier.P1, NOW + 0.1) == pytest.approx(before)
+
+
+def test_a_victims_guard_is_read_from_its_report_counted_down_by_its_age_and_a_bad_one_ignored(server):
+    queue, est = cluster(server, slots=1)
+
+    def report(entry: list, age_s: float = 0.0) -> float:
+        est.workers.load(P.WorkerLoad("wk-0", 0, 1000, {"P3": 1}, {}, ["job-a"], 0.0, {}, RATES.prefill_tps,
+                                      RATES.decode_tps, {"job-a": entry}, age_s), NOW)
+        return est.for_new("t", Tier.P0, NOW)
+
+    p3 = [Tier.P3.rank, 0, 0, 10, 400, 0b11]  # running, 390 tokens left at 50/s; a P0 may preempt it
+    assert report(p3) == 0.0  # an older worker's six fields: no guard
+    assert report(p3 + [0]) == 0.0
+    assert report(p3 + [10]) == pytest.approx(0.2)  # 10 guarded tokens at 50/s
+    assert report(p3 + [10], age_s=0.1) == pytest.approx(0.1)  # 5 of them generated since it was built
+    assert report(p3 + [10], age_s=1.0) == 0.0  # all of them
+    for bad in (-5, 2.5, "x", None):
+        assert report(p3 + [bad]) == 0.0, bad

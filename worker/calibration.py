@@ -125,7 +125,8 @@ class RateTracker:
     def work(self) -> dict[str, list[int]]:
         """What each held request still has to do, for the gateway's estimate:
         job id -> [tier rank, status (0 running, 1 suspended, 2 waiting), tokens left to prefill,
-        tokens generated, max_tokens, bit mask of the tiers that may preempt it]."""
+        tokens generated, max_tokens, bit mask of the tiers that may preempt it, tokens it will still generate
+        before a guard lets it be preempted (PreemptionPolicy.protected_tokens)]."""
         sched = self.engine.scheduler
         matrix = sched.preemption.config.matrix
         out = {}
@@ -133,7 +134,8 @@ class RateTracker:
             mask = sum(1 << a.rank for a in ALL_TIERS if r.tier in matrix.get(a, ()))
             prefill_left = max(0, r.num_tokens - r.num_computed_tokens - (1 if r.output_token_ids else 0))
             out[r.request_id] = [r.tier.rank, STATUS_CODES.get(r.status, 2), prefill_left,
-                                 len(r.output_token_ids), r.params.max_tokens, mask]
+                                 len(r.output_token_ids), r.params.max_tokens, mask,
+                                 sched.preemption.protected_tokens(r)]
         return out
 
 

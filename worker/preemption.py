@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.tiers import Tier
-from worker.request import Request
+from worker.request import Request, RequestStatus
 
 
 class PreemptMode(str, enum.Enum):
@@ -119,6 +119,24 @@ class PreemptionPolicy:
         if c.guard_max_generated is not None and len(victim.output_token_ids) > c.guard_max_generated:
             return DeclineReason.PROGRESS
         return None
+
+    def protected_tokens(self, req: Request) -> int:
+        """Tokens ``req`` will still generate (after any prompt it has left to prefill) before ``guard`` lets
+        another request preempt it: a suspended one gets a fresh residency when it resumes, a resumed one has
+        the rest of its own, and one the progress guard protects is protected to its end. What the gateway's
+        wait estimate adds to a slot that only preemption frees (WorkerLoad.work)."""
+        c = self.config
+        generated = len(req.output_token_ids)
+        remaining = max(0, req.params.max_tokens - generated)
+        if c.guard_max_generated is not None and generated > c.guard_max_generated:
+            return remaining
+        if req.status is RequestStatus.SUSPENDED:
+            residency = self.residency_tokens(req)
+        elif req.last_resume_step is not None:
+            residency = max(0, self.residency_tokens(req) - (generated - req.resume_output_tokens))
+        else:
+            residency = 0
+        return remaining if remaining - residency <= c.guard_remaining_tokens else residency
 
     def residency_tokens(self, req: Request) -> int:
         """Tokens ``req`` generates after resuming before another request may preempt it again.
