@@ -73,13 +73,16 @@ class Dispatcher:
         workers; a job with no such victim anywhere stays in Redis, where aging, queue timeouts and
         wait estimates still apply to it."""
         room = {wid: w.victims_left(self._urgent_sent) for wid, w in self.workers.workers.items()}
+        # A worker with a victim no preemption guard protects now goes first: the job starts at once there.
+        guarded = {wid: {t: w.guarded_victims(t) for t in PREEMPTING_TIERS} for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())
         by_worker: dict[str, list[str]] = {}
         for job_id, tier in self._urgent_candidates(most):
             fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0]
             if not fits:
                 continue
-            wid = max(fits, key=lambda wid: (room[wid][tier], -len(by_worker.get(wid, ()))))
+            wid = max(fits, key=lambda wid: (room[wid][tier] > guarded[wid][tier], room[wid][tier],
+                                             -len(by_worker.get(wid, ()))))
             by_worker.setdefault(wid, []).append(job_id)
             for t in room[wid]:  # one victim is gone, whoever would have taken it
                 room[wid][t] -= 1

@@ -43,6 +43,16 @@ class WorkerState:
         unreported = len(self.pending & urgent_sent)
         return {Tier(t): n - unreported for t, n in self.load.victims.items() if t in ("P0", "P1")}
 
+    def guarded_victims(self, tier: Tier) -> int:
+        """Running jobs here ``tier`` may preempt, but not yet: a preemption guard protects them (a resumed
+        victim's residency; the report's seventh field, WorkerLoad.work). A job sent where every victim is
+        guarded waits in the worker until a guard lifts, while another worker may have one free now."""
+        if self.load is None:
+            return 0
+        return sum(1 for e in self.load.work.values()
+                   if len(e) > 6 and e[1] == 0 and isinstance(e[5], int) and (e[5] >> tier.rank) & 1
+                   and isinstance(e[6], int) and e[6] > 0)
+
     @property
     def preemption_cost_s(self) -> float:
         return self.load.preemption_cost_s if self.load is not None else 0.0

@@ -1,0 +1,81 @@
+"""Where a P0/P1 goes when every worker is full (gateway/dispatch.py): to a worker with a victim it may preempt, and
+first to one whose victim no preemption guard protects now. Sent where the only victim is a P3 that resumed a
+moment ago, it waits in that worker for the P3's residency, while the other worker's P3 would give way at once;
+the wait estimate counts the slot that frees first, so the dispatcher must take it. A real redis-server and queue;
+the workers are their load reports."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+import pytest
+
+from common import protocol as P
+from common.redis_keys import KeySpace
+from common.redis_server import RedisServer
+from common.tiers import ALL_TIERS, Tier
+from gateway.dispatch import Dispatcher
+from gateway.redis_queue import Admitted, RedisQueue
+from gateway.wait_estimator import WaitEstimator
+from gateway.workers import WorkerRegistry
+
+NOW = 1_700_000_000.0
+P3_RUNNING = [Tier.P3.rank, 0, 0, 10, 400, 0b11]  # running, preemptible by P0 and P1
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+class Plan(Dispatcher):
+    """The dispatcher's planning with what it reads: a real queue, the worker registry, the estimator."""
+
+    def __init__(self, server) -> None:
+        self.queue = RedisQueue(server.client(), KeySpace(prefix=f"dg-{uuid.uuid4().hex[:8]}"),
+                                tier_timeouts_s={t: None for t in ALL_TIERS})
+        self.workers = WorkerRegistry(timeout_s=1e9)
+        self.estimator = WaitEstimator(self.queue, self.workers, clock=lambda: NOW)
+        self._urgent_sent: set[str] = set()
+
+    def worker(self, wid: str, work: dict[str, list]) -> None:
+        """A full worker (one slot) reporting ``work``; its victims as the worker counts them (running, by mask)."""
+        self.workers.hello(P.WorkerHello(wid, "m", 512, 4096, 1, 1000), wid.encode(), NOW)
+        victims = {t.value: sum(e[1] == 0 and (e[5] >> t.rank) & 1 for e in work.values()) for t in ALL_TIERS}
+        self.workers.load(P.WorkerLoad(wid, 0, 1000, {"P3": len(work)}, {}, list(work), 0.0, victims, 1000.0, 50.0,
+                                       work), NOW)
+
+    def admit(self, tier: Tier) -> str:
+        job_id = uuid.uuid4().hex
+        payload = msgpack.packb({"prompt_token_ids": [5, 6], "max_tokens": 4})
+        r = self.queue.admit(job_id=job_id, tenant="t", tier_requested=tier, tier=tier, payload=payload,
+                             now_ms=int(NOW * 1000), idempotency_key=None, quota=None, drain_rate_per_s={},
+                             estimate_s=0.0)
+        assert isinstance(r, Admitted)
+        return job_id
+
+
+def test_a_p0_goes_to_the_worker_whose_victim_gives_way_now(server):
+    d = Plan(server)
+    d.worker("wk-a", {"a3": P3_RUNNING + [8]})  # resumed a moment ago: 8 tokens of residency left
+    d.worker("wk-b", {"b3": P3_RUNNING + [0]})
+    job = d.admit(Tier.P0)
+    assert d._plan_preemptions()[0] == {"wk-b": [job]}
+    # Both free now, or reported by older workers (no guard field): as before, the first with most room.
+    d.worker("wk-a", {"a3": P3_RUNNING})
+    assert d._plan_preemptions()[0] == {"wk-a": [job]}
+
+
+def test_a_guarded_victim_is_still_one_when_it_is_the_only_one(server):
+    d = Plan(server)
+    d.worker("wk-a", {"a3": P3_RUNNING + [8]})
+    d.worker("wk-b", {"b1": [Tier.P1.rank, 0, 0, 10, 400, 0]})  # a P1: nobody may preempt it
+    job = d.admit(Tier.P1)
+    assert d._plan_preemptions()[0] == {"wk-a": [job]}  # it waits for the guard there, not in Redis for a report
+    assert d.workers.workers["wk-a"].guarded_victims(Tier.P1) == 1
+    assert d.workers.workers["wk-b"].guarded_victims(Tier.P1) == 0
+    for bad in (-1, "x", None, 2.5):  # a worker's bad field: no guard believed
+        d.worker("wk-c", {"c3": P3_RUNNING + [bad]})
+        assert d.workers.workers["wk-c"].guarded_victims(Tier.P0) == 0
