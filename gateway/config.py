@@ -50,7 +50,8 @@ class GatewayConfig:
     # higher tiers' arrivals, not the one evenly spaced future (gateway/estimate_futures.py); 0: that one only.
     wait_futures: int = 8
     # A JSON-lines file each admitted job's wait estimate inputs are appended to, for scripts/estimate_replay.py
-    # (gateway/estimate_dump.py); "" writes none. A debugging aid: it costs a line written per admission.
+    # (gateway/estimate_dump.py); "" writes none. A debugging aid: it costs a line written per admission. One file
+    # per gateway: two appending to one may interleave their lines.
     estimate_dump: str = ""
     # A P3 job still queued at admission + promise_factor x its wait estimate - promise_lead_s moves to the P2
     # queue (keeping its place by age, as if it had aged early), so that P2s admitted after it stop overtaking
