@@ -104,7 +104,7 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         victims = [h for h in held if h.status == RUNNING and not h.blocks(tier)]
         # Work the job may not preempt, and work its guards protect to its end, free their slots as they end.
         busy = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held
-                       if h.blocks(tier) or (h in victims and h.guarded_to_end())), reverse=True)[:w.slots]
+                       if h.blocks(tier) or (h.status == RUNNING and h.guarded_to_end())), reverse=True)[:w.slots]
         # Running work the job may preempt: its slot is the job's once the worker's guards let it (at once, unless
         # it resumed lately), but not a job's aged up to its tier (that one waits for a free slot, as the tier it
         # was admitted at, however far ahead in line).

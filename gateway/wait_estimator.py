@@ -24,6 +24,7 @@ from gateway import estimate_dump
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
+from gateway.workers import reported_guard
 from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
 # A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
@@ -186,8 +187,7 @@ class WaitEstimator:
                 if len(entry) < 6 or not 0 <= entry[0] < len(ALL_TIERS):
                     continue  # a malformed entry from a worker: leave it out rather than guess
                 rank, status, prefill, generated, max_tokens, mask = entry[:6]
-                # Guarded tokens: absent from an older worker, and a bad value not believed (no guard).
-                guard = entry[6] if len(entry) > 6 and isinstance(entry[6], int) and entry[6] > 0 else 0
+                guard = reported_guard(entry)
                 known = self._jobs.get(job_id)
                 info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
                 work = self._work(info, generated, prefill)

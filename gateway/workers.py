@@ -14,6 +14,13 @@ from common.protocol import WorkerHello, WorkerLoad
 from common.tiers import Tier
 
 
+def reported_guard(entry: list) -> int:
+    """The tokens a WorkerLoad.work entry says its preemption guards still protect it (its seventh field): none
+    from an older worker, and none believed from a bad value."""
+    guard = entry[6] if len(entry) > 6 else 0
+    return guard if isinstance(guard, int) and guard > 0 else 0
+
+
 @dataclass
 class WorkerState:
     hello: WorkerHello
@@ -51,7 +58,7 @@ class WorkerState:
             return 0
         return sum(1 for e in self.load.work.values()
                    if len(e) > 6 and e[1] == 0 and isinstance(e[5], int) and (e[5] >> tier.rank) & 1
-                   and isinstance(e[6], int) and e[6] > 0)
+                   and reported_guard(e))
 
     @property
     def preemption_cost_s(self) -> float:

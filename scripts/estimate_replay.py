@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from common.tiers import ALL_TIERS  # noqa: E402
 from gateway import estimate_dump  # noqa: E402
-from gateway.estimate import Arrivals, replay, wait_s  # noqa: E402
+from gateway.estimate import Arrivals, replay  # noqa: E402
 from gateway.wait_learning import ArrivalRates  # noqa: E402
 from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
 from scripts.estimate_report import summarize, table  # noqa: E402
@@ -62,8 +62,11 @@ def rebuilt_arrivals(dumps: list[estimate_dump.Dumped], tau_s: float) -> dict[st
 def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     """What the model expected to go before ``job`` (the evenly spaced future's dispatches), against what did: the
     run's jobs that started between its admission and its start."""
+    seen: list = []
+    args, kw = d.args()
+    even, _ = replay(*args, dispatches=seen, **kw)
     out = [f"job {job['job_id']} {job['tier']} admitted at {job['at']:.2f} s: told {d.told_s:.2f} s, waited "
-           f"{job['wait_s']:.2f} s (the evenly spaced future: {wait_s(*d.args()[0], **d.args()[1]):.2f} s)"]
+           f"{job['wait_s']:.2f} s (the evenly spaced future: {even:.2f} s)"]
     for i, w in enumerate(d.workers):
         held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.rates.seconds(h.work.prefill, h.work.decode):.1f}s"
                          for h in w.held)
@@ -73,9 +76,6 @@ def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     out.append("  queued (read): " + ", ".join(f"{t.value} {n}" for t, n in by.items() if n)
                + "".join(f"; {t.value} +{n} unread" for t, (n, _) in d.unread.items()))
     out.append("  arrivals forecast: " + ", ".join(f"{a.work.tier.value} {a.per_s:.2f}/s" for a in d.arrivals))
-    seen: list = []
-    args, kw = d.args()
-    replay(*args, dispatches=seen, **kw)
     streams = {id(a.work) for a in d.arrivals}
     model = [f"{w.tier.value}{'*' if id(w) in streams else ''}@{t:.1f}" for t, _, w in seen]
     out.append(f"  the model's {len(seen)} dispatches before it (* an arrival to come, @ when its slot frees): "

@@ -110,8 +110,7 @@ class PreemptionPolicy:
     def guard(self, victim: Request, step: int) -> DeclineReason | None:
         """Why ``victim`` must be left alone now, or None if it may give way."""
         c = self.config
-        if victim.last_resume_step is not None and (
-                len(victim.output_token_ids) - victim.resume_output_tokens < self.residency_tokens(victim)):
+        if self.residency_left(victim) > 0:
             return DeclineReason.RESIDENCY
         remaining = victim.params.max_tokens - len(victim.output_token_ids)
         if victim.num_computed_tokens >= victim.num_prompt_tokens and remaining <= c.guard_remaining_tokens:
@@ -130,13 +129,14 @@ class PreemptionPolicy:
         remaining = max(0, req.params.max_tokens - generated)
         if c.guard_max_generated is not None and generated > c.guard_max_generated:
             return remaining
-        if req.status is RequestStatus.SUSPENDED:
-            residency = self.residency_tokens(req)
-        elif req.last_resume_step is not None:
-            residency = max(0, self.residency_tokens(req) - (generated - req.resume_output_tokens))
-        else:
-            residency = 0
+        residency = self.residency_tokens(req) if req.status is RequestStatus.SUSPENDED else self.residency_left(req)
         return remaining if remaining - residency <= c.guard_remaining_tokens else residency
+
+    def residency_left(self, req: Request) -> int:
+        """Tokens a resumed ``req`` must still generate before its residency ends (0: never resumed, or past it)."""
+        if req.last_resume_step is None:
+            return 0
+        return max(0, self.residency_tokens(req) - (len(req.output_token_ids) - req.resume_output_tokens))
 
     def residency_tokens(self, req: Request) -> int:
         """Tokens ``req`` generates after resuming before another request may preempt it again.
