@@ -13,7 +13,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ from urllib.parse import quote
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from common.ports import free_port
 
 
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
@@ -79,12 +80,6 @@ def find_redis_server() -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """A redis-server child process on 127.0.0.1, usable as a context manager.
 
@@ -127,7 +122,7 @@ class RedisServer:
         # A port chosen by us can be taken by someone else before redis binds it: retry then.
         attempts = 1 if self._requested_port is not None else 3
         for attempt in range(attempts):
-            port = self._requested_port if self._requested_port is not None else _free_port()
+            port = self._requested_port if self._requested_port is not None else free_port()
             try:
                 self._launch(port)
                 return

@@ -6,7 +6,6 @@ gateway's worker socket, authentication of the peer's key against an allow-list.
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from common.keys import KeyFileError, load_allow_list, load_pair, load_public
+from common.ports import free_port  # noqa: F401  (its old home: tests and scripts import it from here)
 from common.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("sockets")
@@ -148,10 +148,3 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return True
     host = rest.rsplit(":", 1)[0].strip("[]")
     return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host`` (for tests and the local launcher)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

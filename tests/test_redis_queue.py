@@ -23,6 +23,7 @@ from redis.retry import Retry
 
 from common import redis_server as redis_server_mod
 from common.errors import DuplicateRequest, IncompleteResult
+from common.ports import free_port
 from common.redis_keys import LUA_DIR, KeySpace, load_scripts
 from common.redis_server import RedisServer, RedisServerError, find_redis_server
 from common.tiers import ALL_TIERS, Tier
@@ -97,7 +98,7 @@ def test_find_redis_server_returns_an_executable_or_says_why(monkeypatch):
 
 
 def test_redis_server_given_port_password_appendonly_and_stop():
-    port = redis_server_mod._free_port()
+    port = free_port()
     with RedisServer(port=port, password="s3cret:/@", appendonly=True) as s:
         assert s.port == port and s.url == f"redis://:s3cret%3A%2F%40@127.0.0.1:{port}/0"
         assert redis.Redis.from_url(s.url).ping()

@@ -1,0 +1,55 @@
+"""Picking a free TCP port for a process we are about to start (tests, the local launcher).
+
+A port is chosen here and bound by a child seconds later (a worker binds its /metrics only after
+loading torch and a model). A port from the kernel's ephemeral range (``bind(port 0)`` draws from it)
+can meanwhile become the local end of any outgoing connection on the machine (a Redis client, an
+HTTP request), and the child then dies with "Address already in use". The kernel never hands out a
+port below that range on its own, so one drawn there can only be taken by another explicit choice.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default, also used where the file is absent
+_LOWEST = 10_000  # below this sit many well-known services' ports
+_DRAWS = 64
+_rng = random.Random()  # independent of the caller's seeded `random`: two processes must not draw alike
+
+
+def ephemeral_range(path: Path) -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (inclusive)."""
+    try:
+        low, high = (int(x) for x in path.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now and outside the ephemeral range (see the module's doc).
+
+    Falls back to one the kernel picks (inside the range) only where no port below it is free after
+    a bounded number of draws, or the range leaves no room below it.
+    """
+    low, _ = ephemeral_range(_EPHEMERAL_RANGE_FILE)
+    if low - 1 >= _LOWEST:
+        for _ in range(_DRAWS):
+            port = _rng.randint(_LOWEST, low - 1)
+            if _bindable(host, port):
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

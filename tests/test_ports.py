@@ -1,0 +1,74 @@
+"""free_port(): a port free now, drawn below the kernel's ephemeral range, so that the outgoing
+connections made while a child process starts cannot take it before the child binds it (a worker
+died 12 times in a row on its metrics port in a CI run when ports came from bind(0))."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from common import ports
+from common.ports import ephemeral_range, free_port
+
+
+def test_ports_are_free_and_below_the_range_outgoing_connections_draw_from():
+    low, high = ephemeral_range(ports._EPHEMERAL_RANGE_FILE)
+    assert 1024 < low <= high
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(256)
+        clients = []
+        try:
+            for _ in range(200):  # what a busy test machine does meanwhile: connections out
+                c = socket.create_connection(server.getsockname())
+                clients.append(c)
+            outgoing = {c.getsockname()[1] for c in clients}
+            picked = [free_port() for _ in range(200)]
+        finally:
+            for c in clients:
+                c.close()
+    assert all(low <= p <= high for p in outgoing)
+    assert all(ports._LOWEST <= p < low for p in picked)
+    assert not outgoing & set(picked)
+    for p in picked[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free when handed out
+
+
+def _only(monkeypatch, tmp_path, port: int) -> None:
+    """Leave exactly one port below the ephemeral range: ``port``."""
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text(f"{port + 1}\t60999\n")
+    monkeypatch.setattr(ports, "_EPHEMERAL_RANGE_FILE", range_file)
+    monkeypatch.setattr(ports, "_LOWEST", port)
+
+
+def test_a_taken_port_is_never_handed_out(monkeypatch, tmp_path):
+    port = free_port()
+    _only(monkeypatch, tmp_path, port)
+    assert free_port() == port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        other = free_port()  # none free below the range: the kernel's choice, still a free one
+        assert other != port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", other))
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "1 2 3"])
+def test_an_unreadable_range_falls_back_to_linux_default(tmp_path, text):
+    f = tmp_path / "range"
+    f.write_text(text)
+    assert ephemeral_range(f) == (32768, 60999)
+    assert ephemeral_range(tmp_path / "absent") == (32768, 60999)
+
+
+def test_a_range_that_leaves_no_room_below_uses_the_kernels_choice(monkeypatch, tmp_path):
+    range_file = tmp_path / "range"
+    range_file.write_text("1024 65535")
+    monkeypatch.setattr(ports, "_EPHEMERAL_RANGE_FILE", range_file)
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
