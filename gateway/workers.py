@@ -16,9 +16,15 @@ from common.tiers import Tier
 
 def reported_guard(entry: list) -> int:
     """The tokens a WorkerLoad.work entry says its preemption guards still protect it (its seventh field): none
-    from an older worker, and none believed from a bad value."""
+    from an older worker, and none believed from a bad value. At most the job's prompt and output: a guard ends
+    with its job, so a larger one (a buggy worker's) must not make every estimate unbounded and shed all work."""
     guard = entry[6] if len(entry) > 6 else 0
-    return guard if isinstance(guard, int) and guard > 0 else 0
+    if type(guard) is not int or guard <= 0:
+        return 0
+    prefill, max_tokens = entry[2], entry[4]
+    if type(prefill) is int and type(max_tokens) is int:
+        return min(guard, max(0, prefill) + max(0, max_tokens))
+    return guard
 
 
 @dataclass

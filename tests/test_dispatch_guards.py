@@ -18,7 +18,7 @@ from common.tiers import ALL_TIERS, Tier
 from gateway.dispatch import Dispatcher
 from gateway.redis_queue import Admitted, RedisQueue
 from gateway.wait_estimator import WaitEstimator
-from gateway.workers import WorkerRegistry
+from gateway.workers import WorkerRegistry, reported_guard
 
 NOW = 1_700_000_000.0
 P3_RUNNING = [Tier.P3.rank, 0, 0, 10, 400, 0b11]  # running, preemptible by P0 and P1
@@ -79,3 +79,12 @@ def test_a_guarded_victim_is_still_one_when_it_is_the_only_one(server):
     for bad in (-1, "x", None, 2.5):  # a worker's bad field: no guard believed
         d.worker("wk-c", {"c3": P3_RUNNING + [bad]})
         assert d.workers.workers["wk-c"].guarded_victims(Tier.P0) == 0
+
+
+def test_a_guard_is_believed_up_to_its_jobs_end_only():
+    # [tier, status, prefill, generated, max_tokens, preemptible-by mask, guard]: a guard outlasting its job is a
+    # buggy worker's, and unbounded it would put every estimate behind it past any timeout (all work shed).
+    assert reported_guard([3, 0, 100, 10, 400, 3, 10**30]) == 500
+    assert reported_guard([3, 0, 100, 10, 400, 3, 12]) == 12
+    assert reported_guard([3, 0, 100, 10, 400, 3, True]) == 0  # a bool is no count
+    assert reported_guard([3, 0, 100, 10, 400, 3]) == 0  # an older worker's six fields
