@@ -17,7 +17,7 @@ _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default, also used where the file is absent
 _LOWEST = 10_000  # below this sit many well-known services' ports
 _DRAWS = 64
-_rng = random.Random()  # independent of the caller's seeded `random`: two processes must not draw alike
+_rng = random.SystemRandom()  # not the caller's seeded `random`, nor a state a forked child shares: draws differ
 
 
 def ephemeral_range(path: Path) -> tuple[int, int]:

@@ -15,6 +15,8 @@ from common.ports import ephemeral_range, free_port
 def test_ports_are_free_and_below_the_range_outgoing_connections_draw_from():
     low, high = ephemeral_range(ports._EPHEMERAL_RANGE_FILE)
     assert 1024 < low <= high
+    if low - 1 < ports._LOWEST:
+        pytest.skip(f"this machine's ephemeral range starts at {low}: no room below it to draw from")
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(256)
