@@ -43,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGUSR1, lambda *_: service.log_state())  # operators: `kill -USR1 <pid>`
     secure_worker_sockets(service.sockets, config.curve_secret_key_file, config.gateway_public_key)
+    # Everything that can fail at start-up fails before the hello: a gateway that heard from this worker
+    # sends it jobs, and each one sent to a worker that then exits loses an attempt to a lease expiry.
+    try:
+        metrics.serve(config.metrics_bind, service.engine)
+    except OSError as e:
+        print(f"worker: cannot serve metrics on {config.metrics_bind}: {e.strerror or e} (metrics_bind, "
+              "TS_WORKER_METRICS_BIND)", file=sys.stderr)
+        return 2
     service.connect()
-    metrics.serve(config.metrics_bind, service.engine)
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
                                      config.engine.device, json.dumps(config.gateways))
     return process.serve_until_signalled(service.serve, service.close)
