@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import sys
 
+import zmq
+
 from common import process, settings
 from common.tracing import setup_tracing
 from gateway import metrics
@@ -42,8 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if auth is not None:
         gw.close = _also(gw.close, auth.stop)
-    gw.bind()
-    metrics.serve(config.metrics_bind, gw)
+    try:  # a port taken: say which, not a traceback
+        gw.bind()
+        metrics.serve(config.metrics_bind, gw)
+    except zmq.ZMQError as e:  # its text names the endpoint
+        gw.close()
+        print(f"gateway: cannot bind a socket (client_bind, worker_bind): {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        gw.close()
+        print(f"gateway: cannot serve metrics on {config.metrics_bind}: {e.strerror or e} (metrics_bind)",
+              file=sys.stderr)
+        return 2
     logging.getLogger("gateway").info("gateway %s: clients on %s, workers on %s", config.gateway_id,
                                       config.client_bind, config.worker_bind)
     return process.serve_until_signalled(gw.serve, gw.close)
