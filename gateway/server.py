@@ -49,6 +49,9 @@ log = logging.getLogger("gateway")
 Peer = tuple[bytes, "str | None"]
 # A full Redis refused a write of the background work (dispatch, results, maintenance): it tries again after this.
 REDIS_FULL_RETRY_S = 0.5
+# Client frames handled in a row while a dispatch is pending. An admission costs milliseconds (its wait estimate),
+# and a burst of them drained at once kept freed slots idle for as long, a lag no estimate counted.
+CLIENT_DRAIN_BUDGET_S = 0.01
 
 
 class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
@@ -183,7 +186,10 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             self._redis_backoff_s = 0.0
 
     def _drain(self, sock: zmq.Socket, handlers: dict) -> None:
+        started = time.monotonic()
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
+            if sock is self.clients and self._dirty and time.monotonic() - started >= CLIENT_DRAIN_BUDGET_S:
+                return  # a slot may be free: dispatch first (the rest wait in the socket, and the loop comes back)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
