@@ -21,6 +21,11 @@ TIER_VALUES = tuple(t.value for t in ALL_TIERS)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+class MetricsBindError(RuntimeError):
+    """/metrics cannot be served on the ``metrics_bind`` asked for (its port taken, or not this host's
+    address): a start-up error a process reports in one line, naming the address."""
+
+
 def parse_bind(bind: str) -> tuple[str, int]:
     host, sep, port = bind.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -35,5 +40,8 @@ def serve(bind: str, state: Collector | None = None) -> None:
     host, port = parse_bind(bind)
     if state is not None:
         REGISTRY.register(state)
-    start_http_server(port, addr=host)
+    try:
+        start_http_server(port, addr=host)
+    except OSError as e:
+        raise MetricsBindError(f"cannot serve metrics on {bind}: {e.strerror or e} (metrics_bind)") from None
     logging.getLogger("metrics").info("metrics on http://%s:%d/metrics", host, port)

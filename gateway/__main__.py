@@ -12,6 +12,7 @@ import sys
 import zmq
 
 from common import process, settings
+from common.metrics import MetricsBindError
 from common.tracing import setup_tracing
 from gateway import metrics
 from common.redis_server import redact_url, redis_client
@@ -51,10 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         gw.close()
         print(f"gateway: cannot bind a socket (client_bind, worker_bind): {e}", file=sys.stderr)
         return 2
-    except OSError as e:
+    except MetricsBindError as e:
         gw.close()
-        print(f"gateway: cannot serve metrics on {config.metrics_bind}: {e.strerror or e} (metrics_bind)",
-              file=sys.stderr)
+        print(f"gateway: {e}", file=sys.stderr)
         return 2
     logging.getLogger("gateway").info("gateway %s: clients on %s, workers on %s", config.gateway_id,
                                       config.client_bind, config.worker_bind)

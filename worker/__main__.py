@@ -14,6 +14,7 @@ import signal
 import sys
 
 from common import process, settings
+from common.metrics import MetricsBindError
 from common.sockets import check_worker_keys, secure_worker_sockets
 from common.tracing import setup_tracing
 from worker import metrics
@@ -47,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     # sends it jobs, and each one sent to a worker that then exits loses an attempt to a lease expiry.
     try:
         metrics.serve(config.metrics_bind, service.engine)
-    except OSError as e:
-        print(f"worker: cannot serve metrics on {config.metrics_bind}: {e.strerror or e} (metrics_bind, "
-              "TS_WORKER_METRICS_BIND)", file=sys.stderr)
+    except MetricsBindError as e:
+        print(f"worker: {e}", file=sys.stderr)
         return 2
     service.connect()
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
