@@ -13,7 +13,6 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from common.keys import KeyFileError, load_allow_list, load_pair, load_public
-from common.ports import free_port  # noqa: F401  (its old home: tests and scripts import it from here)
 from common.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("sockets")

@@ -21,10 +21,7 @@ def reported_guard(entry: list) -> int:
     guard = entry[6] if len(entry) > 6 else 0
     if type(guard) is not int or guard <= 0:
         return 0
-    prefill, max_tokens = entry[2], entry[4]
-    if type(prefill) is int and type(max_tokens) is int:
-        return min(guard, max(0, prefill) + max(0, max_tokens))
-    return guard
+    return min(guard, max(0, entry[2]) + max(0, entry[4]))  # ints: the protocol decodes work as list[int]
 
 
 @dataclass

@@ -33,7 +33,8 @@ from common import protocol as P  # noqa: E402
 from common.redis_keys import load_scripts  # noqa: E402
 from common.redis_server import RedisServer  # noqa: E402
 from common.keys import generate as generate_keys  # noqa: E402
-from common.sockets import curve_client, free_port, make_socket  # noqa: E402
+from common.ports import free_port  # noqa: E402
+from common.sockets import curve_client, make_socket  # noqa: E402
 
 # Commands a job's lifecycle causes: admission, dispatch (peek + claim, batched), completion, and any
 # job read (a stream or status request that the gateway could not answer from memory).

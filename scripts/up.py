@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import keys as curve_keys  # noqa: E402
 from common.redis_server import RedisServer, redact_url  # noqa: E402
-from common.sockets import free_port  # noqa: E402
+from common.ports import free_port  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 

@@ -19,7 +19,7 @@ import msgpack
 import redis
 
 from common.redis_server import find_redis_server
-from common.sockets import free_port
+from common.ports import free_port
 from gateway.sdk import GatewayClient
 from scripts.up import write_tenants
 from tests.cluster_helpers import stop_process, wait_for

@@ -23,7 +23,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
-from common.sockets import curve_client, free_port, make_socket
+from common.ports import free_port
+from common.sockets import curve_client, make_socket
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import job_hash, local_cluster, process_running, stop_process, wait_for
 

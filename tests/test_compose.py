@@ -29,7 +29,7 @@ from jsonschema.validators import validator_for
 
 from common import settings
 from common.redis_server import RedisServer, RedisServerError, find_redis_server
-from common.sockets import free_port
+from common.ports import free_port
 from gateway.config import ENV_PREFIX as GATEWAY_PREFIX
 from tests.cluster_helpers import stop_process
 from tests.compose_helpers import (COMPOSE_FILE, ENV_EXAMPLE, InterpolationError, interpolate, interpolate_str,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from common.errors import Overloaded
-from common.sockets import free_port
+from common.ports import free_port
 from gateway.http.prompts import plain_chat_text
 from gateway.http.schemas import Message
 from gateway.sdk import GatewayClient

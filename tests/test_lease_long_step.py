@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.sockets import free_port
+from common.ports import free_port
 from scripts.make_tiny_model import build
 from tests.durable_cluster import DurableCluster
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.sockets import free_port
+from common.ports import free_port
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import ROOT, local_cluster, wait_for
 

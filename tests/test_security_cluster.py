@@ -17,8 +17,9 @@ import zmq
 
 from common import protocol as P
 from common.keys import load_public
+from common.ports import free_port
 from common.redis_server import RedisServer
-from common.sockets import curve_client, free_port, make_socket
+from common.sockets import curve_client, make_socket
 from gateway.sdk import GatewayClient, NotFound
 from tests.cluster_helpers import local_cluster, wait_for
 

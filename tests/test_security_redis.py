@@ -20,7 +20,7 @@ import redis
 from common.errors import Overloaded
 from common.redis_keys import KeySpace
 from common.redis_server import RedisServer
-from common.sockets import free_port
+from common.ports import free_port
 from common.tiers import ALL_TIERS, Tier
 from gateway.redis_queue import Admitted, RedisQueue, StoreFull, TenantFull
 from gateway.redis_queue import Overloaded as OverloadedResult
