@@ -61,7 +61,8 @@ class ClientApi:
         estimate = self.estimator.for_new(t.name, adm.tier_requested, now)
         # No worker known, no capacity behind the estimate: nothing to promise on.
         promise = promises.promise_s(adm.tier_requested, estimate if self.workers.workers else None,
-                                     self.config.promise_factor, self.config.promise_lead_s)
+                                     self.config.promise_factor, self.config.promise_lead_s,
+                                     self.promise_tiers)
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
                                   tier=adm.tier_requested, payload=payload,
                                   idempotency_key=req.idempotency_key, quota=quota,

@@ -54,10 +54,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from common.tiers import PREEMPTING_TIERS, Tier
 from gateway.estimate_line import Line, fluid_tail
-from gateway.estimate_types import (MAX_RHO, PREEMPTED_BY, PROMISED_RANK, PROMISED_TIER, RUNNING, SUSPENDED, WAITING,
+from gateway.estimate_types import (MAX_RHO, PREEMPTED_BY, PROMOTED_TO, RUNNING, SUSPENDED, WAITING,
                                     Arrivals, Held, Queued, Rates, Work, WorkerView, promised, rank_at)
 
-__all__ = ["MAX_EXACT_DISPATCHES", "MAX_RHO", "PREEMPTED_BY", "PROMISED_RANK", "PROMISED_TIER", "RUNNING", "SUSPENDED",
+__all__ = ["MAX_EXACT_DISPATCHES", "MAX_RHO", "PREEMPTED_BY", "PROMOTED_TO", "RUNNING", "SUSPENDED",
            "WAITING", "Arrivals", "Held", "Queued", "Rates", "Work", "WorkerView", "promised", "rank_at", "replay",
            "wait_s"]
 

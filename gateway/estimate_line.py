@@ -10,8 +10,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
-from gateway.estimate_types import (MAX_RHO, PROMISED_RANK, PROMISED_TIER, Arrivals, Queued, Rates, Work, WorkerView,
-                                    promised, rank_at)
+from gateway.estimate_types import (MAX_RHO, PROMOTED_TO, Arrivals, Queued, Rates, Work, WorkerView, promised,
+                                    rank_at)
 
 
 def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
@@ -44,23 +44,23 @@ class Line:
                  workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None,
                  promoted_s: float = math.inf) -> None:
         self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
-        self.promoted_s = promoted_s if tier is PROMISED_TIER else math.inf
+        self.promoted_s = promoted_s if tier in PROMOTED_TO else math.inf
         by_tier: dict[Tier, list[tuple[int, Queued]]] = {t: [] for t in ALL_TIERS}
         for key, q in enumerate(queued):  # keyed by place: a job may be given twice
             by_tier[q.work.tier].append((key, q))
         self.heads = {t: deque(sorted(qs, key=lambda e: e[1].enqueued_s)) for t, qs in by_tier.items()}
         # Promises falling due, in the order they do (those that move a job); the jobs they moved by the time asked,
-        # oldest first (a heap); and the jobs taken out of line (lazily out of their tier's deque).
-        self.promises = deque(sorted((q.promoted_s, key, q) for key, q in by_tier[PROMISED_TIER]
-                                     if promised(PROMISED_TIER, q.enqueued_s, aging_interval_s, q.promoted_s)))
-        self.promised: list[tuple[float, int, Queued]] = []
+        # per tier admitted, oldest first (heaps); and the jobs taken out of line (lazily out of their tier's deque).
+        self.promises = deque(sorted((q.promoted_s, key, q) for t in PROMOTED_TO for key, q in by_tier[t]
+                                     if promised(t, q.enqueued_s, aging_interval_s, q.promoted_s)))
+        self.promised: dict[Tier, list[tuple[float, int, Queued]]] = {t: [] for t in PROMOTED_TO}
         self.taken: set[int] = set()
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
         streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
         # The queue it ends in, aged (or promoted) as far as it goes; arrivals of the tiers above that overtake it
         # for good: capped (see MAX_RHO).
         final = self.final = (1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else
-                              PROMISED_RANK if math.isfinite(self.promoted_s) else tier.rank)
+                              PROMOTED_TO[tier] if math.isfinite(self.promoted_s) else tier.rank)
         slots = sum(w.slots for w in workers)
         self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
                                  sum(w.rates.decode_tps * w.slots for w in workers) / slots)
@@ -81,7 +81,7 @@ class Line:
         """When, after ``t``, the job next moves up a queue (by aging or its promise); inf: never."""
         rank = self.rank(t)
         if promised(self.tier, self.enqueued_s, self.aging, self.promoted_s):  # promised, then aged on
-            times = [self.promoted_s, self.promoted_s + self.aging]
+            times = [self.promoted_s] + ([self.promoted_s + self.aging] if PROMOTED_TO[self.tier] > 1 else [])
         else:
             times = [self.enqueued_s + (self.tier.rank - rank + 1) * self.aging] if rank > self.final else []
         return min((x for x in times if x > t), default=math.inf)
@@ -91,7 +91,7 @@ class Line:
         while self.promises and self.promises[0][0] <= t:
             _, key, q = self.promises.popleft()
             if key not in self.taken:
-                heapq.heappush(self.promised, (q.enqueued_s, key, q))
+                heapq.heappush(self.promised[q.work.tier], (q.enqueued_s, key, q))
 
     def _head(self, tier: Tier, t: float) -> tuple[float, Work, int] | None:
         heads = self.heads[tier]
@@ -114,28 +114,32 @@ class Line:
         return t >= q.promoted_s and promised(q.work.tier, q.enqueued_s, self.aging, q.promoted_s)
 
     def _promised_head(self, t: float) -> tuple[tuple[int, float], int, Queued] | None:
-        """The first of the promoted jobs at ``t`` (the oldest: all are in P2 or, aged on, P1): (its place in
-        line, key, job)."""
-        while self.promised and self.promised[0][1] in self.taken:
-            heapq.heappop(self.promised)
-        if not self.promised:
-            return None
-        _, key, q = self.promised[0]
-        return (rank_at(PROMISED_TIER, q.enqueued_s, t, self.aging, q.promoted_s), q.enqueued_s), key, q
+        """The first of the promoted jobs at ``t`` (per tier admitted the oldest: all of a tier are one tier up
+        or, aged on, in P1): (its place in line, key, job)."""
+        best = None
+        for tier, promoted in self.promised.items():
+            while promoted and promoted[0][1] in self.taken:
+                heapq.heappop(promoted)
+            if promoted:
+                _, key, q = promoted[0]
+                head = (rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s), q.enqueued_s), key, q
+                best = head if best is None or head[0] < best[0] else best
+        return best
 
     def passes(self, tier: Tier) -> bool:
         """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
         and never into P0."""
-        return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and (math.isfinite(self.aging) or
-                                                                        bool(self.promises or self.promised)))
+        return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and (math.isfinite(self.aging) or bool(
+            self.promises or any(self.promised.values()))))
 
     def backlog_s(self, t: float, rank: int, unread: Mapping[Tier, tuple[int, Work]]) -> float:
         """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
         ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
         dispatched yet."""
         still = {key: q for tier, qs in self.heads.items() if self.passes(tier) for key, q in qs}
-        if self.passes(PROMISED_TIER):
-            still.update((key, q) for _, key, q in self.promised)  # promoted: out of their deque, maybe
+        for tier, promoted in self.promised.items():
+            if self.passes(tier):
+                still.update((key, q) for _, key, q in promoted)  # promoted: out of their deque, maybe
         total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for key, q in still.items()
                     if key not in self.taken)
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()

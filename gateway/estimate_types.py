@@ -15,8 +15,9 @@ PREEMPTED_BY = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0b01, Tier.P3: 0b11}
 # Arrivals that overtake a job for good (P0's, or any tier's without aging) are capped at this share of the
 # slots: beyond it the wait has no finite expectation.
 MAX_RHO = 0.8
-# A P3 job whose promise falls due moves to the P2 queue (gateway/promises.py): it ages early, by its enqueue time.
-PROMISED_TIER, PROMISED_RANK = Tier.P3, 2
+# The queue a job's promise moves it to when it falls due (gateway/promises.py): one tier up, as if it had aged early,
+# by its enqueue time. A P3 ages on from P2; a P2 is then in P1, where aging stops anyway.
+PROMOTED_TO = {Tier.P2: 1, Tier.P3: 2}
 
 
 @dataclass(frozen=True)
@@ -112,20 +113,20 @@ class Arrivals:
 
 def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:
     """The queue a job admitted at ``tier`` is in at time ``t``: P2 and P3 move up one tier per aging
-    interval waited, up to P1, keeping their enqueue time (their place in line); a P3 whose promise falls due
-    (``promoted_s``) first moves to P2 then, as if it had aged early, and ages on from there."""
+    interval waited, up to P1, keeping their enqueue time (their place in line); a P2 or P3 whose promise falls due
+    (``promoted_s``) first moves up one tier then, as if it had aged early, and ages on from there."""
     if tier.rank < 2:
         return tier.rank
     if promised(tier, enqueued_s, aging_interval_s, promoted_s):
         if t < promoted_s:
             return tier.rank
-        return PROMISED_RANK if t < promoted_s + aging_interval_s else 1
+        return max(1, PROMOTED_TO[tier] - int((t - promoted_s) // aging_interval_s))
     if not math.isfinite(aging_interval_s):
         return tier.rank
     return max(1, tier.rank - int((t - enqueued_s) // aging_interval_s))
 
 
 def promised(tier: Tier, enqueued_s: float, aging_interval_s: float, promoted_s: float) -> bool:
-    """Does the job's promise move it (a P3's, falling due before aging would move it anyway)?"""
-    return tier is PROMISED_TIER and promoted_s < enqueued_s + aging_interval_s
+    """Does the job's promise move it (a P2's or P3's, falling due before aging would move it anyway)?"""
+    return tier in PROMOTED_TO and promoted_s < enqueued_s + aging_interval_s
 

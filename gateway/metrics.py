@@ -36,9 +36,9 @@ HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from dispatch to the jo
                     "whether the worker was running other work (busy) or nothing (idle) when the job was sent",
                     ["worker", "worker_state"], buckets=LATENCY_BUCKETS)
 FINISHED = Counter("ts_jobs_finished_total", "Jobs this gateway admitted that ended, by final state", ["tier", "state"])
-PROMOTIONS = Counter("ts_promotions_total", "Queued P3 jobs this gateway moved to P2 when their promised start fell "
-                     "due (gateway/promises.py), by the tier they left: each is a job that P2s beyond the forecast "
-                     "would have kept waiting past its estimate", ["tier"])
+PROMOTIONS = Counter("ts_promotions_total", "Queued P2/P3 jobs this gateway moved up one tier when their promised "
+                     "start fell due (gateway/promises.py), by the tier they left: each is a job that arrivals beyond "
+                     "the forecast would have kept waiting past its estimate", ["tier"])
 
 for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() sees the first event
     ADMISSIONS.labels(_t)

@@ -11,20 +11,42 @@ those beyond the forecast wait, and their own estimates count the promises alrea
 every queued job's promise).
 
 What it does not change: P0 and P1 jobs still go first (they preempt P3 work, and are in higher queues),
-a promoted job still preempts and is preempted as a P3, it ages on from P2 like any P2, and P0/P1/P2 jobs
-are given no promise: what overtakes them preempts or is P0, which a place in a queue would not stop.
+a promoted job still preempts and is preempted as a P3, and it ages on from P2 like any P2.
 What it costs: P2s wait for the P3s whose promises fell due before them; under sustained load that is most
 P3s, which without promises would wait until they aged (BENCHMARKS.md: at load 0.86 the P2s' mean wait went
-from 2.9 s to 22.6 s, the P3s' hardly moved). ``promise_factor = 0`` keeps P2 strictly first. The lead makes a promise fall due a little before the slot the estimate foresaw frees, so
-that the promotion (each gateway's maintenance pass) is in place when it does.
+from 2.9 s to 22.6 s, the P3s' hardly moved). ``promise_factor = 0`` keeps P2 strictly first. The lead makes a
+promise fall due a little before the slot the estimate foresaw frees, so that the promotion (each gateway's
+maintenance pass) is in place when it does.
+
+P2 promises (``promise_tiers`` with P2; off by default): the same for a P2 against the P1s, into the P1 queue.
+What overtakes a P2 is P1s in the queue and P0s; a place in the P1 queue stops the P1s admitted after the
+promise's job (they do not preempt P2 work), not the P0s. The cost is the P1s' wait for those P2s
+(BENCHMARKS.md, issue 12, fourteenth session). P0 and P1 jobs are never given a promise: what overtakes them
+is P0, which a place in a queue would not stop.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from common.tiers import Tier
-from gateway.estimate import PROMISED_TIER
+from gateway.estimate import PROMOTED_TO
+
+
+def tiers(names: Collection[str]) -> frozenset[Tier]:
+    """The tiers of a ``promise_tiers`` setting; ValueError for one that cannot be promised (P0, P1, unknown)."""
+    out = set()
+    for name in names:
+        try:
+            tier = Tier(name)
+        except ValueError:
+            tier = None
+        if tier not in PROMOTED_TO:
+            raise ValueError(f"promise_tiers: {name!r} cannot be promised; expected some of "
+                             f"{sorted(t.value for t in PROMOTED_TO)}")
+        out.add(tier)
+    return frozenset(out)
 
 
 def check(factor: float, lead_s: float) -> None:
@@ -33,9 +55,11 @@ def check(factor: float, lead_s: float) -> None:
         raise ValueError(f"promise_factor and promise_lead_s must be finite and >= 0, got {factor}, {lead_s}")
 
 
-def promise_s(tier: Tier, estimate_s: float | None, factor: float, lead_s: float) -> float | None:
-    """Seconds from admission until the job's promised start falls due; None: no promise (not a P3, promises
-    off, or no estimate to promise on, as before any worker reported)."""
-    if tier is not PROMISED_TIER or factor <= 0 or estimate_s is None or not math.isfinite(estimate_s):
+def promise_s(tier: Tier, estimate_s: float | None, factor: float, lead_s: float,
+              tiers: Collection[Tier] = (Tier.P3,)) -> float | None:
+    """Seconds from admission until the job's promised start falls due; None: no promise (not of ``tiers``,
+    promises off, or no estimate to promise on, as before any worker reported)."""
+    if (tier not in tiers or tier not in PROMOTED_TO or factor <= 0 or estimate_s is None
+            or not math.isfinite(estimate_s)):
         return None
     return max(0.0, factor * estimate_s - lead_s)

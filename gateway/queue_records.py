@@ -56,7 +56,7 @@ class Admitted:
     position: int | None  # queued jobs ahead of it; None for a duplicate no longer queued
     # The same per tier (fresh admissions only); diagnostic, for the admission span, so not compared.
     ahead_by_tier: dict[Tier, int] | None = field(default=None, compare=False)
-    # Redis ms at which its promised start falls due (a P3 job given one; gateway/promises.py), else None.
+    # Redis ms at which its promised start falls due (a P2 or P3 job given one; gateway/promises.py), else None.
     promise_at_ms: int | None = field(default=None, compare=False)
 
 

@@ -102,7 +102,7 @@ class RedisQueue:
         """Admit a job with one script call (see common/lua/admit.lua for the rules).
 
         ``estimate_s``: the wait estimate to store and to shed on; None estimates from the drain rates.
-        ``promise_s``: for a P3 job, when from now its promised start falls due (gateway/promises.py); None:
+        ``promise_s``: for a P2 or P3 job, when from now its promised start falls due (gateway/promises.py); None:
         no promise."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
@@ -262,7 +262,7 @@ class RedisQueue:
         return [(job_id.decode(), Tier(old.decode()), Tier(new.decode())) for job_id, old, new in triples]
 
     def promote(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, Tier]]:
-        """Move queued P3 jobs whose promised start fell due by ``now_ms`` to P2 (gateway/promises.py);
+        """Move queued P2/P3 jobs whose promised start fell due by ``now_ms`` up one tier (gateway/promises.py);
         returns (id, tier it left)."""
         ids = self._due(self.keys.promises, now_ms, limit)
         if not ids:

@@ -60,6 +60,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     def __init__(self, config: GatewayConfig, queue: RedisQueue, tenants: TenantDirectory,
                  tokenizer=None, clock: Callable[[], float] = time.time) -> None:
         promises.check(config.promise_factor, config.promise_lead_s)
+        self.promise_tiers = promises.tiers(config.promise_tiers)
         if config.wait_futures < 0:
             raise ValueError(f"wait_futures must be >= 0, got {config.wait_futures}")
         self.config = config

@@ -73,7 +73,8 @@ class GatewaySpans:
                 queue.add_event("aged", {"from_tier": before, "to_tier": after}, timestamp=int(at) * 1_000_000)
         promoted = rec.result.get("promoted_at_ms")
         if promoted is not None:  # its promised start fell due (gateway/promises.py): no newer job went first since
-            queue.add_event("promised start", {"to_tier": "P2"}, timestamp=int(promoted) * 1_000_000)
+            to_tier = f"P{rec.tier_granted.rank - 1}"  # a promise moves a job up one tier from where it was admitted
+            queue.add_event("promised start", {"to_tier": to_tier}, timestamp=int(promoted) * 1_000_000)
         queue.end(end_time=now_ns)
         metrics.dispatched(rec.tier_granted.value, (now_ns - start_ms * 1_000_000) / 1e9)
         span = self.tracer.start_span("gateway.dispatch", context=ctx, kind=SpanKind.PRODUCER, start_time=now_ns,

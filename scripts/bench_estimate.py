@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(wait_bias_correction; default: the gateway's own default, off)")
     ap.add_argument("--promise-factor", type=float, default=None,
                     help="the gateway's promised starts (promise_factor; 0: off; default: the gateway's own, on)")
+    ap.add_argument("--promise-tiers", default=None,
+                    help="the tiers given promises, comma-separated (promise_tiers: P3, or P2,P3; default: the "
+                         "gateway's own, P3)")
     ap.add_argument("--wait-futures", type=int, default=None,
                     help="drawn arrival futures the gateway tells a job near a slot the likeliest of (wait_futures; "
                          "0: the evenly spaced one only; default: the gateway's own, 8)")
@@ -260,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TS_GATEWAY_WAIT_BIAS_CORRECTION"] = "true" if args.bias_correction else "false"
     if args.promise_factor is not None:
         os.environ["TS_GATEWAY_PROMISE_FACTOR"] = repr(args.promise_factor)
+    if args.promise_tiers is not None:
+        os.environ["TS_GATEWAY_PROMISE_TIERS"] = json.dumps(args.promise_tiers.split(","))
     if args.wait_futures is not None:
         os.environ["TS_GATEWAY_WAIT_FUTURES"] = str(args.wait_futures)
     if args.dump is not None:

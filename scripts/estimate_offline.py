@@ -95,7 +95,7 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
 
         sampled = a.samples and arrivals and a.forecast != "exact" and job.get("judged", True)
         est = out[job["i"]] = pick([ask(random.Random(s)) for s in range(a.samples)], a.pick) if sampled else ask()
-        promise = promises.promise_s(tier, est, a.promise_factor, a.promise_lead)
+        promise = promises.promise_s(tier, est, a.promise_factor, a.promise_lead, promises.tiers(a.promise_tiers))
         return math.inf if promise is None else now + promise
 
     return on_arrival
@@ -148,6 +148,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--promise-factor", type=float, default=defaults.promise_factor,
                     help="P3 promises as the gateway makes them (gateway/promises.py); 0: none")
     ap.add_argument("--promise-lead", type=float, default=defaults.promise_lead_s)
+    ap.add_argument("--promise-tiers", type=lambda v: tuple(v.split(",")), default=defaults.promise_tiers,
+                    help="the tiers given promises, comma-separated (promise_tiers: P3, or P2,P3)")
     ap.add_argument("--preempt", action=argparse.BooleanOptionalAction, default=True,
                     help="P0/P1 preempt running P2/P3 work as on the cluster (scripts/offline_dispatch.py); "
                          "--no-preempt: they wait for a free slot like the rest")
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rows {2 * k * a.arrivals:>6}: " + "  ".join(
             f"{t} {100 * s[0]:5.1f} % / {100 * s[1]:5.1f} % ({s[2]})" for t, s in result.items() if s), flush=True)
     how = f", {a.samples} drawn futures, their {a.pick}" if a.samples else f", told from {a.futures} futures near a slot"
-    how += f", promises {a.promise_factor} x estimate - {a.promise_lead} s" if a.promise_factor else ", no promises"
+    how += (f", promises ({'/'.join(a.promise_tiers)}) {a.promise_factor} x estimate - {a.promise_lead} s"
+            if a.promise_factor and a.promise_tiers else ", no promises")
     how += f", noise {a.noise}" if a.noise else ""
     print(f"\n{len(per_segment)} segments, forecast {a.forecast}{how}: mean (worst) median error / within 2x")
     for t in ("all", "P1", "P2", "P3"):

@@ -46,12 +46,21 @@ def admit(q: RedisQueue, job_id: str, tier: Tier, *, now_ms: int = T0, estimate_
                    estimate_s=estimate_s, promise_s=promise_s)
 
 
-def test_the_promise_is_made_from_the_estimate_for_p3_only():
+def test_the_promise_is_made_from_the_estimate_for_the_promised_tiers_only():
     assert promises.promise_s(P3, 10.0, 1.0, 0.5) == pytest.approx(9.5)
     assert promises.promise_s(P3, 10.0, 1.5, 0.0) == pytest.approx(15.0)
     assert promises.promise_s(P3, 0.2, 1.0, 0.5) == 0.0  # due at once: no P2 admitted after it goes first
-    for tier in (P0, P1, P2):  # what overtakes them preempts (or is P0): a place in a queue would not stop it
+    for tier in (P0, P1, P2):  # by default P3 only
         assert promises.promise_s(tier, 10.0, 1.0, 0.5) is None
+    both = promises.tiers(["P2", "P3"])
+    assert promises.promise_s(P2, 10.0, 1.0, 0.5, both) == pytest.approx(9.5)
+    assert promises.promise_s(P3, 10.0, 1.0, 0.5, promises.tiers(["P2"])) is None
+    for tier in (P0, P1):  # what overtakes them is P0, which preempts: a place in a queue would not stop it
+        assert promises.promise_s(tier, 10.0, 1.0, 0.5, both | {P0, P1}) is None
+    for bad in (["P1"], ["P0", "P3"], ["p3"], ["P4"]):
+        with pytest.raises(ValueError, match="cannot be promised"):
+            promises.tiers(bad)
+    assert promises.tiers([]) == frozenset()
     assert promises.promise_s(P3, 10.0, 0.0, 0.5) is None  # off
     assert promises.promise_s(P3, None, 1.0, 0.5) is None  # no estimate (no worker known)
     assert promises.promise_s(P3, math.inf, 1.0, 0.5) is None
@@ -67,11 +76,11 @@ def test_admit_stores_the_promise_and_promote_moves_the_job_to_p2_when_it_falls_
     assert p3.promise_at_ms == T0 + 5000
     assert client.zscore(keys.promises, "p3") == T0 + 5000
     assert queue.get("p3").result["promise_at_ms"] == str(T0 + 5000).encode()
-    admit(queue, "newer-p2", P2, now_ms=T0 + 1000, promise_s=5.0)  # a P2 is given none, whatever it asks
+    admit(queue, "newer-p2", P2, now_ms=T0 + 1000)
     admit(queue, "older-p2", P2, now_ms=T0 - 1000)
-    admit(queue, "newer-p1", P1, now_ms=T0 + 2000)
+    admit(queue, "newer-p1", P1, now_ms=T0 + 2000, promise_s=1.0)  # a P1 is given none, whatever it asks
     admit(queue, "older-p3", P3, now_ms=T0 - 2000)
-    assert client.zcard(keys.promises) == 1 and "promise_at_ms" not in queue.get("newer-p2").result
+    assert client.zcard(keys.promises) == 1 and "promise_at_ms" not in queue.get("newer-p1").result
     assert queue.promote(T0 + 4999) == []
     assert queue.peek(list(ALL_TIERS), 10) == ["newer-p1", "older-p2", "newer-p2", "older-p3", "p3"]
     assert queue.promote(T0 + 5000) == [("p3", P3)]
@@ -85,6 +94,33 @@ def test_admit_stores_the_promise_and_promote_moves_the_job_to_p2_when_it_falls_
     assert client.zscore(keys.aging, "p3") == T0 + 5000  # it ages on from P2, from now
     assert queue.promote(T0 + 10**6) == []
     assert ("p3", P2, P1) in queue.age(T0 + 65_000, 60_000)
+
+
+def test_a_promised_p2_moves_to_p1_by_its_enqueue_score_and_stops_ageing(queue, keys):
+    client = queue.client
+    admit(queue, "p2", P2, now_ms=T0, promise_s=3.0)
+    admit(queue, "older-p1", P1, now_ms=T0 - 1000)
+    admit(queue, "newer-p1", P1, now_ms=T0 + 1000)
+    admit(queue, "p0", P0, now_ms=T0 + 2000)
+    assert queue.peek(list(ALL_TIERS), 10) == ["p0", "older-p1", "newer-p1", "p2"]
+    assert queue.promote(T0 + 3000) == [("p2", P2)]
+    # In P1 with its enqueue score: behind the older P1, ahead of the newer one; P0 stays ahead.
+    assert queue.peek(list(ALL_TIERS), 10) == ["p0", "older-p1", "p2", "newer-p1"]
+    job = queue.get("p2")
+    assert (job.tier, job.tier_granted, job.tier_since_ms) == (P1, P2, T0 + 3000)  # it is preempted as a P2 still
+    assert client.zscore(keys.queue(P1), "p2") == T0 and client.zscore(keys.queue(P2), "p2") is None
+    assert client.zscore(keys.aging, "p2") is None  # P1 never ages into P0
+    assert queue.age(T0 + 10**6, 60_000) == [] and queue.promote(T0 + 10**6) == []
+    assert queue.get("p2").tier == P1 and client.zcard(keys.promises) == 0
+
+
+def test_a_p2_aged_to_p1_before_its_promise_is_left_where_it_is(queue, keys):
+    admit(queue, "p2", P2, now_ms=T0, promise_s=100.0)
+    assert queue.age(T0 + 60_000, 60_000) == [("p2", P2, P1)]
+    assert queue.promote(T0 + 100_000) == []
+    job = queue.get("p2")
+    assert job.tier == P1 and "promoted_at_ms" not in job.result and queue.client.zcard(keys.promises) == 0
+    assert queue.client.zscore(keys.queue(P1), "p2") == T0
 
 
 def test_a_claimed_job_leaves_the_index_and_a_finished_or_aged_one_is_never_moved(queue, keys):
@@ -133,8 +169,16 @@ def test_rank_at_moves_a_promised_p3_to_p2_as_early_aging():
     assert rank_at(P3, 0.0, 65.0, 60.0, promoted_s=5.0) == 1
     assert rank_at(P3, 0.0, 60.0, 60.0, promoted_s=70.0) == 2  # aged before it fell due: aging as ever
     assert rank_at(P3, 0.0, 120.0, 60.0, promoted_s=70.0) == 1
-    for tier in (P0, P1, P2):  # never promised: a promise time changes nothing
+    for tier in (P0, P1):  # never promised: a promise time changes nothing
         assert rank_at(tier, 0.0, 5.0, 60.0, promoted_s=0.0) == tier.rank
+
+
+def test_rank_at_moves_a_promised_p2_to_p1_for_good():
+    assert rank_at(P2, 0.0, 4.9, 60.0, promoted_s=5.0) == 2
+    assert rank_at(P2, 0.0, 5.0, 60.0, promoted_s=5.0) == 1
+    assert rank_at(P2, 0.0, 10**6, 60.0, promoted_s=5.0) == 1  # P1 never ages into P0
+    assert rank_at(P2, 0.0, 5.0, math.inf, promoted_s=5.0) == 1
+    assert rank_at(P2, 0.0, 60.0, 60.0, promoted_s=70.0) == 1  # aged before it fell due: aging as ever
 
 
 def test_a_promised_job_stops_being_overtaken_once_its_promise_falls_due():
@@ -259,3 +303,22 @@ def test_two_gateways_promoting_the_same_due_jobs_at_once_move_each_once(server,
         assert job.tier == P2 and "promoted_at_ms" in job.result
     for c in clients:
         c.close()
+
+
+def test_a_promised_p2_stops_being_overtaken_by_p1s_and_p1s_wait_for_queued_ones():
+    # One slot, busy with a P2 for 1 s (a P1 may not preempt it); P1s arrive twice a second, 0.5 s each.
+    w = WorkerView(1, RATES, [Held(Work(P2, 0, 100), RUNNING, 0b01)])
+    p1s = Arrivals(Work(P1, 0, 50), 2.0)
+    assert wait_s(P2, [w], [], arrivals=[p1s]) == pytest.approx(3.0)  # overtaken (capped at 0.8 of the slot)
+    assert wait_s(P2, [w], [], arrivals=[p1s], promoted_s=2.0) == pytest.approx(2.0)  # the first slot after 2 s
+    assert wait_s(P2, [w], [], arrivals=[p1s], promoted_s=0.0) == pytest.approx(1.0)
+    # A P1 admitted now waits for an older P2 whose promise falls due before the slot frees, not for one due after.
+    older_p2 = Queued(Work(P2, 0, 300), enqueued_s=-1.0, promoted_s=0.5)
+    assert wait_s(P1, [w], [older_p2]) == pytest.approx(4.0)
+    assert wait_s(P1, [w], [Queued(Work(P2, 0, 300), -1.0, promoted_s=2.0)]) == pytest.approx(1.0)
+    assert wait_s(P1, [w], [Queued(Work(P2, 0, 300), -1.0)]) == pytest.approx(1.0)
+    assert wait_s(P0, [w], [older_p2]) == pytest.approx(0.0)  # a P0 preempts the running P2
+    # A promoted P2 and a promoted P3 are in different queues: the P2 (in P1) goes first though younger.
+    both = [Queued(Work(P3, 0, 100), -5.0, promoted_s=0.0), Queued(Work(P2, 0, 200), -1.0, promoted_s=0.0)]
+    assert wait_s(P2, [w], both) == pytest.approx(4.0)  # this P2 is unpromised: both go first (1 s, 3 s)
+    assert wait_s(P1, [w], both) == pytest.approx(3.0)  # the P2 (in P1, older than it) at 1 s, then this P1

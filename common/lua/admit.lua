@@ -7,7 +7,7 @@
 -- KEYS[7]     aging index zset
 -- KEYS[8]     deadlines index zset
 -- KEYS[9]     the tenant's unfinished-jobs zset (used only when ARGV[19] > 0)
--- KEYS[10]    promises index zset (used only for a P3 job given ARGV[21])
+-- KEYS[10]    promises index zset (used only for a P2 or P3 job given ARGV[21])
 -- KEYS[11]    idempotency key (present only when the request carries one)
 -- ARGV[1]     job id
 -- ARGV[2]     tenant
@@ -23,7 +23,7 @@
 -- ARGV[18]    quota exhausted policy: "refuse" | "downgrade" (to P1)
 -- ARGV[19]    most unfinished (queued or dispatched) jobs the tenant may hold, all tiers; 0 = no cap
 -- ARGV[20]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
--- ARGV[21]    optional: ms from now at which a P3 job's promised start falls due (gateway/promises.py); "": none
+-- ARGV[21]    optional: ms from now at which a P2 or P3 job's promised start falls due (gateway/promises.py); "": none
 --
 -- Returns one of:
 --   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms}
@@ -138,7 +138,7 @@ if timeout_ms >= 0 then
     redis.call('ZADD', KEYS[8], now + timeout_ms, job_id)
 end
 local promise_at = ''
-if rank == 3 and ARGV[21] and ARGV[21] ~= '' then
+if rank >= 2 and ARGV[21] and ARGV[21] ~= '' then
     promise_at = now + math.max(0, math.floor(tonumber(ARGV[21])))
     redis.call('HSET', KEYS[5], 'promise_at_ms', promise_at)
     redis.call('ZADD', KEYS[10], promise_at, job_id)
