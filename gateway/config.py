@@ -59,8 +59,9 @@ class GatewayConfig:
     promise_factor: float = 1.0
     promise_lead_s: float = 0.5
     # The tiers given promises: P3 (to P2), and P2 (to P1: P1s admitted after a P2 whose promise fell due stop
-    # overtaking it; P1 waits for those P2s in exchange). JSON in TS_GATEWAY_PROMISE_TIERS, e.g. ["P2", "P3"].
-    promise_tiers: tuple[str, ...] = ("P3",)
+    # overtaking it; P1 waits for those P2s in exchange, and a P3 promised into P2 is passed by P2s promised into
+    # P1 after it). JSON in TS_GATEWAY_PROMISE_TIERS; ["P3"] keeps P1 strictly ahead of P2 (gateway/promises.py).
+    promise_tiers: tuple[str, ...] = ("P2", "P3")
     # Drain rate (jobs/s per tier) assumed before any is measured, for wait estimates.
     default_drain_rate_per_s: float = 1.0
     # How often aging, expiry and lease recovery run.

@@ -18,11 +18,16 @@ from 2.9 s to 22.6 s, the P3s' hardly moved). ``promise_factor = 0`` keeps P2 st
 promise fall due a little before the slot the estimate foresaw frees, so that the promotion (each gateway's
 maintenance pass) is in place when it does.
 
-P2 promises (``promise_tiers`` with P2; off by default): the same for a P2 against the P1s, into the P1 queue.
+P2 promises (``promise_tiers`` has P2 by default): the same for a P2 against the P1s, into the P1 queue.
 What overtakes a P2 is P1s in the queue and P0s; a place in the P1 queue stops the P1s admitted after the
-promise's job (they do not preempt P2 work), not the P0s. The cost is the P1s' wait for those P2s
-(BENCHMARKS.md, issue 12, fourteenth session). P0 and P1 jobs are never given a promise: what overtakes them
-is P0, which a place in a queue would not stop.
+promise's job (they do not preempt P2 work), not the P0s. The costs (BENCHMARKS.md, issue 12, fourteenth
+session): P1s wait for the P2s whose promises fell due before them; and a P3 promised into P2 is passed by
+every P2 whose promise falls due while it waits (``["P3"]`` keeps it whole). Two rules that kept the
+P3's place were tried offline and dropped: a promoted P2 taking the P2 queue ahead of it along to P1, with
+their own places there, made a P1's wait depend on P2 promises made after it (P1 within 2x fell from 81 % to
+45 % on the code trace); moving a P2 only once it is first in the P2 queue took most of P2's gain away. P0
+and P1 jobs are never given a promise: what overtakes them is P0, which preempts, and a place in a queue
+would not stop it.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def check(factor: float, lead_s: float) -> None:
 
 
 def promise_s(tier: Tier, estimate_s: float | None, factor: float, lead_s: float,
-              tiers: Collection[Tier] = (Tier.P3,)) -> float | None:
+              tiers: Collection[Tier]) -> float | None:
     """Seconds from admission until the job's promised start falls due; None: no promise (not of ``tiers``,
     promises off, or no estimate to promise on, as before any worker reported)."""
     if (tier not in tiers or tier not in PROMOTED_TO or factor <= 0 or estimate_s is None

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hand-off: {handoff[0]:.3f} s a job on average, dispatch until its first prefill started "
               f"({handoff[1]} jobs): its slot stood idle that long")
     done = {t: sum(1 for r in records if r["tier"] == t and r.get("outcome") == "done") for t in promoted}
-    print("promised starts kept (moved to P2 when due; warm-up included): " + ", ".join(
+    print("promised starts kept (moved up a tier when due; warm-up included), by the tier left: " + ", ".join(
         f"{t} {n} ({done[t]} judged jobs done)" for t, n in sorted(promoted.items())))
     if args.png:
         draw(records, args.min_wait, args.png)

@@ -113,33 +113,71 @@ def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_
             api.cancel(j.id)
 
 
+def keeps_its_promise(c, tenant: str, tier: str, overtaking_tenant: str, overtaking_tier: str) -> None:
+    """The one slot holds a P2 blocker (a P1 may not preempt it), so every job waits for it to free. Once its
+    estimate is up, the job under test moves up a queue with its enqueue time, ahead of the twelve jobs of the
+    tier above admitted after it, and takes the next slot that frees (promotions run in the gateway's maintenance
+    pass). Without the promise, all twelve would have gone first."""
+    owner, others = client(c, tenant), client(c, overtaking_tenant)
+    blocker = client(c, "batch-co").submit(prompt_token_ids=[3, 4], max_tokens=100, tier="P2", ignore_eos=True)
+    wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the P2 blocker to run")
+    job = owner.submit(prompt_token_ids=[6], max_tokens=2, tier=tier)
+    # Long, so that however far this machine's calibrated rates (so the job's estimate and promise) are off, only
+    # a few can go before the promise falls due: at 200 tokens each, a machine decoding far faster than its
+    # calibration said ran seven of them first (one every 0.25 s against an estimate of seconds).
+    overtakers = [others.submit(prompt_token_ids=[9, 10], max_tokens=2000, tier=overtaking_tier, ignore_eos=True)
+                  for _ in range(12)]
+    r = job.result(timeout=120)
+    assert r.finish_reason in ("length", "stop") and r.queued_s > 0
+    h = job_hash(c, job.id)
+    assert int(h["promise_at_ms"]) <= int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
+    assert h["tier"] == overtaking_tier and h["tier_granted"] == tier
+    sent = [int(job_hash(c, o.id).get("dispatched_at_ms") or 2**62) for o in overtakers]
+    # From its promotion on, none admitted after it went first (one dispatch may have been under way then).
+    promoted, started = int(h["promoted_at_ms"]), int(h["dispatched_at_ms"])
+    assert sum(promoted < t < started for t in sent) <= 1, (promoted, started, sent)
+    # How many went before that depends on how far the estimate (so the promise) is off on this machine, but
+    # most of the twelve, 2,000 tokens each, are still to go.
+    assert sum(t < started for t in sent) <= 3, (promoted, started, sent)
+    for o in overtakers:
+        others.cancel(o.id)
+
+
 def test_a_promise_keeps_p2s_admitted_later_from_overtaking_a_p3_past_its_estimate(tiny_model_dir, tmp_path):
-    # With promises on (the default). The one slot holds a P2 blocker, so every job waits for it to free. Once its
-    # estimate is up, the P3 under test moves to the P2 queue with its enqueue time, ahead of the P2s admitted after
-    # it, and takes the next slot that frees (promotions run in the gateway's maintenance pass). Without the
-    # promise, all twelve would have gone first.
+    # With P3 promises only (P2s given none: a P2 promised into P1 would pass the P3 in P2, as a test below shows).
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
+                       env={"TS_GATEWAY_PROMISE_TIERS": '["P3"]'}) as c:
+        keeps_its_promise(c, "lab-co", "P3", "batch-co", "P2")
+
+
+def test_a_promise_keeps_p1s_admitted_later_from_overtaking_a_p2_past_its_estimate(tiny_model_dir, tmp_path):
+    # The same for a P2 against P1s (promise_tiers has P2 by default).
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1) as c:
+        keeps_its_promise(c, "batch-co", "P2", "api-co", "P1")
+
+
+def test_with_p2_promises_a_p3_promised_into_p2_is_passed_by_p2s_promised_after_it(tiny_model_dir, tmp_path):
+    # The cost of P2 promises (the default), pinned so that a change to it is seen: the P3 of the first test is
+    # promised into P2, but each P2 admitted after it is promised into P1 once its own estimate is up, and a job in
+    # P1 goes before any in P2. Its promise held against P2s with none; these have one. A lead of 2 s makes every
+    # promise here fall due at once, however far this machine's rates are from its calibration.
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
+                       env={"TS_GATEWAY_PROMISE_LEAD_S": "2.0"}) as c:
         batch, lab = client(c, "batch-co"), client(c, "lab-co")
         blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=100, tier="P2", ignore_eos=True)
         wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the P2 blocker to run")
         p3 = lab.submit(prompt_token_ids=[6], max_tokens=2)
-        # Long, so that however far this machine's calibrated rates (so the P3's estimate and promise) are off, only
-        # a few can go before the promise falls due: at 200 tokens each, a machine decoding far faster than its
-        # calibration said ran seven of them first (one P2 every 0.25 s against an estimate of seconds).
-        overtakers = [batch.submit(prompt_token_ids=[9, 10], max_tokens=2000, tier="P2", ignore_eos=True)
-                      for _ in range(12)]
-        r = p3.result(timeout=120)
-        assert r.finish_reason in ("length", "stop") and r.queued_s > 0
+        overtakers = [batch.submit(prompt_token_ids=[9, 10], max_tokens=100, tier="P2", ignore_eos=True)
+                      for _ in range(4)]
+        p3.result(timeout=120)
         h = job_hash(c, p3.id)
-        assert int(h["promise_at_ms"]) <= int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
-        assert h["tier"] == "P2" and h["tier_granted"] == "P3"
-        sent = [int(job_hash(c, o.id).get("dispatched_at_ms") or 2**62) for o in overtakers]
-        # From its promotion on, no P2 admitted after it went first (one dispatch may have been under way then).
-        promoted, started = int(h["promoted_at_ms"]), int(h["dispatched_at_ms"])
-        assert sum(promoted < t < started for t in sent) <= 1, (promoted, started, sent)
-        # How many went before that depends on how far the estimate (so the promise) is off on this machine, but
-        # most of the twelve, 2,000 tokens each, are still to go.
-        assert sum(t < started for t in sent) <= 3, (promoted, started, sent)
+        assert h["tier"] == "P2" and int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
+        passed = [job_hash(c, o.id) for o in overtakers]
+        passed = [p for p in passed if int(p.get("dispatched_at_ms") or 2**62) < int(h["dispatched_at_ms"])]
+        # At least one went first from P1, promised there (another may have gone first before the P3's promotion,
+        # as any P2 before a P3).
+        assert any(p["tier"] == "P1" and "promoted_at_ms" in p for p in passed), [
+            {k: v for k, v in p.items() if k.endswith(("_ms", "tier"))} for p in passed]
         for j in overtakers:
             batch.cancel(j.id)
 
