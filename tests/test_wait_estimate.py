@@ -143,40 +143,47 @@ def keeps_its_promise(c, tenant: str, tier: str, overtaking_tenant: str, overtak
         others.cancel(o.id)
 
 
+# Twelve jobs of 2,000 tokens queued behind one another: on a slow machine the last ones' estimates pass the
+# default P1/P2 queue timeouts (60 s, 300 s) and would be refused as Overloaded, which is not what these test.
+LONG_TIMEOUTS = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 3600, "P2": 3600}'}
+
+
 def test_a_promise_keeps_p2s_admitted_later_from_overtaking_a_p3_past_its_estimate(tiny_model_dir, tmp_path):
     # With P3 promises only (P2s given none: a P2 promised into P1 would pass the P3 in P2, as a test below shows).
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
-                       env={"TS_GATEWAY_PROMISE_TIERS": '["P3"]'}) as c:
+                       env=LONG_TIMEOUTS | {"TS_GATEWAY_PROMISE_TIERS": '["P3"]'}) as c:
         keeps_its_promise(c, "lab-co", "P3", "batch-co", "P2")
 
 
 def test_a_promise_keeps_p1s_admitted_later_from_overtaking_a_p2_past_its_estimate(tiny_model_dir, tmp_path):
     # The same for a P2 against P1s (promise_tiers has P2 by default).
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1) as c:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=LONG_TIMEOUTS) as c:
         keeps_its_promise(c, "batch-co", "P2", "api-co", "P1")
 
 
 def test_with_p2_promises_a_p3_promised_into_p2_is_passed_by_p2s_promised_after_it(tiny_model_dir, tmp_path):
     # The cost of P2 promises (the default), pinned so that a change to it is seen: the P3 of the first test is
     # promised into P2, but each P2 admitted after it is promised into P1 once its own estimate is up, and a job in
-    # P1 goes before any in P2. Its promise held against P2s with none; these have one. A lead of 2 s makes every
-    # promise here fall due at once, however far this machine's rates are from its calibration.
+    # P1 goes before any in P2. Its promise held against P2s with none; these have one. A lead longer than any
+    # estimate here makes every promise fall due at once, and the blocker is cancelled only once all have moved,
+    # so the order of the slot's next dispatches is decided by the queues alone.
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
-                       env={"TS_GATEWAY_PROMISE_LEAD_S": "2.0"}) as c:
+                       env={"TS_GATEWAY_PROMISE_LEAD_S": "1000"}) as c:
         batch, lab = client(c, "batch-co"), client(c, "lab-co")
-        blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=100, tier="P2", ignore_eos=True)
+        blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=2000, tier="P2", ignore_eos=True)
         wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the P2 blocker to run")
         p3 = lab.submit(prompt_token_ids=[6], max_tokens=2)
         overtakers = [batch.submit(prompt_token_ids=[9, 10], max_tokens=100, tier="P2", ignore_eos=True)
                       for _ in range(4)]
+        wait_for(lambda: all("promoted_at_ms" in job_hash(c, j.id) for j in [p3, *overtakers]), 30,
+                 "every promise to fall due")
+        batch.cancel(blocker.id)
         p3.result(timeout=120)
         h = job_hash(c, p3.id)
         assert h["tier"] == "P2" and int(h["promoted_at_ms"]) <= int(h["dispatched_at_ms"])
         passed = [job_hash(c, o.id) for o in overtakers]
         passed = [p for p in passed if int(p.get("dispatched_at_ms") or 2**62) < int(h["dispatched_at_ms"])]
-        # At least one went first from P1, promised there (another may have gone first before the P3's promotion,
-        # as any P2 before a P3).
-        assert any(p["tier"] == "P1" and "promoted_at_ms" in p for p in passed), [
+        assert len(passed) == 4 and all(p["tier"] == "P1" and "promoted_at_ms" in p for p in passed), [
             {k: v for k, v in p.items() if k.endswith(("_ms", "tier"))} for p in passed]
         for j in overtakers:
             batch.cancel(j.id)
