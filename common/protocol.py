@@ -1,4 +1,6 @@
-"""Every message that crosses a process boundary, and the one codec for them.
+"""Every message that crosses a process boundary, and the one codec for them. The messages are defined in
+common/client_messages.py (SDK clients and gateways) and common/worker_messages.py (gateways and workers), and
+importable from here.
 
 Frames are msgpack maps ``{"v": SCHEMA_VERSION, "k": kind, "b": body}``. Bodies
 are frozen dataclasses of plain types. ``decode`` never trusts its input: a
@@ -15,10 +17,21 @@ import io
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+from common.client_messages import (MAX_REQUEST_ID_LEN, CancelReply, CancelRequest, ErrorReply, InfoReply,
+                                    InfoRequest, JobDone, StatusReply, StatusRequest, StreamRequest, SubmitReply,
+                                    SubmitRequest, TokenChunk)
+from common.worker_messages import (CancelJob, DispatchJob, GatewayWelcome, JobFinished, JobTokens, WorkerHello,
+                                    WorkerLoad)
+
+__all__ = ["MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_LEN", "MESSAGES",
+           "SCHEMA_VERSION", "CancelJob", "CancelReply", "CancelRequest", "DispatchJob", "ErrorReply", "GatewayWelcome",
+           "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobTokens", "ProtocolError", "StatusReply",
+           "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest", "TokenChunk", "Unauthenticated",
+           "WorkerHello", "WorkerLoad", "decode", "encode"]
 
 SCHEMA_VERSION = 1
 # Bounded so a hostile or buggy peer cannot make a process allocate without limit.
@@ -40,248 +53,10 @@ class Unauthenticated(ProtocolError):
 
     code = "unauthorized"
 
-
-# -- client <-> gateway ---------------------------------------------------------------------------------------------
-# Every request may carry a ``request_id`` (chosen by the client, at most MAX_REQUEST_ID_LEN characters); the
-# gateway copies it onto every frame it sends for that request, so one connection can carry many calls and
-# streams at once. While a stream waits on a job that sends nothing (queued, or running before its first
-# token), the gateway sends a StatusReply with the stream's request id every few seconds: a keepalive that
-# tells the client its gateway is alive.
-
-MAX_REQUEST_ID_LEN = 64
-
-
-@dataclass(frozen=True)
-class SubmitRequest:
-    api_key: str
-    max_tokens: int
-    prompt: str | None = None  # text, tokenized by the gateway; or prompt_token_ids
-    prompt_token_ids: list[int] | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    tier: str | None = None  # None: the tenant's highest entitled tier
-    idempotency_key: str | None = None
-    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent / tracestate
-    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
-    request_id: str | None = None  # echoed on every reply frame for this request
-
-
-@dataclass(frozen=True)
-class SubmitReply:
-    job_id: str
-    tier: str
-    estimated_wait_s: float
-    duplicate: bool  # an earlier submission with the same idempotency key
-    downgraded: bool = False  # P0 quota exhausted and the tenant is configured to fall back to P1
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class StreamRequest:
-    """Subscribe to a job's tokens from ``from_index`` on; the gateway replies with TokenChunk... JobDone."""
-
-    api_key: str
-    job_id: str
-    from_index: int = 0
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    job_id: str
-    index: int  # index of token_ids[0] in the job's output; every index reaches the client once
-    token_ids: list[int]
-    text: str
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class JobDone:
-    job_id: str
-    state: str  # done | failed | expired | cancelled | dead
-    finish_reason: str | None
-    token_ids: list[int]
-    text: str
-    queued_s: float
-    ttft_s: float | None
-    total_s: float
-    preemptions: int
-    reason: str | None = None  # why it failed / expired / was dead-lettered
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class StatusRequest:
-    api_key: str
-    job_id: str
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class StatusReply:
-    job_id: str
-    state: str
-    tier: str
-    attempt: int
-    estimated_wait_s: float | None
-    reason: str | None
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class CancelRequest:
-    api_key: str
-    job_id: str
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class CancelReply:
-    job_id: str
-    cancelled: bool  # False: it had already ended
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class InfoRequest:
-    """Cluster overview for operators and launchers; any valid API key may ask."""
-
-    api_key: str
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class InfoReply:
-    gateway_id: str
-    workers: list[str]
-    queue_depths: dict[str, int]
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class ErrorReply:
-    code: str  # unauthorized | forbidden | invalid_request | quota_exceeded | not_found | protocol
-    #            | overloaded (estimated wait over the tier's timeout, the tenant's cap, or Redis full: nothing stored)
-    #            | unavailable (Redis unreachable: nothing stored, retry) | internal
-    message: str
-    field: str | None = None
-    retry_after_s: float | None = None
-    estimated_wait_s: float | None = None
-    in_reply_to: str | None = None  # job id where there is one
-    request_id: str | None = None
-
-
-# -- gateway <-> worker ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerHello:
-    worker_id: str
-    model: str
-    vocab_size: int
-    max_model_len: int
-    max_num_seqs: int
-    num_kv_blocks: int
-    # Largest prompt + max_tokens per tier ("P0".."P3") this worker accepts (its tier's share of the KV
-    # cache); None from workers that do not say.
-    tier_max_tokens: dict[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class GatewayWelcome:
-    """Reply to WorkerHello: tells the worker which gateway is on the other end of this socket."""
-
-    gateway_id: str
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """Heartbeat: extends the leases of ``job_ids`` and reports capacity."""
-
-    worker_id: str
-    free_slots: int
-    free_kv_blocks: int
-    running: dict[str, int]  # per tier
-    waiting: dict[str, int]  # per tier
-    job_ids: list[str]  # jobs this worker holds (running, waiting or suspended)
-    # Cheapest preemption here for a P0/P1 job, in estimated seconds (0: a slot is free or keep will do).
-    preemption_cost_s: float
-    # Per tier: running jobs a new job of that tier may preempt here (the worker's preemption matrix).
-    victims: dict[str, int] = field(default_factory=dict)
-    # Measured tokens/s per sequence (worker/calibration.py); 0: not reported (an older worker).
-    prefill_tps: float = 0.0
-    decode_tps: float = 0.0
-    # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
-    # max_tokens, bit mask of tiers that may preempt it, tokens it still generates before its preemption guards
-    # let it be preempted (absent from older workers: none)]: the work ahead of new jobs, for wait estimates.
-    work: dict[str, list[int]] = field(default_factory=dict)
-    # Seconds from building this report to sending it (the heartbeat thread sends the latest one, up to a
-    # heartbeat old): with the time since it came, how far the running work has got past what ``work`` says.
-    age_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class DispatchJob:
-    job_id: str
-    attempt: int
-    tier: str  # the tier the job was admitted at: what it preempts by (aging changes queue order only)
-    tenant: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int | None
-    seed: int  # fixed at admission, so a re-dispatch reproduces the same tokens
-    reply_to: str  # gateway that dispatched this attempt: it receives the tokens and writes them to Redis
-    trace_context: dict[str, str] = field(default_factory=dict)
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
-class CancelJob:
-    job_id: str
-    # Cancel only this attempt or an earlier one (None: whatever runs): a late CancelJob for a
-    # requeued lease must not stop the job's next attempt on the same worker.
-    attempt: int | None = None
-
-
-@dataclass(frozen=True)
-class JobTokens:
-    job_id: str
-    attempt: int
-    index: int  # index of token_ids[0] in the job's output
-    token_ids: list[int]
-    # On the first frame: seconds from the dispatch's arrival to the job's first prefill chunk (its wait there).
-    prefill_start_s: float | None = None
-    # On the first frame: seconds from the job's first prefill chunk starting to this frame being sent, on the
-    # worker's clock. The gateway puts the start at this long before the frame reached it: that counts the time
-    # the dispatch sat unread while a step ran, which prefill_start_s (from when the worker read it) cannot.
-    prefill_start_age_s: float | None = None
-
-
-@dataclass(frozen=True)
-class JobFinished:
-    job_id: str
-    attempt: int
-    state: str  # done | failed
-    finish_reason: str | None
-    num_tokens: int
-    ttft_s: float | None
-    run_s: float
-    preemptions: int
-    reason: str | None = None
-    # Every output token, in order (len == num_tokens): the result stays whole even when a JobTokens
-    # frame was dropped or went to a gateway that has since restarted.
-    token_ids: list[int] | None = None
-    prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
-    prefill_start_age_s: float | None = None  # as in JobTokens
-
-
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     SubmitRequest, SubmitReply, StreamRequest, TokenChunk, JobDone, StatusRequest, StatusReply, CancelRequest,
-    CancelReply, InfoRequest, InfoReply, ErrorReply, WorkerHello, GatewayWelcome, WorkerLoad, DispatchJob, CancelJob, JobTokens, JobFinished)}
+    CancelReply, InfoRequest, InfoReply, ErrorReply, WorkerHello, GatewayWelcome, WorkerLoad, DispatchJob, CancelJob,
+    JobTokens, JobFinished)}
 
 
 def encode(msg: Any) -> bytes:

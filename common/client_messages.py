@@ -1,0 +1,136 @@
+"""The messages between SDK clients and a gateway (their codec: common/protocol.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# Every request may carry a ``request_id`` (chosen by the client, at most MAX_REQUEST_ID_LEN characters); the
+# gateway copies it onto every frame it sends for that request, so one connection can carry many calls and
+# streams at once. While a stream waits on a job that sends nothing (queued, or running before its first
+# token), the gateway sends a StatusReply with the stream's request id every few seconds: a keepalive that
+# tells the client its gateway is alive.
+
+MAX_REQUEST_ID_LEN = 64
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    api_key: str
+    max_tokens: int
+    prompt: str | None = None  # text, tokenized by the gateway; or prompt_token_ids
+    prompt_token_ids: list[int] | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    tier: str | None = None  # None: the tenant's highest entitled tier
+    idempotency_key: str | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent / tracestate
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
+    request_id: str | None = None  # echoed on every reply frame for this request
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    job_id: str
+    tier: str
+    estimated_wait_s: float
+    duplicate: bool  # an earlier submission with the same idempotency key
+    downgraded: bool = False  # P0 quota exhausted and the tenant is configured to fall back to P1
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """Subscribe to a job's tokens from ``from_index`` on; the gateway replies with TokenChunk... JobDone."""
+
+    api_key: str
+    job_id: str
+    from_index: int = 0
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    job_id: str
+    index: int  # index of token_ids[0] in the job's output; every index reaches the client once
+    token_ids: list[int]
+    text: str
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class JobDone:
+    job_id: str
+    state: str  # done | failed | expired | cancelled | dead
+    finish_reason: str | None
+    token_ids: list[int]
+    text: str
+    queued_s: float
+    ttft_s: float | None
+    total_s: float
+    preemptions: int
+    reason: str | None = None  # why it failed / expired / was dead-lettered
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    api_key: str
+    job_id: str
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    job_id: str
+    state: str
+    tier: str
+    attempt: int
+    estimated_wait_s: float | None
+    reason: str | None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    api_key: str
+    job_id: str
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    job_id: str
+    cancelled: bool  # False: it had already ended
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class InfoRequest:
+    """Cluster overview for operators and launchers; any valid API key may ask."""
+
+    api_key: str
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    gateway_id: str
+    workers: list[str]
+    queue_depths: dict[str, int]
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    code: str  # unauthorized | forbidden | invalid_request | quota_exceeded | not_found | protocol
+    #            | overloaded (estimated wait over the tier's timeout, the tenant's cap, or Redis full: nothing stored)
+    #            | unavailable (Redis unreachable: nothing stored, retry) | internal
+    message: str
+    field: str | None = None
+    retry_after_s: float | None = None
+    estimated_wait_s: float | None = None
+    in_reply_to: str | None = None  # job id where there is one
+    request_id: str | None = None

@@ -1,0 +1,108 @@
+"""The messages between a gateway and its workers (their codec: common/protocol.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    worker_id: str
+    model: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    # Largest prompt + max_tokens per tier ("P0".."P3") this worker accepts (its tier's share of the KV
+    # cache); None from workers that do not say.
+    tier_max_tokens: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class GatewayWelcome:
+    """Reply to WorkerHello: tells the worker which gateway is on the other end of this socket."""
+
+    gateway_id: str
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """Heartbeat: extends the leases of ``job_ids`` and reports capacity."""
+
+    worker_id: str
+    free_slots: int
+    free_kv_blocks: int
+    running: dict[str, int]  # per tier
+    waiting: dict[str, int]  # per tier
+    job_ids: list[str]  # jobs this worker holds (running, waiting or suspended)
+    # Cheapest preemption here for a P0/P1 job, in estimated seconds (0: a slot is free or keep will do).
+    preemption_cost_s: float
+    # Per tier: running jobs a new job of that tier may preempt here (the worker's preemption matrix).
+    victims: dict[str, int] = field(default_factory=dict)
+    # Measured tokens/s per sequence (worker/calibration.py); 0: not reported (an older worker).
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
+    # max_tokens, bit mask of tiers that may preempt it, tokens it still generates before its preemption guards
+    # let it be preempted (absent from older workers: none)]: the work ahead of new jobs, for wait estimates.
+    work: dict[str, list[int]] = field(default_factory=dict)
+    # Seconds from building this report to sending it (the heartbeat thread sends the latest one, up to a
+    # heartbeat old): with the time since it came, how far the running work has got past what ``work`` says.
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DispatchJob:
+    job_id: str
+    attempt: int
+    tier: str  # the tier the job was admitted at: what it preempts by (aging changes queue order only)
+    tenant: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int  # fixed at admission, so a re-dispatch reproduces the same tokens
+    reply_to: str  # gateway that dispatched this attempt: it receives the tokens and writes them to Redis
+    trace_context: dict[str, str] = field(default_factory=dict)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class CancelJob:
+    job_id: str
+    # Cancel only this attempt or an earlier one (None: whatever runs): a late CancelJob for a
+    # requeued lease must not stop the job's next attempt on the same worker.
+    attempt: int | None = None
+
+
+@dataclass(frozen=True)
+class JobTokens:
+    job_id: str
+    attempt: int
+    index: int  # index of token_ids[0] in the job's output
+    token_ids: list[int]
+    # On the first frame: seconds from the dispatch's arrival to the job's first prefill chunk (its wait there).
+    prefill_start_s: float | None = None
+    # On the first frame: seconds from the job's first prefill chunk starting to this frame being sent, on the
+    # worker's clock. The gateway puts the start at this long before the frame reached it: that counts the time
+    # the dispatch sat unread while a step ran, which prefill_start_s (from when the worker read it) cannot.
+    prefill_start_age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    job_id: str
+    attempt: int
+    state: str  # done | failed
+    finish_reason: str | None
+    num_tokens: int
+    ttft_s: float | None
+    run_s: float
+    preemptions: int
+    reason: str | None = None
+    # Every output token, in order (len == num_tokens): the result stays whole even when a JobTokens
+    # frame was dropped or went to a gateway that has since restarted.
+    token_ids: list[int] | None = None
+    prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
+    prefill_start_age_s: float | None = None  # as in JobTokens
