@@ -23,7 +23,7 @@ from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, JobRecord, JobState, Overloaded, QuotaRefused,
     QuotaSpec, Settled, StoreFull, TenantFull,
 )
-from gateway.timeutil import time_ms
+from gateway.queue_sweeps import SWEEP_LIMIT, QueueSweeps  # noqa: F401  (SWEEP_LIMIT: part of the queue's API)
 
 # Queue timeout per tier in seconds (None: waits forever); also the admission limit on the
 # estimated wait. Shared tier defaults live here until the configuration module exists.
@@ -35,7 +35,6 @@ DEFAULT_DEAD_LETTER_MAX = 10_000
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
-SWEEP_LIMIT = 500  # most jobs one requeue_expired / age / expire call settles
 
 
 def _now(now_ms: int | None) -> str:
@@ -53,9 +52,10 @@ def out_of_memory(e: redis.RedisError) -> bool:
     return isinstance(e, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in str(e)
 
 
-class RedisQueue:
+class RedisQueue(QueueSweeps):
     """The queue API over one KeySpace. Stateless apart from configuration: any number of
-    RedisQueue objects (in any number of gateways) may share a prefix."""
+    RedisQueue objects (in any number of gateways) may share a prefix. The sweeps are in
+    gateway/queue_sweeps.py."""
 
     def __init__(
         self,
@@ -228,59 +228,6 @@ class RedisQueue:
             if "incomplete result" in str(e):
                 raise IncompleteResult(str(e)) from None
             raise
-
-    # --- sweeps (any gateway may run them; the scripts make concurrent runs safe) ----------
-    def server_ms(self) -> int:
-        """Redis's clock, in ms: the one clock the sweeps and statistics use."""
-        return time_ms(self.client.time())
-
-    def requeue_expired(self, now_ms: int, max_attempts: int, *, limit: int = SWEEP_LIMIT) -> list[Settled]:
-        """Settle expired leases: back to the queue (original score) or, after max_attempts, dead."""
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        ids = self._due(self.keys.inflight, now_ms, limit)
-        if not ids:
-            return []
-        keys = [*self.keys.queues(), self.keys.inflight, self.keys.dead, self.keys.aging, self.keys.deadlines,
-                *(self.keys.job(i) for i in ids)]  # fmt: skip
-        flat = self._scripts["requeue"](keys=keys, args=[str(now_ms), str(max_attempts), self._retention_ms,
-                                                          str(self.dead_letter_max), *ids])
-        return [Settled(flat[i].decode(), flat[i + 1].decode(), flat[i + 2].decode(), int(flat[i + 3]))
-                for i in range(0, len(flat), 4)]
-
-    def age(self, now_ms: int, interval_ms: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, Tier, Tier]]:
-        """Move jobs that waited ``interval_ms`` in P2/P3 up one tier; returns (id, from, to)."""
-        if interval_ms <= 0:
-            raise ValueError(f"interval_ms must be positive, got {interval_ms}")
-        cutoff = now_ms - interval_ms
-        ids = self._due(self.keys.aging, cutoff, limit)
-        if not ids:
-            return []
-        keys = [*self.keys.queues(), self.keys.aging, *(self.keys.job(i) for i in ids)]
-        flat = self._scripts["age"](keys=keys, args=[str(now_ms), str(cutoff), *ids])
-        triples = zip(flat[0::3], flat[1::3], flat[2::3])
-        return [(job_id.decode(), Tier(old.decode()), Tier(new.decode())) for job_id, old, new in triples]
-
-    def promote(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[tuple[str, Tier]]:
-        """Move queued P2/P3 jobs whose promised start fell due by ``now_ms`` up one tier (gateway/promises.py);
-        returns (id, tier it left)."""
-        ids = self._due(self.keys.promises, now_ms, limit)
-        if not ids:
-            return []
-        keys = [*self.keys.queues(), self.keys.aging, self.keys.promises, *(self.keys.job(i) for i in ids)]
-        flat = self._scripts["promote"](keys=keys, args=[str(now_ms), *ids])
-        return [(job_id.decode(), Tier(old.decode())) for job_id, old in zip(flat[0::2], flat[1::2])]
-
-    def expire(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[str]:
-        """End queued jobs past the queue timeout of the tier granted at admission."""
-        ids = self._due(self.keys.deadlines, now_ms, limit)
-        if not ids:
-            return []
-        keys = [*self.keys.queues(), self.keys.aging, self.keys.deadlines, *(self.keys.job(i) for i in ids)]
-        return [i.decode() for i in self._scripts["expire"](keys=keys, args=[str(now_ms), self._retention_ms, *ids])]
-
-    def _due(self, index: str, max_score: int, limit: int) -> list[str]:
-        return [i.decode() for i in self.client.zrangebyscore(index, "-inf", max_score, start=0, num=limit)]
 
     # --- cancel and reads ------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
