@@ -30,7 +30,8 @@ def _load(state: dict, wave: int, n: int = 6) -> list[tuple[str, tuple[list[int]
     """``n`` jobs admitted alternately through gw-0 and gw-1: (job id, reference spec) each."""
     out = []
     for i in range(n):
-        spec = ([wave + 1, i + 1], 40 + 8 * i, 0.0, 1000 * wave + i)
+        # Long enough (0.6 s at 1,000 tokens/s) that two run at once and some still run at the kill on a fast machine.
+        spec = ([wave + 1, i + 1], 600 + 8 * i, 0.0, 1000 * wave + i)
         with _client(state, i % 2) as cl:  # waits out 'unavailable' while Redis restarts
             job = cl.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[3], ignore_eos=True)
         out.append((job.id, spec))
