@@ -68,6 +68,7 @@ def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
 def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
     """The on_arrival hook of simulate(): each job's estimate into ``out``; returns its promise's due time."""
     rates = ArrivalRates(a.tau, jobs[0]["at"])
+    promised = promises.tiers(a.promise_tiers)
 
     def on_arrival(job: dict, held: list[Held], queued: list[dict]) -> float:
         tier, now = Tier(job["tier"]), job["at"]
@@ -95,7 +96,7 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
 
         sampled = a.samples and arrivals and a.forecast != "exact" and job.get("judged", True)
         est = out[job["i"]] = pick([ask(random.Random(s)) for s in range(a.samples)], a.pick) if sampled else ask()
-        promise = promises.promise_s(tier, est, a.promise_factor, a.promise_lead, promises.tiers(a.promise_tiers))
+        promise = promises.promise_s(tier, est, a.promise_factor, a.promise_lead, promised)
         return math.inf if promise is None else now + promise
 
     return on_arrival
