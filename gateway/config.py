@@ -46,8 +46,8 @@ class GatewayConfig:
     # ratio it learns is one wait old, so it learns a burst's onset and multiplies the estimates made
     # after it (on the replayed trace at load 0.8: 59 % median error with it, 36-44 % without; BENCHMARKS.md).
     wait_bias_correction: bool = False
-    # For a job a few dispatches from a slot, the wait told is the likeliest of this many drawn futures of the
-    # higher tiers' arrivals, not the one evenly spaced future (gateway/estimate_futures.py); 0: that one only.
+    # For a job a few dispatches from a slot, the wait told hedges the one evenly spaced future of the higher tiers'
+    # arrivals with the likeliest of this many drawn ones (gateway/estimate_futures.py); 0: the evenly spaced only.
     wait_futures: int = 8
     # A JSON-lines file each admitted job's wait estimate inputs are appended to, for scripts/estimate_replay.py
     # (gateway/estimate_dump.py); "" writes none. A debugging aid: it costs a line written per admission. One file

@@ -226,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the gateway's promised starts (promise_factor; 0: off; default: the gateway's own, on)")
     ap.add_argument("--promise-tiers", default=None,
                     help="the tiers given promises, comma-separated (promise_tiers: P3, or P2,P3; default: the "
-                         "gateway's own, P3)")
+                         "gateway's own, P2,P3)")
     ap.add_argument("--wait-futures", type=int, default=None,
-                    help="drawn arrival futures the gateway tells a job near a slot the likeliest of (wait_futures; "
-                         "0: the evenly spaced one only; default: the gateway's own, 8)")
+                    help="drawn arrival futures whose likeliest wait the gateway hedges with the evenly spaced "
+                         "one for a job near a slot (wait_futures; 0: the evenly spaced one only; default: the "
+                         "gateway's own, 8)")
     ap.add_argument("--dump", type=Path,
                     help="have the gateway write what its wait model saw at each admission here (estimate_dump), "
                          "for scripts/estimate_replay.py: other models judged on this run's very states")

@@ -18,7 +18,8 @@ The --tail rows after each segment arrive too, unjudged: traffic does not stop w
 ends, and jobs near its end would otherwise be judged against a future no deployment sees.
 
 By default each estimate is the one the gateway tells (gateway/estimate_futures.py: for a job a few
-dispatches from a slot, the likeliest of --futures drawn futures; --futures 0: the evenly spaced one).
+dispatches from a slot, the evenly spaced one hedged with the likeliest of --futures drawn futures;
+--futures 0: the evenly spaced one).
 --samples N asks wait_s N times per job with drawn (Poisson) futures instead of evenly spaced
 arrivals, and takes the --pick of them: their median, or the estimate with the most of them
 within 2x. That tells what a forecast of the spread, not just the rate, would be worth.
@@ -132,8 +133,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tail", type=int, default=250, help="rows after each segment that arrive too, unjudged")
     ap.add_argument("--samples", type=int, default=0, help="drawn futures per job (0: the gateway's evenly spaced)")
     ap.add_argument("--futures", type=int, default=FUTURES,
-                    help="drawn futures the estimate of a job near a slot is the likeliest of, as the gateway's "
-                         "wait_futures (0: the evenly spaced future only)")
+                    help="drawn futures whose likeliest wait the estimate of a job near a slot is hedged with, as the "
+                         "gateway's wait_futures (0: the evenly spaced future only)")
     ap.add_argument("--pick", choices=("median", "within-2x"), default="median",
                     help="of the --samples waits, the median or the estimate with most of them within 2x")
     ap.add_argument("--slots", type=int, default=4)

@@ -1,5 +1,6 @@
-"""The wait a job is told (gateway/estimate_futures.py): for a job near a slot, the likeliest of drawn futures of
-the arrivals that overtake it; everywhere else, the evenly spaced replay of gateway/estimate.py unchanged."""
+"""The wait a job is told (gateway/estimate_futures.py): for a job near a slot, the evenly spaced replay hedged with
+the likeliest of drawn futures of the arrivals that overtake it; everywhere else, the evenly spaced replay of
+gateway/estimate.py unchanged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 from common.tiers import Tier
 from gateway.estimate import RUNNING, Arrivals, Held, Queued, Rates, Work, WorkerView, replay, wait_s
-from gateway.estimate_futures import FUTURE_DISPATCHES, FUTURES, likeliest, told_wait_s
+from gateway.estimate_futures import FUTURE_DISPATCHES, FUTURES, hedged, likeliest, told_wait_s
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 RATES = Rates(prefill_tps=1000.0, decode_tps=100.0)  # 1 s per 100 output tokens
@@ -36,14 +37,32 @@ def test_the_likeliest_estimate_has_the_most_waits_within_2x():
         assert all(within_2x(best, ws) >= within_2x(c, ws) for c in ws + [sorted(ws)[len(ws) // 2]]), ws
 
 
-def test_a_job_near_a_slot_is_told_the_wait_most_futures_agree_with():
+def test_a_job_near_a_slot_is_told_a_hedge_between_the_evenly_spaced_future_and_the_likeliest_drawn_one():
     workers, arrivals = near_a_slot()
     even = wait_s(P2, workers, [], arrivals=arrivals)
     assert even == 2.0  # the evenly spaced future: no P1 before the slot frees
     drawn = [wait_s(P2, workers, [], arrivals=arrivals, rng=random.Random(s)) for s in range(FUTURES)]
+    best = likeliest(drawn)
+    assert best >= 2 * even  # the drawn futures disagree: in most of them a P1 comes first
     told = told_wait_s(P2, workers, [], arrivals=arrivals)
     assert told == told_wait_s(P2, workers, [], arrivals=arrivals)  # fixed seeds: one state, one estimate
-    assert told > even and within_2x(told, drawn) > within_2x(even, drawn), (told, drawn)
+    assert math.isclose(told, math.sqrt(even * best)) and even < told < best
+    # Within 2x of both answers to the coin toss, and of as many drawn futures as the evenly spaced estimate.
+    assert within_2x(told, [even, best]) == 2 and within_2x(told, drawn) >= within_2x(even, drawn), (told, drawn)
+
+
+def test_the_hedge_is_the_geometric_mean_and_leaves_a_start_at_once_to_the_drawn_futures():
+    assert hedged(2.0, 8.0) == 4.0 and hedged(8.0, 2.0) == 4.0 and hedged(3.0, 3.0) == 3.0
+    assert hedged(0.0, 5.0) == 5.0  # the evenly spaced future starts it at once, most drawn ones do not
+    assert hedged(5.0, 0.0) == 0.0  # most drawn futures start it at once
+    assert hedged(math.inf, 5.0) == 5.0 and hedged(5.0, math.inf) == math.inf  # never a product of inf and 0
+    rng = random.Random(7)
+    for _ in range(200):  # within 2x of both where they are less than 4x apart, and never outside them
+        a, b = rng.uniform(0.01, 100), rng.uniform(0.01, 100)
+        h = hedged(a, b)
+        assert min(a, b) <= h * (1 + 1e-12) and h <= max(a, b) * (1 + 1e-12)
+        if max(a, b) < 4 * min(a, b):
+            assert within_2x(h, [a, b]) == 2
 
 
 def test_the_evenly_spaced_estimate_stays_where_futures_cannot_differ_or_would_cost_too_much():
