@@ -5,6 +5,7 @@ died 12 times in a row on its metrics port in a CI run when ports came from bind
 from __future__ import annotations
 
 import socket
+from collections import deque
 
 import pytest
 
@@ -39,7 +40,8 @@ def test_ports_are_free_and_below_the_range_outgoing_connections_draw_from():
 
 
 def _only(monkeypatch, tmp_path, port: int) -> None:
-    """Leave exactly one port below the ephemeral range: ``port``."""
+    """Leave exactly one port below the ephemeral range: ``port``, as if this process had handed out none yet."""
+    monkeypatch.setattr(ports, "_given", deque(maxlen=ports._REMEMBERED))
     range_file = tmp_path / "ip_local_port_range"
     range_file.write_text(f"{port + 1}\t60999\n")
     monkeypatch.setattr(ports, "_EPHEMERAL_RANGE_FILE", range_file)
@@ -57,6 +59,22 @@ def test_a_taken_port_is_never_handed_out(monkeypatch, tmp_path):
         assert other != port
         with socket.socket() as s:
             s.bind(("127.0.0.1", other))
+
+
+def test_a_port_is_not_handed_out_twice_before_its_child_binds_it(monkeypatch, tmp_path):
+    # A launcher picks a cluster's ports before any child binds one: the same free port must not come back.
+    port = free_port()
+    _only(monkeypatch, tmp_path, port)
+    assert free_port() == port  # nobody bound it yet: still free, but handed out
+    again = free_port()
+    assert again != port  # the only port below the range is given: the kernel's choice instead
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", again))
+
+
+def test_many_picks_in_one_process_are_all_different():
+    picked = [free_port() for _ in range(2000)]  # as a long test session does, none of them bound
+    assert len(set(picked)) == len(picked)
 
 
 @pytest.mark.parametrize("text", ["", "garbage", "1 2 3"])
