@@ -7,9 +7,10 @@ HTTP request), and the child then dies with "Address already in use". The kernel
 port below that range on its own, so one drawn there can only be taken by another explicit choice.
 
 One such choice is this process's own: a launcher picks every port of a cluster (two per gateway, one per
-worker, ...) before its children bind any, and a port free at each pick would be handed out twice (seen once in a
-CI run: two gateways of one `scripts/up.py` drew 31421, and the second died with "Address already in use"). So a
-port handed out is not handed out again while it is among the last ``_REMEMBERED`` this process gave.
+worker, ...) before its children bind any, and a port still free at each pick could be handed out twice (2,000
+picks in one process repeat some; a CI run saw a gateway of `scripts/up.py` die with "Address already in use" on
+a port picked for it). So a port handed out is not handed out again while it is among the last ``_REMEMBERED``
+this process gave.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default, also used where the file
 _LOWEST = 10_000  # below this sit many well-known services' ports
 _DRAWS = 64
 _rng = random.SystemRandom()  # not the caller's seeded `random`, nor a state a forked child shares: draws differ
-_REMEMBERED = 4096  # ports handed out that are not handed out again (a sixth of the room below the usual range)
+_REMEMBERED = 4096  # ports handed out that are not handed out again (about a sixth of the room below 32768)
 _given: deque[int] = deque(maxlen=_REMEMBERED)
 _lock = threading.Lock()
 
