@@ -14,9 +14,10 @@ lets an arrival come early, so it tells too little where one is likely; the like
 tells too much (offline, on 19 segments of the conversation trace, P3s' estimates ran 1.11x their waits at
 the median). Where the two differ by less than 4x, their geometric mean is within 2x of both outcomes of the
 coin toss. Against the likeliest alone, on the conversation trace: P2's median error 21.9 -> 17.8 % and P3's
-28.7 -> 24.2 %, within 2x P2 90.6 -> 92.6 % and P3 87.0 -> 89.5 %, P1 unchanged (offline); and the same on
-the states two real runs dumped (BENCHMARKS.md, issue 12, fifteenth session). On the code trace's bursts it
-changes less than a point.
+28.7 -> 24.2 %, within 2x P2 90.6 -> 92.6 % and P3 87.0 -> 89.5 %, P1 unchanged (offline); on the dumped
+states of every real conversation-trace run since, P2's and P3's median error 4-10 points lower at the same or
+a higher share within 2x (BENCHMARKS.md, issue 12, fifteenth session). On the code trace's bursts it changes
+less than a point.
 
 A job further back than ``FUTURE_DISPATCHES`` dispatches keeps the evenly spaced estimate: there many
 arrivals average out, and the bound keeps an estimate's cost within a few replays of a shallow queue's
