@@ -16,8 +16,9 @@ that exist (no job-count rates, no floors):
   for a slot that frees, as the dispatcher has them;
 - then, each time a slot frees, the queues hand it to their first job, as Redis would: the
   highest tier, then the oldest. Queued jobs and the jobs still to come of the tiers above
-  the job's (their measured arrival rates, as evenly spaced mean jobs) both take slots; the
-  job's wait ends at the first slot it is first in line for;
+  the job's (evenly spaced mean jobs at a rate that settles from the one now to the long-run
+  one: gateway/arrival_forecast.py) both take slots; the job's wait ends at the first slot it
+  is first in line for;
 - aging moves a P2 or P3 job up a tier each aging interval with its enqueue time, so from then
   on it is ahead of every newer job of its new tier, and an older P3 that ages into a P2
   job's tier goes ahead of it; a P3 whose promised start falls due (gateway/promises.py)

@@ -60,7 +60,7 @@ def told_wait_s(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queu
     arguments."""
     queued, arrivals = list(queued), list(arrivals)
     even, dispatches = replay(tier, workers, queued, arrivals=arrivals, **kw)
-    overtaking = any(a.per_s > 0 and a.work.tier.rank < tier.rank for a in arrivals)
+    overtaking = any(a.comes() and a.work.tier.rank < tier.rank for a in arrivals)
     if futures <= 0 or not overtaking or dispatches is None or dispatches > FUTURE_DISPATCHES:
         return even
     drawn = []

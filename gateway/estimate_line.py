@@ -23,7 +23,9 @@ def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int
     t = min(free_at)
     slots = len(free_at)
     rank = line.rank(t)
-    backlog = sum(f - t for f in free_at) + line.backlog_s(t, rank, unread)
+    # A surge still to come (or a lull) counts at once: past the replayed dispatches the arrivals run at their
+    # long-run rates.
+    backlog = max(0.0, sum(f - t for f in free_at) + line.backlog_s(t, rank, unread) + line.surge_s(t, rank))
     while True:
         overtaking = line.overtaking_s(rank)  # slot-seconds of work arriving per second, ahead of the job
         ages_at = line.moves_at(t)
@@ -56,7 +58,7 @@ class Line:
         self.promised: dict[Tier, list[tuple[float, int, Queued]]] = {t: [] for t in PROMOTED_TO}
         self.taken: set[int] = set()
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
-        streams = [a for a in arrivals if a.per_s > 0 and a.work.tier.rank < tier.rank]
+        streams = [a for a in arrivals if a.comes() and a.work.tier.rank < tier.rank]
         # The queue it ends in, aged (or promoted) as far as it goes; arrivals of the tiers above that overtake it
         # for good: capped (see MAX_RHO).
         final = self.final = (1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else
@@ -64,14 +66,14 @@ class Line:
         slots = sum(w.slots for w in workers)
         self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
                                  sum(w.rates.decode_tps * w.slots for w in workers) / slots)
-        for_good = sum(a.per_s * mean.seconds(a.work.prefill, a.work.decode) for a in streams
+        for_good = sum(a.long_run() * mean.seconds(a.work.prefill, a.work.decode) for a in streams
                        if a.work.tier.rank < final)
         scale = min(1.0, MAX_RHO * slots / for_good) if for_good > 0 else 1.0
-        self.streams = {a.work.tier: (a.work, a.per_s * (scale if a.work.tier.rank < final else 1.0))
-                        for a in streams}
+        self.streams = {a.work.tier: _scaled(a, scale) if a.work.tier.rank < final else a for a in streams}
         self.arrived = dict.fromkeys(self.streams, 0)  # arrivals of each tier dispatched so far
-        self.rng = rng  # drawn futures: when each tier's next one comes
-        self.drawn = {t: rng.expovariate(per_s) for t, (_, per_s) in self.streams.items()} if rng else {}
+        self.last_at = dict.fromkeys(self.streams, 0.0)  # when the last of them came (a warm start for the next)
+        self.rng = rng  # drawn futures: each tier's next one, as a count of expected arrivals (exponential gaps)
+        self.drawn = {t: rng.expovariate(1.0) for t in self.streams} if rng else {}
 
     def rank(self, t: float) -> int:
         """The queue the job is in at ``t``."""
@@ -103,11 +105,11 @@ class Line:
                 return None  # a job not yet admitted waits its turn
             return q.enqueued_s, q.work, rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s)
         if tier in self.streams:
-            work, per_s = self.streams[tier]
-            # The k-th to come k gaps from now, as a Poisson stream has it on average; or one drawn future.
-            at = self.drawn[tier] if self.rng else (self.arrived[tier] + 1) / per_s
+            a = self.streams[tier]
+            # The k-th to come when k are expected, as a Poisson stream has it on average; or one drawn future.
+            at = a.time_of(self.drawn[tier] if self.rng else self.arrived[tier] + 1, self.last_at[tier])
             if at <= t:
-                return at, work, tier.rank
+                return at, a.work, tier.rank
         return None
 
     def _promoted(self, q: Queued, t: float) -> bool:
@@ -144,17 +146,25 @@ class Line:
                     if key not in self.taken)
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
                      if n > 0 and self.passes(queue))
-        for tier, (work, per_s) in self.streams.items():
+        for tier, a in self.streams.items():
             if tier.rank < rank:
-                due = (1 + (t - self.drawn[tier]) * per_s if self.drawn[tier] <= t else 0) if self.rng else \
-                    math.floor(t * per_s) - self.arrived[tier]
-                total += max(0, due) * self.mean.seconds(work.prefill, work.decode)
+                expected = a.count(t)
+                due = (1 + expected - self.drawn[tier] if self.drawn[tier] <= expected else 0) if self.rng else \
+                    math.floor(expected) - self.arrived[tier]
+                total += max(0, due) * self.mean.seconds(a.work.prefill, a.work.decode)
         return total
 
+    def surge_s(self, t: float, rank: int) -> float:
+        """Slot-seconds of the arrivals above their long-run rate still to come after ``t`` that overtake the
+        job in queue ``rank`` (fewer than none where a lull fills in)."""
+        return sum(_surge_left(a, t) * self.mean.seconds(a.work.prefill, a.work.decode)
+                   for tier, a in self.streams.items() if tier.rank < rank)
+
     def overtaking_s(self, rank: int) -> float:
-        """Slot-seconds a second of the arrivals that overtake the job while it is in queue ``rank``."""
-        return sum(per_s * self.mean.seconds(work.prefill, work.decode)
-                   for tier, (work, per_s) in self.streams.items() if tier.rank < rank)
+        """Slot-seconds a second of the arrivals that overtake the job while it is in queue ``rank``, at their
+        long-run rates."""
+        return sum(a.long_run() * self.mean.seconds(a.work.prefill, a.work.decode)
+                   for tier, a in self.streams.items() if tier.rank < rank)
 
     def first_before_the_job(self, t: float, preempting: bool = False) -> Work | None:
         """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
@@ -178,7 +188,24 @@ class Line:
             self.taken.add(key)
             return q.work
         self.arrived[best] += 1
-        work, per_s = self.streams[best]
+        a = self.streams[best]
+        self.last_at[best] = a.time_of(self.drawn[best] if self.rng else self.arrived[best], self.last_at[best])
         if self.rng:
-            self.drawn[best] += self.rng.expovariate(per_s)
-        return work
+            self.drawn[best] += self.rng.expovariate(1.0)
+        return a.work
+
+
+def _scaled(a: Arrivals, scale: float) -> Arrivals:
+    """``a`` with its long-run rate times ``scale`` (a surge still dies away as it would)."""
+    if scale == 1.0:
+        return a
+    if a.settles_to is None or a.settle_s <= 0:
+        return Arrivals(a.work, a.per_s * scale)
+    return Arrivals(a.work, a.per_s, a.settles_to * scale, a.settle_s)
+
+
+def _surge_left(a: Arrivals, t: float) -> float:
+    """Arrivals of ``a`` after ``t`` beyond its long-run rate's (negative in a lull)."""
+    if a.settles_to is None or a.settle_s <= 0:
+        return 0.0
+    return (a.per_s - a.settles_to) * a.settle_s * math.exp(-t / a.settle_s)

@@ -105,10 +105,57 @@ class Queued:
 
 @dataclass(frozen=True)
 class Arrivals:
-    """Jobs of one tier still to come: ``per_s`` a second, each a mean ``work``."""
+    """Jobs of one tier still to come, each a mean ``work``: ``per_s`` a second now, settling to ``settles_to`` a
+    second with time constant ``settle_s`` (a surge dies away, a lull fills in: gateway/arrival_forecast.py);
+    ``settles_to`` None: ``per_s`` for good."""
 
     work: Work
     per_s: float
+    settles_to: float | None = None
+    settle_s: float = 0.0
+
+    def comes(self) -> bool:
+        """Is any to come at all?"""
+        return self.per_s > 0 or self.long_run() > 0
+
+    def long_run(self) -> float:
+        """The rate it settles to."""
+        return self.per_s if self.settles_to is None or self.settle_s <= 0 else self.settles_to
+
+    def count(self, t: float) -> float:
+        """How many are expected by ``t`` seconds from now."""
+        if t <= 0:
+            return 0.0
+        if self.settles_to is None or self.settle_s <= 0:
+            return self.per_s * t
+        tau = self.settle_s
+        return self.settles_to * t + (self.per_s - self.settles_to) * tau * -math.expm1(-t / tau)
+
+    def time_of(self, k: float, after: float = 0.0) -> float:
+        """When ``count`` reaches ``k`` (inf: never, a surge that dies away to nothing); ``after``: a time known
+        to be no later (a warm start)."""
+        if k <= 0:
+            return 0.0
+        if self.settles_to is None or self.settle_s <= 0:
+            return k / self.per_s if self.per_s > 0 else math.inf
+        slow, tau = self.settles_to, self.settle_s
+        if slow <= 0 and k >= self.per_s * tau:
+            return math.inf
+        # Newton from below: count is increasing, and concave or convex; clamped into the bracket each step.
+        lo, hi = max(0.0, after), math.inf
+        t = lo
+        for _ in range(60):
+            c = self.count(t) - k
+            if abs(c) <= 1e-9 * max(1.0, k):
+                return t
+            if c < 0:
+                lo = t
+            else:
+                hi = t
+            rate = slow + (self.per_s - slow) * math.exp(-t / tau)
+            step = t - c / rate if rate > 0 else math.inf
+            t = step if lo < step < hi else (lo + hi) / 2 if math.isfinite(hi) else max(2 * lo, lo + tau)
+        return t
 
 
 def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:

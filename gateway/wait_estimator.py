@@ -25,13 +25,13 @@ from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, 
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
 from gateway.workers import reported_guard
-from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
+from gateway.arrival_forecast import ArrivalForecast
+from gateway.wait_learning import BiasCorrection, HandOffs, OutputLengths
 
 # A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
 MAX_REPORT_AGE_S = 5.0
 # Rates for a worker that reports none (an older worker): only until a measuring one reports.
 FALLBACK_RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)
-ARRIVAL_TAU_S = 30.0
 MAX_KNOWN_JOBS = 200_000  # job token counts kept in memory (oldest dropped first)
 # Oldest jobs read per queue for an estimate: the rest are counted, not read (a bound on an estimate's cost). More
 # than the dispatches it replays one by one, so the replay never runs out of read jobs where there are more.
@@ -60,7 +60,7 @@ class WaitEstimator:
         self.bias = BiasCorrection()
         self.learn_bias = learn_bias
         self.futures = futures  # drawn futures for a job near a slot (gateway/estimate_futures.py)
-        self.arrivals = ArrivalRates(ARRIVAL_TAU_S, clock())
+        self.arrivals = ArrivalForecast(clock())
         self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
         self.dump = dump  # each admitted job's estimate inputs, for scripts/estimate_replay.py
 
@@ -147,7 +147,7 @@ class WaitEstimator:
             queued += read
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
         own = self._jobs.get(job_id) if job_id is not None else None
-        arrivals = [self.arrivals.arrivals(t, now) for t in ALL_TIERS[:tier.rank]]
+        arrivals = self.arrivals.arrivals(ALL_TIERS[:tier.rank], now, views)
         kw = dict(enqueued_s=enqueued_s, aging_interval_s=self.aging_interval_s,
                   promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
         est = told_wait_s(tier, views, queued, futures=self.futures, arrivals=arrivals, unread=unread, **kw)

@@ -8,7 +8,10 @@ the given per-sequence rates) and
 asks gateway/estimate.py's wait_s, at every arrival, with the state the simulation had then and
 a forecast of the arrivals to come:
 
-  rates   the gateway's own: each tier's decayed arrival rate (gateway/wait_learning.py)
+  rates   the gateway's own (gateway/arrival_forecast.py): each tier's short decayed rate (--tau)
+          settling over --settle seconds to its long-run rate (--long-tau); --settle 0: the short
+          rate for good (--tau 30 --settle 0: one 30 s rate carried forward, the forecast
+          before arrival_forecast.py)
   exact   the arrivals that really came: checks the model's replay against the simulation (0 error)
   oracle  each tier's real rate over the next --window seconds: a perfect rate forecast, which no
           gateway has, so the best a forecast of rates could do
@@ -49,7 +52,7 @@ from gateway import promises  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.estimate import Arrivals, Held, Queued, Rates, Work, WorkerView, wait_s  # noqa: E402
 from gateway.estimate_futures import FUTURES, likeliest, told_wait_s  # noqa: E402
-from gateway.wait_learning import ArrivalRates  # noqa: E402
+from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
 from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
 from scripts.offline_dispatch import simulate  # noqa: E402
 
@@ -68,7 +71,7 @@ def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
 
 def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
     """The on_arrival hook of simulate(): each job's estimate into ``out``; returns its promise's due time."""
-    rates = ArrivalRates(a.tau, jobs[0]["at"])
+    rates = ArrivalForecast(jobs[0]["at"], a.tau, a.settle, a.long_tau)
     promised = promises.tiers(a.promise_tiers)
 
     def on_arrival(job: dict, held: list[Held], queued: list[dict]) -> float:
@@ -77,9 +80,7 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
         line = [Queued(Work(Tier(q["tier"]), 0, dur(q)), q["at"] - now, q["promise"] - now) for q in queued]
         arrivals: list[Arrivals] = []
         if a.forecast == "rates":
-            for t in Tier:
-                r = rates.arrivals(t, now)
-                arrivals.append(Arrivals(Work(t, 0, r.work.decode), r.per_s))
+            arrivals = rates.arrivals(Tier, now, [view])
         elif a.forecast == "exact":  # future jobs as queued jobs admitted later (wait_s waits for them)
             line += [Queued(Work(Tier(f["tier"]), 0, dur(f)), f["at"] - now) for f in jobs if f["at"] > now]
         elif a.forecast == "oracle":
@@ -128,7 +129,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--segments", type=int, default=19, help="segments, --arrivals * 2 rows apart")
     ap.add_argument("--load", type=float, default=0.8, help="pace each segment so its work keeps this share busy")
     ap.add_argument("--forecast", choices=FORECASTS, default="rates")
-    ap.add_argument("--tau", type=float, default=30.0, help="decay time of the arrival rates (s), as the gateway's")
+    ap.add_argument("--tau", type=float, default=SHORT_TAU_S,
+                    help="decay time of the arrival rates now (s), as the gateway's")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="time constant (s) over which the rates now are expected to settle to the long-run ones")
+    ap.add_argument("--long-tau", type=float, default=LONG_TAU_S, help="decay time of the long-run rates (s)")
     ap.add_argument("--window", type=float, default=60.0, help="the oracle's look ahead (s)")
     ap.add_argument("--tail", type=int, default=250, help="rows after each segment that arrive too, unjudged")
     ap.add_argument("--samples", type=int, default=0, help="drawn futures per job (0: the gateway's evenly spaced)")

@@ -33,7 +33,7 @@ from tqdm import tqdm  # noqa: E402
 from common.tiers import ALL_TIERS  # noqa: E402
 from gateway import estimate_dump  # noqa: E402
 from gateway.estimate import Arrivals, replay  # noqa: E402
-from gateway.wait_learning import ArrivalRates  # noqa: E402
+from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
 from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
 from scripts.estimate_report import summarize, table  # noqa: E402
 
@@ -46,14 +46,15 @@ def replayed(dump: estimate_dump.Dumped, futures: int, arrivals: list[Arrivals] 
     return est * dump.bias if math.isfinite(est) else 0.0
 
 
-def rebuilt_arrivals(dumps: list[estimate_dump.Dumped], tau_s: float) -> dict[str, list[Arrivals]]:
-    """Per job, the arrival forecast an ArrivalRates of decay ``tau_s`` would have made at its admission, fed the
-    dump's admissions in order (every admitted job's own work is in its line; refused ones are not)."""
+def rebuilt_arrivals(dumps: list[estimate_dump.Dumped], tau_s: float, settle_s: float = SETTLE_S,
+                     long_tau_s: float = LONG_TAU_S) -> dict[str, list[Arrivals]]:
+    """Per job, the arrival forecast an ArrivalForecast with these time scales would have made at its admission,
+    fed the dump's admissions in order (every admitted job's own work is in its line; refused ones are not)."""
     ordered = sorted(dumps, key=lambda d: d.at)
-    rates = ArrivalRates(tau_s, ordered[0].at)
+    rates = ArrivalForecast(ordered[0].at, tau_s, settle_s, long_tau_s)
     out = {}
     for d in ordered:
-        out[d.job_id] = [rates.arrivals(t, d.at) for t in ALL_TIERS[:d.tier.rank]]
+        out[d.job_id] = rates.arrivals(ALL_TIERS[:d.tier.rank], d.at, d.workers)
         if d.work is not None:
             rates.add(d.work.tier, d.work.prefill, d.work.decode, d.at)
     return out
@@ -75,7 +76,9 @@ def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     by = {t: sum(q.work.tier is t for q in d.queued) for t in ALL_TIERS}
     out.append("  queued (read): " + ", ".join(f"{t.value} {n}" for t, n in by.items() if n)
                + "".join(f"; {t.value} +{n} unread" for t, (n, _) in d.unread.items()))
-    out.append("  arrivals forecast: " + ", ".join(f"{a.work.tier.value} {a.per_s:.2f}/s" for a in d.arrivals))
+    out.append("  arrivals forecast: " + ", ".join(
+        f"{a.work.tier.value} {a.per_s:.2f}/s" + (f" -> {a.long_run():.2f}/s" if a.long_run() != a.per_s else "")
+        for a in d.arrivals))
     streams = {id(a.work) for a in d.arrivals}
     model = [f"{w.tier.value}{'*' if id(w) in streams else ''}@{t:.1f}" for t, _, w in seen]
     out.append(f"  the model's {len(seen)} dispatches before it (* an arrival to come, @ when its slot frees): "
@@ -100,8 +103,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--futures", type=int, default=FUTURES,
                     help="drawn futures for a job near a slot, as the gateway's wait_futures (0: evenly spaced)")
     ap.add_argument("--tau", type=float, default=None,
-                    help="forecast the arrivals anew from the dump's admissions with rates of this decay time (s), "
-                         "instead of the forecast the gateway made (its own: 30 s)")
+                    help="forecast the arrivals anew from the dump's admissions, with rates now of this decay time "
+                         f"(s), instead of the forecast the gateway made (its own: {SHORT_TAU_S:g} s; --tau 30 --settle 0: "
+                         "one 30 s rate carried forward, the forecast before arrival_forecast.py)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="with --tau: the time constant (s) of the rates' settling to their long-run ones (0: none)")
+    ap.add_argument("--long-tau", type=float, default=LONG_TAU_S,
+                    help="with --tau: the decay time of the long-run rates (s)")
     ap.add_argument("--explain", metavar="JOB", action="append", default=[],
                     help="for this job (an id or its start), what the model expected to go before it against what "
                          "did; repeatable; 'misses': every judged job not within 2x")
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [i for i in jobs if i not in dumps]
     if len(missing) == len(jobs):
         raise SystemExit("estimate_replay: no job of the bench run is in the dump (another run's dump?)")
-    forecast = rebuilt_arrivals(every, a.tau) if a.tau else {}
+    forecast = rebuilt_arrivals(every, a.tau, a.settle, a.long_tau) if a.tau else {}
     told, now, differ = [], [], 0
     for job_id, d in tqdm(dumps.items(), desc="replaying", unit="estimate", file=sys.stderr):
         job = jobs[job_id]
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{differ} differ from what the gateway told")
     print("as told by the gateway:")
     print(table(summarize(told, min_wait), min_wait))
-    print(f"replayed (futures {a.futures}{f', arrivals forecast anew, tau {a.tau:g} s' if a.tau else ''}):")
+    print(f"replayed (futures {a.futures}{f', arrivals forecast anew, tau {a.tau:g} s, settle {a.settle:g} s' if a.tau else ''}):")
     summary = summarize(now, min_wait)
     print(table(summary, min_wait))
     if a.json:

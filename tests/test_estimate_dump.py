@@ -42,8 +42,9 @@ def random_state(rng: random.Random):
     queued = [Queued(Work(rng.choice([P0, P1, P2, P3]), rng.uniform(1, 900), rng.uniform(1, 300)),
                      -rng.uniform(0, 200), rng.choice([math.inf, rng.uniform(-30, 60)]))
               for _ in range(rng.randint(0, 90))]
-    arrivals = [Arrivals(Work(t, rng.uniform(0, 900), rng.uniform(0, 300)), rng.choice([0.0, rng.uniform(0, 2)]))
-                for t in (P0, P1, P2)[:tier.rank]]
+    arrivals = [Arrivals(Work(t, rng.uniform(0, 900), rng.uniform(0, 300)), rng.choice([0.0, rng.uniform(0, 2)]),
+                         *rng.choice([(), (None, 0.0), (rng.choice([0.0, rng.uniform(0, 2)]), rng.uniform(0, 30))]))
+                for t in (P0, P1, P2)[:tier.rank]]  # steady, or a surge dying away (to nothing) or a lull filling in
     unread = {P3: (rng.randint(1, 5000), Work(P3, 100.0, 50.0))} if rng.random() < 0.3 else {}
     kw = {"enqueued_s": 0.0, "aging_interval_s": rng.choice([60.0, math.inf]),
           "promoted_s": rng.choice([math.inf, rng.uniform(1, 50)])}
