@@ -72,6 +72,7 @@ class Line:
         self.streams = {a.work.tier: _scaled(a, scale) if a.work.tier.rank < final else a for a in streams}
         self.arrived = dict.fromkeys(self.streams, 0)  # arrivals of each tier dispatched so far
         self.last_at = dict.fromkeys(self.streams, 0.0)  # when the last of them came (a warm start for the next)
+        self.next_at: dict[Tier, float] = {}  # when the next one comes, once asked (a head is asked at every slot)
         self.rng = rng  # drawn futures: each tier's next one, as a count of expected arrivals (exponential gaps)
         self.drawn = {t: rng.expovariate(1.0) for t in self.streams} if rng else {}
 
@@ -106,8 +107,11 @@ class Line:
             return q.enqueued_s, q.work, rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s)
         if tier in self.streams:
             a = self.streams[tier]
-            # The k-th to come when k are expected, as a Poisson stream has it on average; or one drawn future.
-            at = a.time_of(self.drawn[tier] if self.rng else self.arrived[tier] + 1, self.last_at[tier])
+            at = self.next_at.get(tier)
+            if at is None:
+                # The k-th to come when k are expected, as a Poisson stream has it on average; or one drawn future.
+                at = self.next_at[tier] = a.time_of(self.drawn[tier] if self.rng else self.arrived[tier] + 1,
+                                                    self.last_at[tier])
             if at <= t:
                 return at, a.work, tier.rank
         return None
@@ -189,7 +193,7 @@ class Line:
             return q.work
         self.arrived[best] += 1
         a = self.streams[best]
-        self.last_at[best] = a.time_of(self.drawn[best] if self.rng else self.arrived[best], self.last_at[best])
+        self.last_at[best] = self.next_at.pop(best)  # _head asked for it just now
         if self.rng:
             self.drawn[best] += self.rng.expovariate(1.0)
         return a.work
