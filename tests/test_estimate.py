@@ -343,3 +343,28 @@ def test_a_victim_its_guards_protect_frees_its_slot_to_preemption_only_when_they
     assert wait_s(P0, [WorkerView(1, RATES, held)]) == pytest.approx(1.0 + 0.5 + 0.08)
     # Of two victims, the one whose guard lifts first.
     assert wait_s(P0, [WorkerView(2, RATES, [p3(300, 20), p3(300, 5)])]) == pytest.approx(0.05)
+
+
+def test_a_job_sent_while_its_worker_prefills_a_long_prompt_starts_after_that_step():
+    """The worker's next step prefills the prompt of work it holds (just sent, or waiting there for a free slot):
+    a job sent meanwhile starts its prefill in the step after it, a P0 that preempts at once too."""
+    long_prompt = Held(Work(P2, 1300, 100), WAITING, BY_P0)  # 1.3 s of prefill at 1000 tokens/s
+    w = WorkerView(2, RATES, [running(P3, 300, BY_P0_P1), long_prompt], handoff_s=0.05, idle_handoff_s=0.01)
+    assert wait_s(P0, [w], []) == pytest.approx(1.3)  # its victim is there at once; the step is not
+    assert wait_s(P1, [w], []) == pytest.approx(1.3)  # a P1 too: it preempts the P3 after the P2's prefill
+    # The same worker without the prompt to prefill: the learned hand-off, a tenth of that.
+    plain = WorkerView(2, RATES, [running(P3, 300, BY_P0_P1), Held(Work(P2, 0, 100), WAITING, BY_P0)],
+                       handoff_s=0.05, idle_handoff_s=0.01)
+    assert wait_s(P0, [plain], []) == pytest.approx(0.05)
+    # A prefill already under way counts what is left of it; one waiting for a slot too (by the time the job
+    # arrives a slot may have freed for it).
+    under_way = WorkerView(2, RATES, [running(P3, 300, BY_P0_P1), running(P2, 100, BY_P0, prefill=400)],
+                           handoff_s=0.05)
+    assert wait_s(P0, [under_way], []) == pytest.approx(0.4)
+    no_slot = WorkerView(1, RATES, [running(P3, 300, BY_P0_P1), long_prompt], handoff_s=0.05)
+    assert wait_s(P0, [no_slot], []) == pytest.approx(1.3)
+    assert wait_s(P0, [WorkerView(1, RATES, [running(P3, 300, BY_P0_P1), Held(Work(P2, 1300, 100), SUSPENDED, BY_P0)],
+                                  handoff_s=0.05)], []) == pytest.approx(0.05)  # suspended: its prompt is cached
+    # A job whose slot frees after the step is over pays the hand-off only (an idle worker's, here).
+    later = WorkerView(1, RATES, [running(P2, 300, BY_P0, prefill=200)], handoff_s=0.05, idle_handoff_s=0.01)
+    assert wait_s(P1, [later], []) == pytest.approx(0.2 + 3.0 + 0.01)
