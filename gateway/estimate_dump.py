@@ -51,7 +51,8 @@ def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[Work
                      "held": [[*_work(h.work), h.status, h.preemptible_by, h.guard] for h in w.held],
                      "handoff_s": w.handoff_s, "idle_handoff_s": w.idle_handoff_s} for w in workers],
         "queued": [[*_work(q.work), q.enqueued_s, _num(q.promoted_s)] for q in queued],
-        "arrivals": [[*_work(a.work), a.per_s, None if a.settles_to is None else _num(a.settles_to), a.settle_s] for a in arrivals],
+        "arrivals": [[*_work(a.work), a.per_s, None if a.settles_to is None else _num(a.settles_to), a.settle_s]
+                     for a in arrivals],
         "unread": {t.value: [n, *_work(w)] for t, (n, w) in unread.items()},
         "kw": {k: _num(v) for k, v in kw.items()},
     }
@@ -90,8 +91,9 @@ def decode(line: dict[str, Any]) -> Dumped:
                              for h in w["held"]],
                             w["handoff_s"], w["idle_handoff_s"]) for w in line["workers"]],
         queued=[Queued(_unwork(q[:3]), float(q[3]), _unnum(q[4])) for q in line["queued"]],
-        arrivals=[Arrivals(_unwork(a[:3]), float(a[3]), *([None if a[4] is None else _unnum(a[4]), float(a[5])] if len(a) > 4 else []))
-                  for a in line["arrivals"]],
+        arrivals=[Arrivals(_unwork(a[:3]), float(a[3]),
+                           *([None if a[4] is None else _unnum(a[4]), float(a[5])] if len(a) > 4 else []))
+                  for a in line["arrivals"]],  # a dump from before settling rates has four fields
         unread={Tier(t): (int(x[0]), _unwork(x[1:])) for t, x in line["unread"].items()},
         kw={k: _unnum(v) for k, v in line["kw"].items()},
         work=_unwork(line["work"]) if "work" in line else None,

@@ -104,8 +104,8 @@ def parser() -> argparse.ArgumentParser:
                     help="drawn futures for a job near a slot, as the gateway's wait_futures (0: evenly spaced)")
     ap.add_argument("--tau", type=float, default=None,
                     help="forecast the arrivals anew from the dump's admissions, with rates now of this decay time "
-                         f"(s), instead of the forecast the gateway made (its own: {SHORT_TAU_S:g} s; --tau 30 --settle 0: "
-                         "one 30 s rate carried forward, the forecast before arrival_forecast.py)")
+                         f"(s), instead of the forecast the gateway made (its own: {SHORT_TAU_S:g} s; --tau 30 "
+                         "--settle 0: one 30 s rate carried forward, the forecast before arrival_forecast.py)")
     ap.add_argument("--settle", type=float, default=SETTLE_S,
                     help="with --tau: the time constant (s) of the rates' settling to their long-run ones (0: none)")
     ap.add_argument("--long-tau", type=float, default=LONG_TAU_S,
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{differ} differ from what the gateway told")
     print("as told by the gateway:")
     print(table(summarize(told, min_wait), min_wait))
-    print(f"replayed (futures {a.futures}{f', arrivals forecast anew, tau {a.tau:g} s, settle {a.settle:g} s' if a.tau else ''}):")
+    anew = f", arrivals forecast anew, tau {a.tau:g} s, settle {a.settle:g} s" if a.tau else ""
+    print(f"replayed (futures {a.futures}{anew}):")
     summary = summarize(now, min_wait)
     print(table(summary, min_wait))
     if a.json:
