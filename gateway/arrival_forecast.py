@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.estimate_types import MAX_RHO, Arrivals, Rates, WorkerView
+from gateway.estimate_types import MAX_RHO, Arrivals, WorkerView, mean_rates
 from gateway.wait_learning import ArrivalRates
 
 SHORT_TAU_S = 15.0
@@ -51,8 +51,7 @@ class ArrivalForecast:
         scale = 1.0
         slots = sum(w.slots for w in workers)
         if slots > 0:
-            mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
-                         sum(w.rates.decode_tps * w.slots for w in workers) / slots)
+            mean = mean_rates(workers)
             offered = sum(a.per_s * mean.seconds(a.work.prefill, a.work.decode) for a in long.values())
             if offered > MAX_RHO * slots:
                 scale = MAX_RHO * slots / offered

@@ -10,8 +10,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
-from gateway.estimate_types import (MAX_RHO, PROMOTED_TO, Arrivals, Queued, Rates, Work, WorkerView, promised,
-                                    rank_at)
+from gateway.estimate_types import (MAX_RHO, PROMOTED_TO, Arrivals, Queued, Work, WorkerView, mean_rates,
+                                    promised, rank_at)
 
 
 def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
@@ -64,12 +64,11 @@ class Line:
         final = self.final = (1 if tier.rank >= 2 and math.isfinite(aging_interval_s) else
                               PROMOTED_TO[tier] if math.isfinite(self.promoted_s) else tier.rank)
         slots = sum(w.slots for w in workers)
-        self.mean = mean = Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
-                                 sum(w.rates.decode_tps * w.slots for w in workers) / slots)
+        self.mean = mean = mean_rates(workers)
         for_good = sum(a.long_run() * mean.seconds(a.work.prefill, a.work.decode) for a in streams
                        if a.work.tier.rank < final)
         scale = min(1.0, MAX_RHO * slots / for_good) if for_good > 0 else 1.0
-        self.streams = {a.work.tier: _scaled(a, scale) if a.work.tier.rank < final else a for a in streams}
+        self.streams = {a.work.tier: a.scaled(scale) if a.work.tier.rank < final else a for a in streams}
         self.arrived = dict.fromkeys(self.streams, 0)  # arrivals of each tier dispatched so far
         self.last_at = dict.fromkeys(self.streams, 0.0)  # when the last of them came (a warm start for the next)
         self.next_at: dict[Tier, float] = {}  # when the next one comes, once asked (a head is asked at every slot)
@@ -161,7 +160,7 @@ class Line:
     def surge_s(self, t: float, rank: int) -> float:
         """Slot-seconds of the arrivals above their long-run rate still to come after ``t`` that overtake the
         job in queue ``rank`` (fewer than none where a lull fills in)."""
-        return sum(_surge_left(a, t) * self.mean.seconds(a.work.prefill, a.work.decode)
+        return sum(a.surge_after(t) * self.mean.seconds(a.work.prefill, a.work.decode)
                    for tier, a in self.streams.items() if tier.rank < rank)
 
     def overtaking_s(self, rank: int) -> float:
@@ -198,18 +197,3 @@ class Line:
             self.drawn[best] += self.rng.expovariate(1.0)
         return a.work
 
-
-def _scaled(a: Arrivals, scale: float) -> Arrivals:
-    """``a`` with its long-run rate times ``scale`` (a surge still dies away as it would)."""
-    if scale == 1.0:
-        return a
-    if a.settles_to is None or a.settle_s <= 0:
-        return Arrivals(a.work, a.per_s * scale)
-    return Arrivals(a.work, a.per_s, a.settles_to * scale, a.settle_s)
-
-
-def _surge_left(a: Arrivals, t: float) -> float:
-    """Arrivals of ``a`` after ``t`` beyond its long-run rate's (negative in a lull)."""
-    if a.settles_to is None or a.settle_s <= 0:
-        return 0.0
-    return (a.per_s - a.settles_to) * a.settle_s * math.exp(-t / a.settle_s)

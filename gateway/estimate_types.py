@@ -4,6 +4,7 @@ and the queue a job is in as it ages or its promise falls due."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from common.tiers import PREEMPTING_TIERS, Tier
@@ -114,32 +115,47 @@ class Arrivals:
     settles_to: float | None = None
     settle_s: float = 0.0
 
+    def steady(self) -> bool:
+        """Does it arrive at ``per_s`` for good (nothing to settle to)?"""
+        return self.settles_to is None or self.settle_s <= 0
+
     def comes(self) -> bool:
         """Is any to come at all?"""
         return self.per_s > 0 or self.long_run() > 0
 
     def long_run(self) -> float:
         """The rate it settles to."""
-        return self.per_s if self.settles_to is None or self.settle_s <= 0 else self.settles_to
+        return self.per_s if self.steady() else self.settles_to
+
+    def rate_at(self, t: float) -> float:
+        """The rate ``t`` seconds from now."""
+        if self.steady():
+            return self.per_s
+        return self.settles_to + (self.per_s - self.settles_to) * math.exp(-t / self.settle_s)
 
     def count(self, t: float) -> float:
         """How many are expected by ``t`` seconds from now."""
         if t <= 0:
             return 0.0
-        if self.settles_to is None or self.settle_s <= 0:
+        if self.steady():
             return self.per_s * t
         tau = self.settle_s
         return self.settles_to * t + (self.per_s - self.settles_to) * tau * -math.expm1(-t / tau)
+
+    def surge_after(self, t: float) -> float:
+        """How many more than the long-run rate brings are expected after ``t`` (fewer than none in a lull)."""
+        if self.steady():
+            return 0.0
+        return (self.per_s - self.settles_to) * self.settle_s * math.exp(-t / self.settle_s)
 
     def time_of(self, k: float, after: float = 0.0) -> float:
         """When ``count`` reaches ``k`` (inf: never, a surge that dies away to nothing); ``after``: a time known
         to be no later (a warm start)."""
         if k <= 0:
             return 0.0
-        if self.settles_to is None or self.settle_s <= 0:
+        if self.steady():
             return k / self.per_s if self.per_s > 0 else math.inf
-        slow, tau = self.settles_to, self.settle_s
-        if slow <= 0 and k >= self.per_s * tau:
+        if self.settles_to <= 0 and k >= self.per_s * self.settle_s:
             return math.inf
         # Newton from below: count is increasing, and concave or convex; clamped into the bracket each step.
         lo, hi = max(0.0, after), math.inf
@@ -152,10 +168,25 @@ class Arrivals:
                 lo = t
             else:
                 hi = t
-            rate = slow + (self.per_s - slow) * math.exp(-t / tau)
+            rate = self.rate_at(t)
             step = t - c / rate if rate > 0 else math.inf
-            t = step if lo < step < hi else (lo + hi) / 2 if math.isfinite(hi) else max(2 * lo, lo + tau)
+            t = step if lo < step < hi else (lo + hi) / 2 if math.isfinite(hi) else max(2 * lo, lo + self.settle_s)
         return t
+
+    def scaled(self, scale: float) -> Arrivals:
+        """These arrivals with their long-run rate times ``scale`` (a surge still dies away as it would)."""
+        if scale == 1.0:
+            return self
+        if self.steady():
+            return replace(self, per_s=self.per_s * scale)
+        return replace(self, settles_to=self.settles_to * scale)
+
+
+def mean_rates(workers: Sequence[WorkerView]) -> Rates:
+    """The per-sequence rates of ``workers``' slots on average (each worker's weighted by its slots)."""
+    slots = sum(w.slots for w in workers)
+    return Rates(sum(w.rates.prefill_tps * w.slots for w in workers) / slots,
+                 sum(w.rates.decode_tps * w.slots for w in workers) / slots)
 
 
 def rank_at(tier: Tier, enqueued_s: float, t: float, aging_interval_s: float, promoted_s: float = math.inf) -> int:

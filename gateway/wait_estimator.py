@@ -21,11 +21,11 @@ import msgpack
 
 from common.tiers import ALL_TIERS, Tier
 from gateway import estimate_dump
+from gateway.arrival_forecast import ArrivalForecast
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
 from gateway.workers import reported_guard
-from gateway.arrival_forecast import ArrivalForecast
 from gateway.wait_learning import BiasCorrection, HandOffs, OutputLengths
 
 # A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
