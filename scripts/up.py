@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -261,10 +262,26 @@ class Cluster:
 
 def exit_on_sigterm() -> None:
     """Make SIGTERM raise SystemExit in a script that starts a Cluster, so its ``finally`` stops it: by default
-    SIGTERM ends Python on the spot, and redis-server, the gateways and the workers run on, orphaned."""
+    SIGTERM ends Python on the spot, and redis-server, the gateways and the workers run on, orphaned.
+
+    A signal that lands while a ``__del__`` or weakref callback runs raises there, and Python swallows that
+    exception ("Exception ignored in ..."): the script would run on to the end. So a swallowed exit of ours is
+    delivered again a moment later, from a helper thread, when the finalizer is most likely done."""
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
 
+    previous = sys.unraisablehook
+
+    def on_unraisable(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+            resend = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+            resend.daemon = True
+            resend.start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = on_unraisable
     signal.signal(signal.SIGTERM, on_term)
 
 
