@@ -16,6 +16,9 @@ class WorkerHello:
     # Largest prompt + max_tokens per tier ("P0".."P3") this worker accepts (its tier's share of the KV
     # cache); None from workers that do not say.
     tier_max_tokens: dict[str, int] | None = None
+    # Most tokens one engine step runs (max_num_batched_tokens): a longer prompt is prefilled in chunks of it, so
+    # a job sent during a long prefill waits a chunk, not the prompt (wait estimates); None from older workers.
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ that exist (no job-count rates, no floors):
   worker's two are learned from its jobs (gateway/wait_learning.HandOffs); the job's own counts
   too, so a job with a free slot next to running work waits for the step. Where the worker's next
   step may prefill a prompt it holds (work just sent or waiting there, or a prefill under way),
-  that step is as long as the longest such prefill, and a job sent during it starts
+  that step is as long as the longest such prefill, up to the tokens the worker prefills in one
+  step (its max_num_batched_tokens, in its hello), and a job sent during it starts
   after it: on long prompts a P0 that preempts at once still waits a second, where the learned
   hand-off says a tenth.
 
@@ -108,7 +109,9 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         # Work waiting there for a slot counts too: by the time a job sent now arrives, a slot may have freed for it
         # (the better fit on the dumped states of six code-trace runs: 43 of their 48 judged P0 waits within 2x,
         # against 25 with the learned hand-off alone; BENCHMARKS.md, issue 12, sixteenth session).
-        prefilling[i] = max((w.rates.seconds(h.work.prefill, 0) for h in w.held
+        # A long prompt is prefilled a chunk of the worker's step budget at a time: the job joins the step after
+        # the chunk in progress (on six code-trace runs' dumped states, P0's median error fell on five).
+        prefilling[i] = max((w.rates.seconds(min(h.work.prefill, w.step_tokens), 0) for h in w.held
                              if h.status in (RUNNING, WAITING) and h.work.prefill > 0), default=0.0)
         stepping[i] = max((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.status == RUNNING),
                           default=0.0)

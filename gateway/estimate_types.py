@@ -82,6 +82,9 @@ class WorkerView:
     # runs other work (it reads the job after the step in progress), and while it runs nothing.
     handoff_s: float = 0.0
     idle_handoff_s: float = 0.0
+    # Most prompt tokens one engine step prefills (the worker's max_num_batched_tokens; a longer prompt is
+    # prefilled in chunks of it); inf: not reported (a worker from before it said), one step per prompt.
+    step_tokens: float = math.inf
 
     def next_step(self) -> list[Held]:
         """The held work as the worker's next step leaves it: waiting work starts where a slot is free

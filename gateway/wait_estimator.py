@@ -25,7 +25,7 @@ from gateway.arrival_forecast import ArrivalForecast
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
-from gateway.workers import reported_guard
+from gateway.workers import reported_guard, step_tokens
 from gateway.wait_learning import BiasCorrection, HandOffs, OutputLengths
 
 # A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
@@ -201,7 +201,7 @@ class WaitEstimator:
                     held.append(Held(self._work(info), RUNNING, PREEMPTED_BY[info.tier]))
             wid = w.hello.worker_id
             views.append(WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(wid, busy=True),
-                                    self.handoffs.of(wid, busy=False)))
+                                    self.handoffs.of(wid, busy=False), step_tokens(w.hello)))
         return views
 
     def _infos(self, ids: list[str]) -> dict[str, JobInfo]:

@@ -8,6 +8,7 @@ worker that reports a running job they may preempt (WorkerLoad.victims).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from common.protocol import WorkerHello, WorkerLoad
@@ -22,6 +23,13 @@ def reported_guard(entry: list) -> int:
     if type(guard) is not int or guard <= 0:
         return 0
     return min(guard, max(0, entry[2]) + max(0, entry[4]))  # ints: the protocol decodes work as list[int]
+
+
+def step_tokens(hello: WorkerHello) -> float:
+    """Most prompt tokens one of the worker's engine steps prefills, as its hello says; inf where it does not say
+    (an older worker) or says nonsense (below one token): a prompt is then taken to be prefilled in one step."""
+    n = hello.max_num_batched_tokens
+    return float(n) if n is not None and n >= 1 else math.inf
 
 
 @dataclass

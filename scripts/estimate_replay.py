@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
                     help="with --tau: the time constant (s) of the rates' settling to their long-run ones (0: none)")
     ap.add_argument("--long-tau", type=float, default=LONG_TAU_S,
                     help="with --tau: the decay time of the long-run rates (s)")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="the workers' step budget (max_num_batched_tokens; the worker's default: 1024) where the "
+                         "dump does not say, as in dumps from before workers sent it in their hello")
     ap.add_argument("--explain", metavar="JOB", action="append", default=[],
                     help="for this job (an id or its start), what the model expected to go before it against what "
                          "did; repeatable; 'misses': every judged job not within 2x")
@@ -122,13 +126,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    if a.futures < 0 or (a.tau is not None and a.tau <= 0):
-        raise SystemExit("estimate_replay: --futures must be >= 0 and --tau > 0")
+    if a.futures < 0 or (a.tau is not None and a.tau <= 0) or (a.step_tokens is not None and a.step_tokens < 1):
+        raise SystemExit("estimate_replay: --futures must be >= 0, --tau > 0 and --step-tokens >= 1")
     try:
         bench = json.loads(a.bench_json.read_text())
         jobs = {j["job_id"]: j for j in bench["jobs"] if j.get("job_id")}
         min_wait = a.min_wait if a.min_wait is not None else float(bench["args"].get("min_wait", 0.5))
         every = list(estimate_dump.read(a.dump))
+        if a.step_tokens is not None:
+            for d in every:
+                d.workers = [w if math.isfinite(w.step_tokens) else replace(w, step_tokens=a.step_tokens)
+                             for w in d.workers]
         dumps = {d.job_id: d for d in every if d.job_id in jobs}
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"estimate_replay: {e}") from None

@@ -368,3 +368,17 @@ def test_a_job_sent_while_its_worker_prefills_a_long_prompt_starts_after_that_st
     # A job whose slot frees after the step is over pays the hand-off only (an idle worker's, here).
     later = WorkerView(1, RATES, [running(P2, 300, BY_P0, prefill=200)], handoff_s=0.05, idle_handoff_s=0.01)
     assert wait_s(P1, [later], []) == pytest.approx(0.2 + 3.0 + 0.01)
+
+
+def test_a_step_prefills_no_more_than_the_workers_step_tokens():
+    """A worker prefills a long prompt in chunks of its step's token budget (max_num_batched_tokens, sent in its
+    hello): a job sent meanwhile starts after the chunk in progress, not after the whole prompt."""
+    huge = Held(Work(P2, 8000, 100), WAITING, BY_P0)  # 8 s of prefill at 1000 tokens/s, in chunks of 1,024
+    chunked = WorkerView(2, RATES, [running(P3, 300, BY_P0_P1), huge], handoff_s=0.05, step_tokens=1024)
+    assert wait_s(P0, [chunked], []) == pytest.approx(1.024)
+    under_way = WorkerView(2, RATES, [running(P3, 300, BY_P0_P1), running(P2, 100, BY_P0, prefill=600)],
+                           handoff_s=0.05, step_tokens=1024)
+    assert wait_s(P0, [under_way], []) == pytest.approx(0.6)  # its last chunk: what is left of the prompt
+    # A worker that does not say (an older one) is taken to prefill the whole prompt in one step.
+    unsaid = WorkerView(2, RATES, [running(P3, 300, BY_P0_P1), huge], handoff_s=0.05)
+    assert wait_s(P0, [unsaid], []) == pytest.approx(8.0)

@@ -38,7 +38,8 @@ def random_state(rng: random.Random):
                                      rng.uniform(1, 300)), rng.choice([RUNNING, SUSPENDED, WAITING]),
                                 rng.choice([0, 0b01, 0b11]), rng.choice([0.0, float(rng.randint(1, 16))]))
                            for _ in range(rng.randint(0, 6))],
-                          rng.uniform(0, 0.5), rng.uniform(0, 0.05)) for _ in range(rng.randint(1, 3))]
+                          rng.uniform(0, 0.5), rng.uniform(0, 0.05), rng.choice([math.inf, rng.randint(16, 2048)]))
+               for _ in range(rng.randint(1, 3))]
     queued = [Queued(Work(rng.choice([P0, P1, P2, P3]), rng.uniform(1, 900), rng.uniform(1, 300)),
                      -rng.uniform(0, 200), rng.choice([math.inf, rng.uniform(-30, 60)]))
               for _ in range(rng.randint(0, 90))]
@@ -111,6 +112,19 @@ def test_a_line_that_is_not_a_dump_is_refused_with_its_place(tmp_path):
     whole = (tmp_path / "cut.jsonl").read_text()
     (tmp_path / "cut.jsonl").write_text(whole + whole[:len(whole) // 2])
     assert [d.job_id for d in estimate_dump.read(tmp_path / "cut.jsonl")] == ["whole"]
+
+
+def test_a_dump_written_before_later_fields_still_reads():
+    """Dumps of earlier runs stay comparable: arrivals of four fields (before settling rates) are steady, and
+    workers without step_tokens (before workers said their step budget) prefill a prompt in one step."""
+    tier, workers, queued, arrivals, unread, kw = random_state(random.Random(7))
+    line = estimate_dump.encode(1.0, 1.0, 5.0, tier, workers, queued, arrivals, unread, **kw)
+    for w in line["workers"]:
+        del w["step_tokens"]
+    line["arrivals"] = [a[:4] for a in line["arrivals"]]
+    d = estimate_dump.decode({**json.loads(json.dumps(line)), "job_id": "old"})
+    assert [w.step_tokens for w in d.workers] == [math.inf] * len(workers)
+    assert all(a.steady() for a in d.arrivals) and [a.per_s for a in d.arrivals] == [a.per_s for a in arrivals]
 
 
 def test_a_dump_file_that_cannot_be_written_is_a_configuration_error(tmp_path):

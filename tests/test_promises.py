@@ -9,6 +9,7 @@ import uuid
 import msgpack
 import pytest
 
+from common import protocol as P
 from common.redis_keys import KeySpace
 from common.redis_server import RedisServer
 from common.tiers import ALL_TIERS, Tier
@@ -229,17 +230,14 @@ def test_the_estimator_reads_other_gateways_promises(queue):
 
     now_ms = queue.server_ms()
 
-    class Load:  # what a worker's report carries, for a registry entry built here
-        prefill_tps, decode_tps, work, age_s = 1000.0, 100.0, {"x": (3, RUNNING, 0, 0, 100, 0)}, 0.0
-
-    class Hello:
-        worker_id, max_num_seqs = "w", 1
-
-    class W:
-        hello, load, pending, load_at = Hello, Load, set(), now_ms / 1000
-
     registry = WorkerRegistry(5.0)
-    registry.workers["w"] = W
+    registry.hello(P.WorkerHello("w", "m", 512, 2048, 1, 100), b"w", now_ms / 1000)
+
+    def report(age_s: float, came_s_ago: float) -> None:  # the worker's load report: its job runs 1 s more
+        registry.load(P.WorkerLoad("w", 0, 100, {"P3": 1}, {}, ["x"], 0.0, {}, 1000.0, 100.0,
+                                   {"x": [3, RUNNING, 0, 0, 100, 0]}, age_s), now_ms / 1000 - came_s_ago)
+
+    report(0.0, 0.0)
     payload = msgpack.packb({"prompt_token_ids": [1], "max_tokens": 300})
     queue.admit(job_id="theirs", tenant="acme", tier_requested=P3, tier=P3, payload=payload, idempotency_key=None,
                 quota=None, drain_rate_per_s={t: 10.0 for t in ALL_TIERS}, estimate_s=1.0, promise_s=0.0,
@@ -248,8 +246,7 @@ def test_the_estimator_reads_other_gateways_promises(queue):
     # The slot frees at 1 s; the older P3, promised and due, goes first (3 s), then a new P2.
     assert est.for_new("acme", P2, now_ms / 1000) == pytest.approx(4.0, abs=0.1)
     # Half a second later, with no new report, the running job has gone on: half a second less.
-    Load.age_s = 0.2
-    W.load_at -= 0.3
+    report(0.2, 0.3)
     assert est.for_new("acme", P2, now_ms / 1000) == pytest.approx(3.5, abs=0.1)
 
 

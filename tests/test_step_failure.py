@@ -122,6 +122,7 @@ def test_the_worker_reports_a_failed_step_and_keeps_serving(tiny_model_dir):
     try:
         ident, hello = receive(P.WorkerHello)
         assert hello.tier_max_tokens == engine.tier_limits()
+        assert hello.max_num_batched_tokens == engine.config.max_num_batched_tokens  # its step, for wait estimates
         for job_id in ("doomed", "fine"):
             gateway.send_multipart([ident, P.encode(P.DispatchJob(
                 job_id, 1, "P1", "t", _prompt(1), 5, 0.0, 1.0, None, 1, "gw", ignore_eos=True))])

@@ -143,3 +143,17 @@ def test_a_victims_guard_is_read_from_its_report_counted_down_by_its_age_and_a_b
     assert report(p3 + [10], age_s=1.0) == 0.0  # all of them
     for bad in (-5, 2.5, "x", None):
         assert report(p3 + [bad]) == 0.0, bad
+
+
+def test_each_workers_step_tokens_come_from_its_hello(server):
+    """What a worker's hello says of its step budget (max_num_batched_tokens) reaches the wait model; an older
+    worker's hello, without it, still registers, and the model then takes a prompt to be prefilled in one step."""
+    queue, est = cluster(server, slots=2)
+    est.workers.hello(P.WorkerHello("wk-1", "m", 512, 4096, 2, 1000, None, 256), b"wk-1", NOW)
+    est.workers.hello(P.WorkerHello("wk-2", "m", 512, 4096, 2, 1000, None, 0), b"wk-2", NOW)  # nonsense: unsaid
+    frame = msgpack.unpackb(P.encode(P.WorkerHello("wk-3", "m", 512, 4096, 2, 1000)))
+    del frame["b"]["max_num_batched_tokens"], frame["b"]["tier_max_tokens"]  # as a worker from before sent it
+    est.workers.hello(P.decode(msgpack.packb(frame)), b"wk-3", NOW)
+    views = dict(zip(est.workers.workers, est._worker_views(NOW)))
+    assert {wid: v.step_tokens for wid, v in views.items()} == {"wk-0": math.inf, "wk-1": 256, "wk-2": math.inf,
+                                                                 "wk-3": math.inf}

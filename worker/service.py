@@ -89,7 +89,8 @@ class WorkerService:
     def _hello(self) -> None:
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
-                              e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits())
+                              e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
+                              e.config.max_num_batched_tokens)
         for s in self.sockets:
             self._send(s, hello)
 
