@@ -110,7 +110,7 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         # (the better fit on the dumped states of six code-trace runs: 43 of their 48 judged P0 waits within 2x,
         # against 25 with the learned hand-off alone; BENCHMARKS.md, issue 12, sixteenth session).
         # A long prompt is prefilled a chunk of the worker's step budget at a time: the job joins the step after
-        # the chunk in progress (on six code-trace runs' dumped states, P0's median error fell on five).
+        # the chunk in progress (on seven code-trace runs' dumped states, P0's median error fell on five).
         prefilling[i] = max((w.rates.seconds(min(h.work.prefill, w.step_tokens), 0) for h in w.held
                              if h.status in (RUNNING, WAITING) and h.work.prefill > 0), default=0.0)
         stepping[i] = max((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.status == RUNNING),
