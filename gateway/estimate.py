@@ -13,7 +13,8 @@ that exist (no job-count rates, no floors):
   suspended; held P3 work it would preempt as soon as it resumed, so it goes first in effect).
   A slot a P0 or P1 takes by preemption is not one for the jobs aged up into
   P1 ahead of it: they preempt as the tier they were admitted at (not at all), so they wait
-  for a slot that frees, as the dispatcher has them;
+  for a slot that frees, as the dispatcher has them; where one of them the job may preempt takes
+  such a slot, the first P0 or P1 in line preempts it there: the job, or an older one queued;
 - then, each time a slot frees, the queues hand it to their first job, as Redis would: the
   highest tier, then the oldest. Queued jobs and the jobs still to come of the tiers above
   the job's (evenly spaced mean jobs at a rate that settles from the one now to the long-run
@@ -150,9 +151,14 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     for n in range(max_exact):
         t, i, urgent = heapq.heappop(heap)
         work = line.first_before_the_job(t, preempting=urgent)
-        if work is None or (tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1):
-            # Its slot, or one the job preempts as soon as the job ahead of it there (aged or promised into the
-            # line ahead, but still what it was admitted as) starts.
+        if work is not None and tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1:
+            # A job aged or promised ahead, still preemptible as what it was admitted as, starts there; the first in
+            # line that may preempt it takes the slot from it: the job, unless an older P0 or P1 is still queued (the
+            # dispatcher sends preempting jobs in queue order).
+            if dispatches is not None:
+                dispatches.append((t, i, work))
+            work, urgent = line.first_before_the_job(t, preempting=True), True
+        if work is None:  # the job's slot, or one it preempts at once
             return max(0.0, t) + handoff(t, i), n + 1
         if dispatches is not None:
             dispatches.append((t, i, work))

@@ -132,6 +132,23 @@ def test_jobs_aged_into_p1_take_free_slots_first_but_never_preempt_for_a_p1():
     assert wait_s(P2, [w], aged, aging_interval_s=60.0) == pytest.approx(12.0)
 
 
+def test_an_older_p1_preempts_a_job_aged_ahead_of_both_before_the_p1_does():
+    # One slot, running P1 work until 1 s. First in line: a P3 aged into P1 long ago, then a P1 older than the job.
+    w = WorkerView(1, RATES, [running(P1, 100)])
+    aged = Queued(Work(P3, 0, 500), enqueued_s=-200.0)
+    older = Queued(Work(P1, 0, 300), enqueued_s=-1.0)
+    # The aged job takes the slot as it frees, and the first in line that may preempt it is the older P1, not the
+    # job (the dispatcher sends preempting jobs in queue order): it runs 1-4 s, then the P3 resumes there (it holds
+    # the slot's credit) and the job preempts it.
+    assert wait_s(P1, [w], [aged, older], aging_interval_s=60.0) == pytest.approx(4.0)
+    # Without the older P1 the job preempts the aged P3 as soon as it starts.
+    assert wait_s(P1, [w], [aged], aging_interval_s=60.0) == pytest.approx(1.0)
+    # A P0 older than the job preempts it too; a P2 (no preemption) waits for the P3 to end.
+    assert wait_s(P1, [w], [aged, Queued(Work(P0, 0, 200), enqueued_s=-0.5)],
+                  aging_interval_s=60.0) == pytest.approx(3.0)
+    assert wait_s(P2, [w], [aged], aging_interval_s=60.0) == pytest.approx(6.0)
+
+
 def test_an_older_lower_tier_job_that_ages_first_goes_ahead():
     w = WorkerView(1, RATES, [running(P3, 500)])  # free at 5 s
     old_p3 = Queued(Work(P3, 0, 300), enqueued_s=-7.0)  # joins P2 at 3 s, ahead of a P2 admitted now
