@@ -3,8 +3,10 @@
 bench_estimate.py judges the real cluster, one 500-job replay in about six minutes. This runs the
 same arrivals (the same tiers, tokens and --load pacing) through a small reference simulation of
 dispatch (scripts/offline_dispatch.py: slots, Redis order: tier then age, aging every
---aging-interval; P0/P1 preempting running P2/P3 work, unless --no-preempt; job durations from
-the given per-sequence rates) and
+--aging-interval; P0/P1 preempting running P2/P3 work, unless --no-preempt, where the worker's
+guards let them (a resumed job's residency, a job a few tokens from its end; --no-guards: any
+victim at once, as before the nineteenth session); job durations from the given per-sequence
+rates) and
 asks gateway/estimate.py's wait_s, at every arrival, with the state the simulation had then and
 a forecast of the arrivals to come:
 
@@ -55,6 +57,7 @@ from gateway.estimate_futures import FUTURES, likeliest, told_wait_s  # noqa: E4
 from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
 from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
 from scripts.offline_dispatch import simulate  # noqa: E402
+from worker.preemption import PreemptionConfig  # noqa: E402
 
 SECONDS = Rates(prefill_tps=math.inf, decode_tps=1.0)  # Work(decode=s) holds a slot for s seconds
 FORECASTS = ("rates", "exact", "oracle", "none")
@@ -65,8 +68,16 @@ def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
     arrival with the chosen forecast, and (--promise-factor) the promise made from it kept."""
     estimates: dict[int, float] = {}
     on_arrival = estimator(jobs, a, dur, estimates)
-    waits = simulate(jobs, a.slots, a.aging_interval, dur, on_arrival, a.noise, a.seed, a.preempt)
+    waits = simulate(jobs, a.slots, a.aging_interval, dur, on_arrival, a.noise, a.seed, a.preempt,
+                     guards=worker_guards(a) if a.guards else None)
     return [(j["tier"], estimates[j["i"]], waits[j["i"]]) for j in jobs if j.get("judged", True)]
+
+
+def worker_guards(a):
+    """The worker's preemption guards in a job's seconds at --decode-tps: its residency after resuming, and the
+    tokens left below which it is protected to its end (worker/preemption.PreemptionConfig's defaults)."""
+    token_s, pc = 1.0 / a.decode_tps, PreemptionConfig()
+    return lambda job: (pc.min_residency_steps * token_s, pc.guard_remaining_tokens * token_s)
 
 
 def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
@@ -160,6 +171,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preempt", action=argparse.BooleanOptionalAction, default=True,
                     help="P0/P1 preempt running P2/P3 work as on the cluster (scripts/offline_dispatch.py); "
                          "--no-preempt: they wait for a free slot like the rest")
+    ap.add_argument("--guards", action=argparse.BooleanOptionalAction, default=True,
+                    help="the worker's preemption guards in the simulation (a resumed job's residency, a job near its "
+                         "end); --no-guards: any victim may be preempted at once, as before the nineteenth session")
     ap.add_argument("--noise", type=float, default=0.0,
                     help="sigma of a lognormal spread of each job's time in its slot around the rates' prediction")
     return ap

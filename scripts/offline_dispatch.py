@@ -8,8 +8,8 @@ One worker of ``slots`` batch slots, dispatched as the gateway and worker do it,
   its slot's credit): the highest tier first, then the first suspended;
 - with no slot free, a queued job admitted at P0 or P1 (not one aged up into P1) preempts a running one
   it may (the default matrix: P0 takes P2 and P3, P1 takes P3): the lowest tier first, then the one that
-  started last (least work lost), which is suspended with the rest of its time. The worker's guards
-  (residency, near completion) are left out;
+  started last (least work lost), which is suspended with the rest of its time; with ``guards``, as the
+  worker's (worker/preemption.py), not one resumed within its residency, nor one near its end;
 - a job holds its slot for its predicted time times its own lognormal spread (``noise``): the rates
   predict only the mean.
 
@@ -33,6 +33,7 @@ class _Slot:
     free_at: float = 0.0
     job: dict | None = None
     started: float = 0.0
+    protected_until: float = 0.0  # a resumed job's residency
 
 
 def spreads(jobs: list[dict], noise: float, seed: int) -> dict[int, float]:
@@ -44,11 +45,15 @@ def spreads(jobs: list[dict], noise: float, seed: int) -> dict[int, float]:
 def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict], float],
              on_arrival: Callable[[dict, list[Held], list[dict]], float] | None = None, noise: float = 0.0,
              seed: int = 0, preempt: bool = True,
-             on_run: Callable[[dict, float, float], None] | None = None) -> dict[int, float]:
+             on_run: Callable[[dict, float, float], None] | None = None,
+             guards: Callable[[dict], tuple[float, float]] | None = None) -> dict[int, float]:
     """Each job's wait, admission to its first start. ``on_arrival(job, held, queued)``, called as each job comes
     with the slots' work as the gateway would see it and the jobs queued, returns when its promise falls due
     (inf: none). ``preempt=False``: P0/P1 wait for a free slot like the rest. ``on_run(job, start, end)``: each
-    stretch a job ran, until it ended or was preempted."""
+    stretch a job ran, until it ended or was preempted. ``guards(job)``: (residency, near end) in the job's
+    predicted seconds: once resumed it may not be preempted for its residency, nor at all with its near end or less
+    left (None: no guards; the cluster's worker has both, and on prompts that are nearly all of a job's work, as on
+    the code trace, the near-end guard protects most jobs once their prompt is read)."""
     spread = spreads(jobs, noise, seed)
     ran = on_run or (lambda job, t0, t1: None)
     pool = [_Slot() for _ in range(slots)]
@@ -59,8 +64,11 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
     def order(t: float):
         return lambda j: (rank_at(Tier(j["tier"]), j["at"], t, aging_s, j["promise"]), j["at"])
 
-    def start(slot: _Slot, job: dict, t: float, seconds: float) -> None:
+    guard = guards or (lambda job: (0.0, 0.0))
+
+    def start(slot: _Slot, job: dict, t: float, seconds: float, resumed: bool = False) -> None:
         slot.job, slot.started, slot.free_at = job, t, t + seconds
+        slot.protected_until = t + guard(job)[0] * spread[job["i"]] if resumed else t
         waits.setdefault(job["i"], t - job["at"])  # the first start: a resumed job has its wait already
 
     def fill(t: float) -> None:
@@ -72,7 +80,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
             if suspended:  # suspended work holds its slot's credit: it resumes before any new dispatch
                 job, left = min(suspended, key=lambda e: Tier(e[0]["tier"]).rank)
                 suspended.remove((job, left))
-                start(slot, job, t, left)
+                start(slot, job, t, left, resumed=True)
             elif queue:
                 job = min(queue, key=order(t))
                 queue.remove(job)
@@ -81,7 +89,8 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
             return
         for job in sorted((j for j in queue if Tier(j["tier"]) in PREEMPTING_TIERS), key=order(t)):
             victims = [s for s in pool if s.job is not None and (PREEMPTED_BY[Tier(s.job["tier"])]
-                                                                 >> Tier(job["tier"]).rank) & 1]
+                                                                 >> Tier(job["tier"]).rank) & 1
+                       and s.protected_until <= t and s.free_at - t > guard(s.job)[1] * spread[s.job["i"]]]
             if not victims:
                 continue
             slot = max(victims, key=lambda s: (Tier(s.job["tier"]).rank, s.started))
@@ -90,11 +99,18 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
             queue.remove(job)
             start(slot, job, t, dur(job) * spread[job["i"]])
 
+    clock = -math.inf  # the last moment filled
+
     def run_until(limit: float) -> None:
-        while True:  # from one slot freeing to the next; every slot busy or nothing left to start
-            t = min((s.free_at for s in pool if s.job is not None), default=math.inf)
+        nonlocal clock
+        while True:  # from one slot freeing (or residency ending) to the next; all busy or nothing left to start
+            events = [s.free_at for s in pool if s.job is not None]
+            if any(Tier(j["tier"]) in PREEMPTING_TIERS for j in queue):  # a victim's residency ends
+                events += [s.protected_until for s in pool if s.job is not None and s.protected_until > clock]
+            t = min(events, default=math.inf)
             if t > limit or t == math.inf:
                 return
+            clock = t
             fill(t)
 
     for job in jobs:
@@ -105,20 +121,24 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
                 s.free_at = now  # an idle slot is free from now
         job["promise"] = math.inf
         if on_arrival is not None:
-            job["promise"] = on_arrival(job, seen(pool, suspended, spread, now, preempt), list(queue))
+            job["promise"] = on_arrival(job, seen(pool, suspended, spread, now, preempt, guard), list(queue))
         queue.append(job)
+        clock = now
         fill(now)
     run_until(math.inf)
     return waits
 
 
 def seen(pool: list[_Slot], suspended: list[tuple[dict, float]], spread: dict[int, float], now: float,
-         preempt: bool = True) -> list[Held]:
+         preempt: bool = True, guard: Callable[[dict], tuple[float, float]] = lambda job: (0.0, 0.0)) -> list[Held]:
     """The slots' work as a worker reports it: each job's time left as the rates predict it (its own spread
-    unknown), its tier and who may preempt it (nobody, where nobody does)."""
-    def held(job: dict, left: float, status: int) -> Held:
-        tier = Tier(job["tier"])
-        return Held(Work(tier, 0, left / spread[job["i"]]), status, PREEMPTED_BY[tier] if preempt else 0)
+    unknown), its tier, who may preempt it (nobody, where nobody does) and how long its guards protect it (a
+    resumed job the rest of its residency, a suspended one a fresh one, one near its end to its end)."""
+    def held(job: dict, left: float, status: int, residency: float) -> Held:
+        tier, k = Tier(job["tier"]), spread[job["i"]]
+        protected = left if left <= guard(job)[1] * k else residency
+        return Held(Work(tier, 0, left / k), status, PREEMPTED_BY[tier] if preempt else 0, protected / k)
 
-    return ([held(s.job, s.free_at - now, RUNNING) for s in pool if s.job is not None]
-            + [held(job, left, SUSPENDED) for job, left in suspended])
+    return ([held(s.job, s.free_at - now, RUNNING, max(0.0, s.protected_until - now)) for s in pool
+             if s.job is not None]
+            + [held(job, left, SUSPENDED, guard(job)[0] * spread[job["i"]]) for job, left in suspended])
