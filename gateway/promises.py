@@ -25,7 +25,9 @@ session): P1s wait for the P2s whose promises fell due before them; and a P3 pro
 every P2 whose promise falls due while it waits (``["P3"]`` keeps it whole). Two rules that kept the
 P3's place were tried offline and dropped: a promoted P2 taking the P2 queue ahead of it along to P1, with
 their own places there, made a P1's wait depend on P2 promises made after it (P1 within 2x fell from 81 % to
-45 % on the code trace); moving a P2 only once it is first in the P2 queue took most of P2's gain away. P0
+45 % on the code trace, a figure a wait-model bug fixed in the eighteenth session made worse: it had a P1 preempt
+a P3 in the P1 queue ahead of it at once, past the older P1s; BENCHMARKS.md); moving a P2 only once it is first in
+the P2 queue took most of P2's gain away. P0
 and P1 jobs are never given a promise: what overtakes them is P0, which preempts, and a place in a queue
 would not stop it.
 """

@@ -5,7 +5,7 @@ same arrivals (the same tiers, tokens and --load pacing) through a small referen
 dispatch (scripts/offline_dispatch.py: slots, Redis order: tier then age, aging every
 --aging-interval; P0/P1 preempting running P2/P3 work, unless --no-preempt, where the worker's
 guards let them (a resumed job's residency, a job a few tokens from its end; --no-guards: any
-victim at once, as before the nineteenth session); job durations from the given per-sequence
+victim at once, as before the eighteenth session); job durations from the given per-sequence
 rates) and
 asks gateway/estimate.py's wait_s, at every arrival, with the state the simulation had then and
 a forecast of the arrivals to come:
@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
                          "--no-preempt: they wait for a free slot like the rest")
     ap.add_argument("--guards", action=argparse.BooleanOptionalAction, default=True,
                     help="the worker's preemption guards in the simulation (a resumed job's residency, a job near its "
-                         "end); --no-guards: any victim may be preempted at once, as before the nineteenth session")
+                         "end); --no-guards: any victim may be preempted at once, as before the eighteenth session")
     ap.add_argument("--noise", type=float, default=0.0,
                     help="sigma of a lognormal spread of each job's time in its slot around the rates' prediction")
     return ap
