@@ -36,6 +36,11 @@ class _Slot:
     protected_until: float = 0.0  # a resumed job's residency
 
 
+def no_guards(job: dict) -> tuple[float, float]:
+    """(residency, near end) seconds that protect ``job`` from preemption: none."""
+    return 0.0, 0.0
+
+
 def spreads(jobs: list[dict], noise: float, seed: int) -> dict[int, float]:
     """Each job's time in its slot over the rates' prediction: lognormal, sigma ``noise``."""
     rng = random.Random(seed)
@@ -64,7 +69,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
     def order(t: float):
         return lambda j: (rank_at(Tier(j["tier"]), j["at"], t, aging_s, j["promise"]), j["at"])
 
-    guard = guards or (lambda job: (0.0, 0.0))
+    guard = guards or no_guards
 
     def start(slot: _Slot, job: dict, t: float, seconds: float, resumed: bool = False) -> None:
         slot.job, slot.started, slot.free_at = job, t, t + seconds
@@ -130,7 +135,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
 
 
 def seen(pool: list[_Slot], suspended: list[tuple[dict, float]], spread: dict[int, float], now: float,
-         preempt: bool = True, guard: Callable[[dict], tuple[float, float]] = lambda job: (0.0, 0.0)) -> list[Held]:
+         preempt: bool = True, guard: Callable[[dict], tuple[float, float]] = no_guards) -> list[Held]:
     """The slots' work as a worker reports it: each job's time left as the rates predict it (its own spread
     unknown), its tier, who may preempt it (nobody, where nobody does) and how long its guards protect it (a
     resumed job the rest of its residency, a suspended one a fresh one, one near its end to its end)."""
