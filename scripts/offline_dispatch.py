@@ -41,6 +41,11 @@ def no_guards(job: dict) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def near_end(guard: Callable[[dict], tuple[float, float]], spread: dict[int, float], job: dict, left: float) -> bool:
+    """Is ``job``, with ``left`` seconds of its own time to go, protected to its end (the worker's near-end guard)?"""
+    return left <= guard(job)[1] * spread[job["i"]]
+
+
 def spreads(jobs: list[dict], noise: float, seed: int) -> dict[int, float]:
     """Each job's time in its slot over the rates' prediction: lognormal, sigma ``noise``."""
     rng = random.Random(seed)
@@ -95,7 +100,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
         for job in sorted((j for j in queue if Tier(j["tier"]) in PREEMPTING_TIERS), key=order(t)):
             victims = [s for s in pool if s.job is not None and (PREEMPTED_BY[Tier(s.job["tier"])]
                                                                  >> Tier(job["tier"]).rank) & 1
-                       and s.protected_until <= t and s.free_at - t > guard(s.job)[1] * spread[s.job["i"]]]
+                       and s.protected_until <= t and not near_end(guard, spread, s.job, s.free_at - t)]
             if not victims:
                 continue
             slot = max(victims, key=lambda s: (Tier(s.job["tier"]).rank, s.started))
@@ -141,7 +146,7 @@ def seen(pool: list[_Slot], suspended: list[tuple[dict, float]], spread: dict[in
     resumed job the rest of its residency, a suspended one a fresh one, one near its end to its end)."""
     def held(job: dict, left: float, status: int, residency: float) -> Held:
         tier, k = Tier(job["tier"]), spread[job["i"]]
-        protected = left if left <= guard(job)[1] * k else residency
+        protected = left if near_end(guard, spread, job, left) else residency
         return Held(Work(tier, 0, left / k), status, PREEMPTED_BY[tier] if preempt else 0, protected / k)
 
     return ([held(s.job, s.free_at - now, RUNNING, max(0.0, s.protected_until - now)) for s in pool
