@@ -14,6 +14,11 @@ formats, told apart by the header (CSV) or the first record (JSONL):
   prompt tokens, output tokens.
 
 Column names match whatever their case, spaces and underscores. A file ending in .gz is read through gzip.
+
+Some traces record arrivals to the whole second (BurstGPT) and so give a busy second's arrivals one
+timestamp. They did not come at one instant: replayed as recorded, each second's arrivals hit the cluster
+together, a clump the real traffic never had. spread_ties() places every arrival of such a trace at a
+random moment within its recorded unit (seeded), the replay a trace of that resolution allows.
 Reading stops once start + count rows are read, as traces run to millions of rows. The rows of the window
 are returned in arrival order (a stable sort): a trace that is out of order would otherwise give negative
 gaps between arrivals.
@@ -25,10 +30,11 @@ import csv
 import gzip
 import json
 import math
+import random
 import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
-from itertools import islice
+from itertools import groupby, islice
 from pathlib import Path
 
 # Each role's accepted names, normalised (see _norm), in order of preference.
@@ -69,6 +75,36 @@ def load_trace(path: Path, start: int, count: int) -> list[tuple[float, int, int
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     return [(at - t0, prompt, output) for at, prompt, output in rows]
+
+
+# Units a trace's timestamps may be recorded to, coarsest first (Mooncake: milliseconds); the Azure traces record
+# theirs to 100 ns, and ties there are too rare to matter.
+UNITS_S = (1.0, 0.1, 0.01, 0.001)
+
+
+def resolution(times: list[float]) -> float | None:
+    """The coarsest of UNITS_S that every time (seconds from the first) is a whole number of, if some arrivals
+    share a time; None: no ties, or recorded finer than UNITS_S (the Azure traces: to 100 ns)."""
+    if len(set(times)) == len(times):
+        return None
+    return next((unit for unit in UNITS_S if all(abs(t / unit - round(t / unit)) < 1e-6 for t in times)), None)
+
+
+def spread_ties(rows: list[tuple[float, int, int]], rng: random.Random) -> tuple[list[tuple[float, int, int]],
+                                                                                 float | None]:
+    """``rows`` (load_trace's) with each arrival moved to a uniformly random moment within the unit its trace
+    records time to, in arrival order, again from 0; and that unit. Rows unchanged (None) where resolution()
+    finds none: a trace that records arrivals finely is replayed as it is."""
+    unit = resolution([at for at, _, _ in rows])
+    if unit is None:
+        return rows, None
+    moved: list[tuple[float, int, int]] = []
+    for at, group in groupby(rows, key=lambda r: r[0]):  # within a unit, the file's order is kept
+        group = list(group)
+        offsets = sorted(rng.uniform(0.0, unit) for _ in group)
+        moved += [(at + dt, prompt, output) for dt, (_, prompt, output) in zip(offsets, group)]
+    t0 = moved[0][0]
+    return [(at - t0, prompt, output) for at, prompt, output in moved], unit
 
 
 def _open(path: Path):

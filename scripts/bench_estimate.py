@@ -23,7 +23,9 @@ The trace is an Azure LLM inference trace (CSV: TIMESTAMP, ContextTokens, Genera
 and multimodal; data/azure-2023/, CC-BY-4.0, Patel et al., "Splitwise", ISCA 2024), a BurstGPT CSV
 (Timestamp, Request tokens, Response tokens), a Mooncake JSONL (timestamp in ms, input_length,
 output_length), or any CSV/JSONL with a time in seconds and prompt and output token columns under
-common names (common/arrival_traces.py).
+common names (common/arrival_traces.py). A trace that records time coarsely, with arrivals sharing a
+timestamp (BurstGPT: whole seconds), has each arrival replayed at a random moment (seeded) within its
+recorded unit, not in a clump at its start (--no-spread-ties: as recorded).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
 from scripts.estimate_report import TIERS, draw, mean_handoff, promotions, summarize, table  # noqa: E402
-from common.arrival_traces import load_trace  # noqa: E402
+from common.arrival_traces import load_trace, spread_ties  # noqa: E402
 
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
@@ -190,6 +192,17 @@ def measured_load(records: list[dict], rates: list[tuple[float, float, int]], lo
     return None if ratio is None else load * ratio
 
 
+def trace_rows(args) -> list[tuple[float, int, int]]:
+    """The rows to replay: load_trace's, with ties in a coarse record spread through their unit (--spread-ties)."""
+    rows = load_trace(args.trace, args.start, args.arrivals + args.tail)
+    if args.spread_ties:
+        rows, unit = spread_ties(rows, random.Random(f"spread ties {args.seed}"))
+        if unit is not None:
+            print(f"trace: times recorded to {unit:g} s, with arrivals sharing one; each replayed at a random moment "
+                  f"within its {unit:g} s (--no-spread-ties: together, as recorded)", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                          "and prompt and output token columns (common/arrival_traces.py)")
     ap.add_argument("--arrivals", type=int, default=500, help="rows to replay")
     ap.add_argument("--start", type=int, default=0, help="first row to replay")
+    ap.add_argument("--spread-ties", action=argparse.BooleanOptionalAction, default=True,
+                    help="a trace that records time to the second (or tenth, hundredth, thousandth) with arrivals "
+                         "sharing a timestamp: replay each at a random moment within its unit (seeded by --seed); "
+                         "--no-spread-ties: at the recorded times, each unit's arrivals together")
     ap.add_argument("--tail", type=int, default=500,
                     help="rows after the judged ones that keep arriving, unjudged, until every judged job is done")
     ap.add_argument("--load", type=float, default=None,
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         args.load = DEFAULT_LOAD
     if args.tail < 0 or args.warmup < 0:
         ap.error("--tail and --warmup must be >= 0")
-    planned = plan(load_trace(args.trace, args.start, args.arrivals + args.tail), args)
+    planned = plan(trace_rows(args), args)
     jobs, tail = planned[:args.arrivals], planned[args.arrivals:]
 
     from scripts.up import Cluster, cluster_args, exit_on_sigterm

@@ -55,7 +55,7 @@ from gateway.config import GatewayConfig  # noqa: E402
 from gateway.estimate import Arrivals, Held, Queued, Rates, Work, WorkerView, wait_s  # noqa: E402
 from gateway.estimate_futures import FUTURES, likeliest, told_wait_s  # noqa: E402
 from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
-from scripts.bench_estimate import load_trace, offered_load, plan, slot_seconds  # noqa: E402
+from scripts.bench_estimate import offered_load, plan, slot_seconds, trace_rows  # noqa: E402
 from scripts.offline_dispatch import simulate  # noqa: E402
 from worker.preemption import PreemptionConfig  # noqa: E402
 
@@ -174,6 +174,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--guards", action=argparse.BooleanOptionalAction, default=True,
                     help="the worker's preemption guards in the simulation (a resumed job's residency, a job near its "
                          "end); --no-guards: any victim may be preempted at once, as before the eighteenth session")
+    ap.add_argument("--spread-ties", action=argparse.BooleanOptionalAction, default=True,
+                    help="arrivals sharing a timestamp in a coarse record (BurstGPT: whole seconds) each at a random "
+                         "moment within it, as bench_estimate.py replays them; --no-spread-ties: together")
     ap.add_argument("--noise", type=float, default=0.0,
                     help="sigma of a lognormal spread of each job's time in its slot around the rates' prediction")
     return ap
@@ -183,7 +186,8 @@ def segment(a, start: int) -> list[dict]:
     """Rows start.. of the trace as bench_estimate.py plans them, paced so the --arrivals judged rows offer --load
     at the given rates, then the --tail rows (unjudged) at the same pace."""
     a.speedup = None  # plan() reads it: the trace's own pace, then paced here
-    jobs = plan(load_trace(a.trace, start, a.arrivals + a.tail), a)
+    a.start = start
+    jobs = plan(trace_rows(a), a)
     speedup = a.load / offered_load(jobs[:a.arrivals], [(a.prefill_tps, a.decode_tps, a.slots)])
     for job in jobs:
         job["at"] /= speedup

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gzip
 import json
+import random
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from scripts import bench_estimate
-from common.arrival_traces import load_trace
+from common.arrival_traces import load_trace, spread_ties
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "azure-2023"
 
@@ -185,3 +187,58 @@ def test_the_scheduler_simulator_reads_traces_through_the_same_loader(tmp_path):
     assert [(a.time_s, a.prompt_tokens, a.max_tokens) for a in arrivals] == [(0.0, 472, 18), (40.0, 1000, 1)]
     shipped = DATA / "AzureLLMInferenceTrace_conv.csv"
     assert [a.time_s for a in azure_trace(shipped, limit=50)] == [t for t, _, _ in load_trace(shipped, 0, 50)]
+
+
+def burstgpt_seconds(tmp_path, times) -> Path:
+    return write(tmp_path / "BurstGPT_1.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 + "".join(f"{t},ChatGPT,{100 + i},{i},{100 + 2 * i},Conversation log\n" for i, t in enumerate(times)))
+
+
+def test_arrivals_recorded_to_the_second_are_spread_through_it(tmp_path):
+    # BurstGPT records whole seconds: five arrivals in second 7 did not come at one instant.
+    recorded = [3, 7, 7, 7, 7, 7, 8, 12, 12]
+    rows = load_trace(burstgpt_seconds(tmp_path, recorded), 0, 100)
+    spread, unit = spread_ties(rows, random.Random(1))
+    assert unit == 1.0
+    assert [(p, o) for _, p, o in spread] == [(p, o) for _, p, o in rows]  # the same rows, in the same order
+    times = [t for t, _, _ in spread]
+    assert times[0] == 0.0 and times == sorted(times) and len(set(times)) == len(times)
+    # Each moved within its own second, measured from the first row's (itself moved by less than a second).
+    assert all(-1.0 < t - (r - recorded[0]) < 1.0 for t, r in zip(times, recorded))
+    assert max(times[1:6]) - min(times[1:6]) < 1.0  # second 7 stays within a second
+    assert spread_ties(rows, random.Random(1)) == (spread, unit)  # seeded: the same replay every time
+    assert spread_ties(rows, random.Random(2))[0] != spread
+
+
+@pytest.mark.parametrize("recorded,unit", [([0.1, 0.3, 0.3, 0.3, 0.6], 0.1), ([0.25, 0.25, 1.3], 0.01),
+                                           ([1.001, 1.001, 1.002], 0.001)])
+def test_finer_units_spread_within_their_unit(tmp_path, recorded, unit):
+    rows = load_trace(burstgpt_seconds(tmp_path, recorded), 0, 100)
+    spread, found = spread_ties(rows, random.Random(3))
+    assert found == unit
+    assert all(abs(s - t) < unit for (s, _, _), (t, _, _) in zip(spread, rows))
+    assert len({t for t, _, _ in spread}) == len(rows)
+
+
+def test_a_trace_without_ties_replays_as_recorded(tmp_path):
+    rows = load_trace(burstgpt_seconds(tmp_path, [3, 4, 5, 9]), 0, 100)
+    assert spread_ties(rows, random.Random(1)) == (rows, None)
+
+
+def test_the_shipped_azure_traces_are_not_spread():
+    # Recorded to 100 ns: no unit of UNITS_S fits, so their replays (and every figure in BENCHMARKS.md) stay.
+    for name in ("AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv"):
+        rows = load_trace(DATA / name, 0, 2000)
+        assert spread_ties(rows, random.Random(1)) == (rows, None)
+
+
+def test_the_bench_spreads_ties_unless_told_not_to(tmp_path, capsys):
+    path = burstgpt_seconds(tmp_path, [5, 5, 5, 6, 9, 9])
+    args = argparse.Namespace(trace=path, start=0, arrivals=50, tail=50, seed=1, spread_ties=True)  # the bench's flags
+    spread = bench_estimate.trace_rows(args)
+    assert "recorded to 1 s" in capsys.readouterr().err
+    assert len({t for t, _, _ in spread}) == 6
+    args.spread_ties = False
+    assert bench_estimate.trace_rows(args) == load_trace(path, 0, 100)
+    assert capsys.readouterr().err == ""
+
