@@ -14,14 +14,14 @@ formats, told apart by the header (CSV) or the first record (JSONL):
   prompt tokens, output tokens.
 
 Column names match whatever their case, spaces and underscores. A file ending in .gz is read through gzip.
+Reading stops once start + count rows are read, as traces run to millions of rows. The rows of the window
+are returned in arrival order (a stable sort): a trace that is out of order would otherwise give negative
+gaps between arrivals.
 
 Some traces record arrivals to the whole second (BurstGPT) and so give a busy second's arrivals one
 timestamp. They did not come at one instant: replayed as recorded, each second's arrivals hit the cluster
 together, a clump the real traffic never had. spread_ties() places every arrival of such a trace at a
 random moment within its recorded unit (seeded), the replay a trace of that resolution allows.
-Reading stops once start + count rows are read, as traces run to millions of rows. The rows of the window
-are returned in arrival order (a stable sort): a trace that is out of order would otherwise give negative
-gaps between arrivals.
 """
 
 from __future__ import annotations
