@@ -192,12 +192,13 @@ def measured_load(records: list[dict], rates: list[tuple[float, float, int]], lo
     return None if ratio is None else load * ratio
 
 
-def trace_rows(args) -> list[tuple[float, int, int]]:
-    """The rows to replay: load_trace's, with ties in a coarse record spread through their unit (--spread-ties)."""
+def trace_rows(args, say: bool = True) -> list[tuple[float, int, int]]:
+    """The rows to replay: load_trace's, with ties in a coarse record spread through their unit (--spread-ties),
+    which it says on stderr (``say``)."""
     rows = load_trace(args.trace, args.start, args.arrivals + args.tail)
     if args.spread_ties:
         rows, unit = spread_ties(rows, random.Random(f"spread ties {args.seed}"))
-        if unit is not None:
+        if unit is not None and say:
             print(f"trace: times recorded to {unit:g} s, with arrivals sharing one; each replayed at a random moment "
                   f"within its {unit:g} s (--no-spread-ties: together, as recorded)", file=sys.stderr)
     return rows

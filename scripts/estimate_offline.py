@@ -187,7 +187,7 @@ def segment(a, start: int) -> list[dict]:
     at the given rates, then the --tail rows (unjudged) at the same pace."""
     a.speedup = None  # plan() reads it: the trace's own pace, then paced here
     a.start = start
-    jobs = plan(trace_rows(a), a)
+    jobs = plan(trace_rows(a, say=start == 0), a)  # said once a run, not once a segment
     speedup = a.load / offered_load(jobs[:a.arrivals], [(a.prefill_tps, a.decode_tps, a.slots)])
     for job in jobs:
         job["at"] /= speedup
