@@ -41,6 +41,11 @@ def no_guards(job: dict) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def residency(guard: Callable[[dict], tuple[float, float]], spread: dict[int, float], job: dict) -> float:
+    """Seconds of its own time a resumed ``job`` may not be preempted for (the worker's residency guard)."""
+    return guard(job)[0] * spread[job["i"]]
+
+
 def near_end(guard: Callable[[dict], tuple[float, float]], spread: dict[int, float], job: dict, left: float) -> bool:
     """Is ``job``, with ``left`` seconds of its own time to go, protected to its end (the worker's near-end guard)?"""
     return left <= guard(job)[1] * spread[job["i"]]
@@ -78,7 +83,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
 
     def start(slot: _Slot, job: dict, t: float, seconds: float, resumed: bool = False) -> None:
         slot.job, slot.started, slot.free_at = job, t, t + seconds
-        slot.protected_until = t + guard(job)[0] * spread[job["i"]] if resumed else t
+        slot.protected_until = t + residency(guard, spread, job) if resumed else t
         waits.setdefault(job["i"], t - job["at"])  # the first start: a resumed job has its wait already
 
     def fill(t: float) -> None:
@@ -151,4 +156,4 @@ def seen(pool: list[_Slot], suspended: list[tuple[dict, float]], spread: dict[in
 
     return ([held(s.job, s.free_at - now, RUNNING, max(0.0, s.protected_until - now)) for s in pool
              if s.job is not None]
-            + [held(job, left, SUSPENDED, guard(job)[0] * spread[job["i"]]) for job, left in suspended])
+            + [held(job, left, SUSPENDED, residency(guard, spread, job)) for job, left in suspended])
