@@ -56,9 +56,11 @@ def check(traces: int, seed: int, workers: int) -> int:
     return total
 
 
-def replay(path: Path, limit: int, seed: int, num_blocks: int, max_num_seqs: int, speedup: float) -> dict:
+def replay(path: Path, limit: int, seed: int, num_blocks: int, max_num_seqs: int, speedup: float,
+           spread_ties: bool = True) -> dict:
     arrivals = [replace(a, time_s=a.time_s / speedup)
-                for a in azure_trace(path, limit=limit, seed=seed, max_prompt=2048, max_new=512)]
+                for a in azure_trace(path, limit=limit, seed=seed, max_prompt=2048, max_new=512,
+                                     spread_ties=spread_ties)]
     out = {}
     for policy in ("fifo", "priority"):
         res = simulate(arrivals, num_blocks=num_blocks, block_size=16, policy=policy,
@@ -89,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speedup", type=float, default=1.0, help="divide the trace's arrival times by this (load)")
     ap.add_argument("--num-blocks", type=int, default=2048, help="KV blocks for the replay")
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--spread-ties", action=argparse.BooleanOptionalAction, default=True,
+                    help="a trace recorded to whole seconds (BurstGPT) or another coarse unit: replay each arrival at "
+                         "a seeded random moment within its unit (default), as scripts/bench_estimate.py does; "
+                         "--no-spread-ties: each unit's arrivals together, at the recorded time")
     ap.add_argument("--json", type=Path, help="write the replay results here")
     args = ap.parse_args(argv)
     if args.azure is not None:
         if not args.azure.is_file():
             ap.error(f"trace not found: {args.azure}")
-        result = replay(args.azure, args.limit, args.seed, args.num_blocks, args.max_num_seqs, args.speedup)
+        result = replay(args.azure, args.limit, args.seed, args.num_blocks, args.max_num_seqs, args.speedup,
+                        args.spread_ties)
         for policy, r in result.items():
             print(f"{policy:>9}: " + "  ".join(f"{t} n={v['count']} mean={v['latency_mean_s']:.2f}s "
                                                f"p99={v['latency_p99_s']:.2f}s" for t, v in r["tiers"].items())

@@ -233,6 +233,31 @@ def test_the_shipped_azure_traces_are_not_spread():
         assert spread_ties(rows, random.Random(1)) == (rows, None)
 
 
+def test_the_scheduler_simulator_spreads_ties_as_the_bench_does(tmp_path):
+    from worker.simulator import azure_trace
+
+    recorded = [5, 5, 5, 6, 9, 9]
+    path = burstgpt_seconds(tmp_path, recorded)
+    times = [a.time_s for a in azure_trace(path, seed=4)]
+    assert len(set(times)) == len(times) and times == sorted(times)
+    moves = [t - (r - recorded[0]) for t, r in zip(times, recorded)]  # from the first row's, as above
+    assert max(moves) - min(moves) < 1.0 and moves[0] == 0.0
+    assert [a.time_s for a in azure_trace(path, seed=4)] == times  # seeded
+    assert [a.tier for a in azure_trace(path, seed=4)] == [a.tier for a in azure_trace(path, seed=4, spread_ties=False)]
+    assert [a.time_s for a in azure_trace(path, seed=4, spread_ties=False)] == [r - recorded[0] for r in recorded]
+
+
+def test_the_simulator_script_replays_a_whole_second_trace_either_way(tmp_path):
+    from scripts import simulate
+
+    path = burstgpt_seconds(tmp_path, [5, 5, 5, 6, 9, 9])
+    for flag in ("--spread-ties", "--no-spread-ties"):
+        out = tmp_path / f"{flag}.json"
+        assert simulate.main(["--azure", str(path), "--limit", "6", flag, "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert sum(t["count"] for t in result["priority"]["tiers"].values()) == 6  # every arrival finished
+
+
 def test_the_bench_spreads_ties_unless_told_not_to(tmp_path, capsys):
     path = burstgpt_seconds(tmp_path, [5, 5, 5, 6, 9, 9])
     args = argparse.Namespace(trace=path, start=0, arrivals=50, tail=50, seed=1, spread_ties=True)  # the bench's flags

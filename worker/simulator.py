@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arrival_traces import load_trace
+from common.arrival_traces import load_trace, spread_ties as spread
 from common.errors import TierLimitExceeded
 from common.tiers import Tier
 from worker.block_manager import BlockManager
@@ -186,17 +186,23 @@ def random_trace(rng: random.Random, n: int, *, max_prompt: int = 64, max_new: i
 
 
 def azure_trace(path: str | Path, *, limit: int | None = None, tier_mix: dict[Tier, float] | None = None,
-                seed: int = 0, max_prompt: int | None = None, max_new: int | None = None) -> list[Arrival]:
+                seed: int = 0, max_prompt: int | None = None, max_new: int | None = None,
+                spread_ties: bool = True) -> list[Arrival]:
     """Arrivals from an LLM inference trace: the Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or any
     format common/arrival_traces.py reads.
 
-    Times are made relative to the first row; tiers are drawn from ``tier_mix`` with ``seed``.
+    Times are made relative to the first row; tiers are drawn from ``tier_mix`` with ``seed``. A trace that records
+    coarse times (BurstGPT: whole seconds) has each arrival spread through its unit, as scripts/bench_estimate.py
+    replays it (``spread_ties=False``: at the recorded times, a unit's arrivals together).
     """
     mix = tier_mix or {Tier.P0: 0.1, Tier.P1: 0.2, Tier.P2: 0.3, Tier.P3: 0.4}
     rng = random.Random(seed)
     tiers, weights = list(mix), list(mix.values())
+    rows = load_trace(Path(path), 0, sys.maxsize if limit is None else limit)
+    if spread_ties:  # its own generator: the tiers drawn stay those of the recorded times
+        rows, _ = spread(rows, random.Random(f"spread ties {seed}"))
     out: list[Arrival] = []
-    for i, (at, prompt, new) in enumerate(load_trace(Path(path), 0, sys.maxsize if limit is None else limit)):
+    for i, (at, prompt, new) in enumerate(rows):
         prompt, new = max(1, prompt), max(1, new)
         if max_prompt:
             prompt = min(prompt, max_prompt)
