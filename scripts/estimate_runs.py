@@ -122,10 +122,11 @@ def report(paths: list[Path], runs: list[dict], pool: dict, min_wait: float, med
             lines.append(f"{tier:<6}{0:>8}{'-':>16}")
             continue
         mci, wci = p["median_rel_error_95ci"], p["within_2x_95ci"]
+        runs_meeting = f"{p['runs_meeting']} of {p['runs_judged']}"
         lines.append(f"{tier:<6}{p['waited']:>8}{100 * p['median_rel_error']:>14.1f} %"
                      f"{'-' if mci is None else f'{100 * mci[0]:.0f}-{100 * mci[1]:.0f} %':>14}"
                      f"{100 * p['within_2x']:>9.1f} %{f'{100 * wci[0]:.0f}-{100 * wci[1]:.0f} %':>12}"
-                     f"{p['median_estimate_over_wait']:>10.2f}{str(p['runs_meeting']) + ' of ' + str(p['runs_judged']):>14}")
+                     f"{p['median_estimate_over_wait']:>10.2f}{runs_meeting:>14}")
     return "\n".join(lines)
 
 
