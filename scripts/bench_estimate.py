@@ -51,6 +51,8 @@ from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
 from scripts.estimate_report import TIERS, draw, mean_handoff, promotions, summarize, table  # noqa: E402
 from common.arrival_traces import load_trace, spread_ties  # noqa: E402
+from common.redis_keys import KeySpace  # noqa: E402
+from common.redis_server import redis_client  # noqa: E402
 
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
@@ -120,6 +122,32 @@ def paced_rates(rates: list[tuple[float, float, int]], records: list[dict]) -> t
     if factor is None:
         raise SystemExit(f"bench_estimate: no warm-up job finished: {[r.get('error') for r in records][:3]}")
     return [(p / factor, d / factor, slots) for p, d, slots in rates], factor
+
+
+def where_they_ran(state: dict, records: list[dict]) -> None:
+    """Add to each admitted job's record, from its hash in Redis (kept result_ttl after it ended), the worker that
+    ran it, its last dispatch (``sent_s``) and its promotion (``promoted_s``, None: none) in seconds after its
+    admission, the queue it left from (``queue``) and its attempts: where a miss's explanation starts
+    (scripts/estimate_replay.py --explain has the model's side). The SDK's JobResult says none of it."""
+    admitted = [r for r in records if r.get("job_id")]
+    if not admitted:
+        return
+    keys = KeySpace(prefix=state["key_prefix"])
+    client = redis_client(state["redis"])
+    try:
+        pipe = client.pipeline(transaction=False)
+        for r in admitted:
+            pipe.hmget(keys.job(r["job_id"]), "worker", "enqueued_at_ms", "dispatched_at_ms", "promoted_at_ms",
+                       "tier", "attempt")
+        rows = pipe.execute()
+    finally:
+        client.close()
+    for r, (worker, enqueued, sent, promoted, queue, attempt) in zip(admitted, rows):
+        def after(ms):
+            return None if ms is None or enqueued is None else (int(ms) - int(enqueued)) / 1000
+
+        r.update(worker=worker and worker.decode(), sent_s=after(sent), promoted_s=after(promoted),
+                 queue=queue and queue.decode(), attempts=int(attempt) if attempt else None)
 
 
 async def replay(state: dict, jobs: list[dict], timeout_s: float,
@@ -312,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(jobs)} arrivals over {jobs[-1]['at']:.0f} s (speedup {args.speedup:.2f}: offered load "
               f"{paced:.2f} of the slots), then up to {len(tail)} unjudged", file=sys.stderr)
         records, tail_sent = asyncio.run(replay(state, jobs, args.job_timeout, tail))
+        where_they_ran(state, records)
         handoff = mean_handoff(state["metrics"][0])  # the gateway's: up.py starts the gateways first
         promoted = promotions(state["metrics"][0])
         finished = True
