@@ -143,11 +143,13 @@ def where_they_ran(state: dict, records: list[dict]) -> None:
     finally:
         client.close()
     for r, (worker, enqueued, sent, promoted, queue, attempt) in zip(admitted, rows):
-        def after(ms):
-            return None if ms is None or enqueued is None else (int(ms) - int(enqueued)) / 1000
+        r.update(worker=worker and worker.decode(), sent_s=_seconds_after(enqueued, sent),
+                 promoted_s=_seconds_after(enqueued, promoted), queue=queue and queue.decode(),
+                 attempts=int(attempt) if attempt else None)
 
-        r.update(worker=worker and worker.decode(), sent_s=after(sent), promoted_s=after(promoted),
-                 queue=queue and queue.decode(), attempts=int(attempt) if attempt else None)
+
+def _seconds_after(start_ms: bytes | None, ms: bytes | None) -> float | None:
+    return None if ms is None or start_ms is None else (int(ms) - int(start_ms)) / 1000
 
 
 async def replay(state: dict, jobs: list[dict], timeout_s: float,
