@@ -74,9 +74,13 @@ def test_the_tail_arrives_unjudged_and_stops_when_the_judged_jobs_are_done(tiny_
         assert [r["i"] for r in records] == [0, 1, 2, 3] and all(r["outcome"] == "done" for r in records)
         assert sent == 3 and len(job_ids(state)) == 4 + 3  # the far tail was never submitted
         bench_estimate.where_they_ran(state, records)
+        up = {"P2": "P1", "P3": "P2"}  # where a promise moves a job (a P2's or P3's, due at once on a short wait)
         for r in records:  # where each ran, and when it was sent: within its wait (the rest is the hand-off)
-            assert r["worker"] == "wk-0" and r["attempts"] == 1 and r["promoted_s"] is None, r
-            assert 0 <= r["sent_s"] <= r["wait_s"] + 0.05 and r["queue"] == r["tier"], r
+            assert r["worker"] == "wk-0" and r["attempts"] == 1 and 0 <= r["sent_s"] <= r["wait_s"] + 0.05, r
+            if r["promoted_s"] is None:
+                assert r["queue"] == r["tier"], r
+            else:
+                assert r["tier"] in up and r["queue"] == up[r["tier"]] and 0 <= r["promoted_s"] <= r["sent_s"], r
         # The gateway's hand-off histogram covers each of the 7 jobs that ran, once (the tail's may still be
         # starting when the judged ones are done).
         wait_for(lambda: (estimate_report.mean_handoff(state["metrics"][0]) or (0, 0))[1] == 7, 30, "7 hand-offs")
