@@ -53,6 +53,7 @@ from scripts.estimate_report import TIERS, draw, mean_handoff, promotions, summa
 from common.arrival_traces import load_trace, spread_ties  # noqa: E402
 from common.redis_keys import KeySpace  # noqa: E402
 from common.redis_server import redis_client  # noqa: E402
+from gateway.queue_records import JobRecord  # noqa: E402
 
 DEFAULT_LOAD = 0.8
 CALIBRATED = re.compile(r"calibrated: prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s per sequence, (\d+) slots")
@@ -137,19 +138,23 @@ def where_they_ran(state: dict, records: list[dict]) -> None:
     try:
         pipe = client.pipeline(transaction=False)
         for r in admitted:
-            pipe.hmget(keys.job(r["job_id"]), "worker", "enqueued_at_ms", "dispatched_at_ms", "promoted_at_ms",
-                       "tier", "attempt")
-        rows = pipe.execute()
+            pipe.hgetall(keys.job(r["job_id"]))
+        raws = pipe.execute()
     finally:
         client.close()
-    for r, (worker, enqueued, sent, promoted, queue, attempt) in zip(admitted, rows):
-        r.update(worker=worker and worker.decode(), sent_s=_seconds_after(enqueued, sent),
-                 promoted_s=_seconds_after(enqueued, promoted), queue=queue and queue.decode(),
-                 attempts=int(attempt) if attempt else None)
+    for r, raw in zip(admitted, raws):
+        job = JobRecord.from_redis(raw) if raw else None  # none: its hash expired (result_ttl) before the read
+        if job is None:
+            r.update(worker=None, sent_s=None, promoted_s=None, queue=None, attempts=None)
+            continue
+        promoted = job.result.get("promoted_at_ms")
+        r.update(worker=job.worker, sent_s=_seconds_after(job.enqueued_at_ms, job.dispatched_at_ms),
+                 promoted_s=_seconds_after(job.enqueued_at_ms, None if promoted is None else int(promoted)),
+                 queue=job.tier.value, attempts=job.attempt)
 
 
-def _seconds_after(start_ms: bytes | None, ms: bytes | None) -> float | None:
-    return None if ms is None or start_ms is None else (int(ms) - int(start_ms)) / 1000
+def _seconds_after(start_ms: int, ms: int | None) -> float | None:
+    return None if ms is None else (ms - start_ms) / 1000
 
 
 async def replay(state: dict, jobs: list[dict], timeout_s: float,
