@@ -107,6 +107,12 @@ def spread_ties(rows: list[tuple[float, int, int]], rng: random.Random) -> tuple
     return [(at - t0, prompt, output) for at, prompt, output in moved], unit
 
 
+def ties_rng(seed: int) -> random.Random:
+    """The generator a replay seeded with ``seed`` spreads ties with: apart from its other draws (the tiers), and
+    one for the estimate bench and the scheduler simulator, so one trace and seed give both the same arrivals."""
+    return random.Random(f"spread ties {seed}")
+
+
 def _open(path: Path):
     # utf-8-sig: a CSV saved by a spreadsheet starts with a byte-order mark that would hide the first column's name.
     if path.suffix == ".gz":

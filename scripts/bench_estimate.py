@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
 from scripts.estimate_report import TIERS, draw, mean_handoff, promotions, summarize, table  # noqa: E402
-from common.arrival_traces import load_trace, spread_ties  # noqa: E402
+from common.arrival_traces import load_trace, spread_ties, ties_rng  # noqa: E402
 from common.redis_keys import KeySpace  # noqa: E402
 from common.redis_server import redis_client  # noqa: E402
 from gateway.queue_records import JobRecord  # noqa: E402
@@ -232,7 +232,7 @@ def trace_rows(args, say: bool = True) -> list[tuple[float, int, int]]:
     which it says on stderr (``say``)."""
     rows = load_trace(args.trace, args.start, args.arrivals + args.tail)
     if args.spread_ties:
-        rows, unit = spread_ties(rows, random.Random(f"spread ties {args.seed}"))
+        rows, unit = spread_ties(rows, ties_rng(args.seed))
         if unit is not None and say:
             print(f"trace: times recorded to {unit:g} s, with arrivals sharing one; each replayed at a random moment "
                   f"within its {unit:g} s (--no-spread-ties: together, as recorded)", file=sys.stderr)

@@ -245,6 +245,9 @@ def test_the_scheduler_simulator_spreads_ties_as_the_bench_does(tmp_path):
     assert [a.time_s for a in azure_trace(path, seed=4)] == times  # seeded
     assert [a.tier for a in azure_trace(path, seed=4)] == [a.tier for a in azure_trace(path, seed=4, spread_ties=False)]
     assert [a.time_s for a in azure_trace(path, seed=4, spread_ties=False)] == [r - recorded[0] for r in recorded]
+    # The bench, with the same seed, replays the same arrivals.
+    args = argparse.Namespace(trace=path, start=0, arrivals=6, tail=0, seed=4, spread_ties=True)
+    assert [t for t, _, _ in bench_estimate.trace_rows(args, say=False)] == times
 
 
 def test_the_simulator_script_replays_a_whole_second_trace_either_way(tmp_path):

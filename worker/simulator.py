@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arrival_traces import load_trace, spread_ties as spread
+from common.arrival_traces import load_trace, spread_ties as spread, ties_rng
 from common.errors import TierLimitExceeded
 from common.tiers import Tier
 from worker.block_manager import BlockManager
@@ -200,7 +200,7 @@ def azure_trace(path: str | Path, *, limit: int | None = None, tier_mix: dict[Ti
     tiers, weights = list(mix), list(mix.values())
     rows = load_trace(Path(path), 0, sys.maxsize if limit is None else limit)
     if spread_ties:  # its own generator: the tiers drawn stay those of the recorded times
-        rows, _ = spread(rows, random.Random(f"spread ties {seed}"))
+        rows, _ = spread(rows, ties_rng(seed))
     out: list[Arrival] = []
     for i, (at, prompt, new) in enumerate(rows):
         prompt, new = max(1, prompt), max(1, new)
