@@ -47,9 +47,14 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def judged(records: list[dict], min_wait: float) -> list[dict]:
+    """The jobs the goal judges: those that finished after waiting at least ``min_wait``."""
+    return [r for r in records if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
+
+
 def summarize(records: list[dict], min_wait: float) -> dict:
     def stats(rs: list[dict]) -> dict:
-        waited = [r for r in rs if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
+        waited = judged(rs, min_wait)
         rel = [abs(r["estimate_s"] - r["wait_s"]) / r["wait_s"] for r in waited]
         within = [r for r in waited if r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"]]
         outcomes = {o: sum(1 for r in rs if r.get("outcome") == o) for o in ("done", "overloaded", "quota", "failed")}

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.estimate_report import TIERS, summarize, wilson  # noqa: E402
+from scripts.estimate_report import TIERS, judged, summarize  # noqa: E402
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -47,15 +47,6 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return xs[j - 1], xs[n - j]
 
 
-def judged(records: list[dict], min_wait: float) -> dict[str, list[tuple[float, float]]]:
-    """(estimate, wait) of each tier's jobs that finished after waiting at least ``min_wait``."""
-    out: dict[str, list[tuple[float, float]]] = {t: [] for t in TIERS}
-    for r in records:
-        if r.get("outcome") == "done" and r.get("tier") in out and r["wait_s"] >= min_wait:
-            out[r["tier"]].append((r["estimate_s"], r["wait_s"]))
-    return out
-
-
 def meets(stats: dict, median_goal: float, within_goal: float) -> bool | None:
     """Does a tier's summary meet the goal? None: no judged job, nothing to say."""
     if not stats["waited"]:
@@ -63,14 +54,15 @@ def meets(stats: dict, median_goal: float, within_goal: float) -> bool | None:
     return stats["median_rel_error"] <= median_goal and stats["within_2x"] >= within_goal
 
 
-def pooled(runs: list[dict], min_wait: float, median_goal: float, within_goal: float) -> dict:
+def pooled(runs: list[dict], per_run: list[dict], min_wait: float, median_goal: float, within_goal: float) -> dict:
+    """Per tier, the runs' judged jobs pooled; ``per_run``: each run's summarize()."""
     records = [r for run in runs for r in run["jobs"]]
     summary = summarize(records, min_wait)
-    pairs = judged(records, min_wait)
     out = {}
     for tier in TIERS:
-        s, ps = summary[tier], pairs[tier]
-        per_run = [meets(summarize(run["jobs"], min_wait)[tier], median_goal, within_goal) for run in runs]
+        s = summary[tier]
+        ps = [(r["estimate_s"], r["wait_s"]) for r in judged([r for r in records if r["tier"] == tier], min_wait)]
+        met = [meets(run[tier], median_goal, within_goal) for run in per_run]
         out[tier] = {
             "waited": s["waited"],
             "median_rel_error": s["median_rel_error"],
@@ -78,8 +70,8 @@ def pooled(runs: list[dict], min_wait: float, median_goal: float, within_goal: f
             "within_2x": s["within_2x"],
             "within_2x_95ci": s["within_2x_95ci"],
             "median_estimate_over_wait": statistics.median(e / w for e, w in ps) if ps else None,
-            "runs_judged": sum(m is not None for m in per_run),
-            "runs_meeting": sum(m is True for m in per_run),
+            "runs_judged": sum(m is not None for m in met),
+            "runs_meeting": sum(m is True for m in met),
             "meets": meets(s, median_goal, within_goal),
         }
     return out
@@ -103,14 +95,13 @@ def _cell(stats: dict, median_goal: float, within_goal: float) -> str:
     return f"{100 * stats['median_rel_error']:.1f} / {100 * stats['within_2x']:.1f} ({stats['waited']}){mark}"
 
 
-def report(paths: list[Path], runs: list[dict], pool: dict, min_wait: float, median_goal: float,
-           within_goal: float) -> str:
+def report(paths: list[Path], runs: list[dict], per_run: list[dict], pool: dict, min_wait: float,
+           median_goal: float, within_goal: float) -> str:
     goal = f"median error <= {100 * median_goal:g} %, within 2x >= {100 * within_goal:g} %"
     lines = [f"per run: median relative error % / within 2x % (jobs that waited >= {min_wait:g} s); * misses the "
              f"goal ({goal})",
              f"{'run':<28}{'load':>6}" + "".join(f"{t:>24}" for t in TIERS)]
-    for path, run in zip(paths, runs):
-        s = summarize(run["jobs"], min_wait)
+    for path, run, s in zip(paths, runs, per_run):
         load_ = run.get("measured_load")
         lines.append(f"{path.name[:27]:<28}{'-' if load_ is None else f'{load_:.2f}':>6}"
                      + "".join(f"{_cell(s[t], median_goal, within_goal):>24}" for t in TIERS))
@@ -142,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.min_wait >= 0 and 0 <= args.median_goal and 0 <= args.within_goal <= 1):
         ap.error("need --min-wait >= 0, --median-goal >= 0 and --within-goal in [0, 1]")
     runs = [load(p) for p in args.runs]
-    pool = pooled(runs, args.min_wait, args.median_goal, args.within_goal)
-    print(report(args.runs, runs, pool, args.min_wait, args.median_goal, args.within_goal))
+    per_run = [summarize(run["jobs"], args.min_wait) for run in runs]
+    pool = pooled(runs, per_run, args.min_wait, args.median_goal, args.within_goal)
+    print(report(args.runs, runs, per_run, pool, args.min_wait, args.median_goal, args.within_goal))
     if args.json:
         args.json.write_text(json.dumps({"runs": [str(p) for p in args.runs], "min_wait_s": args.min_wait,
                                          "pooled": pool}, indent=2))
