@@ -52,6 +52,10 @@ class WorkerLoad:
     # Seconds from building this report to sending it (the heartbeat thread sends the latest one, up to a
     # heartbeat old): with the time since it came, how far the running work has got past what ``work`` says.
     age_s: float = 0.0
+    # An engine step's cost here (worker/step_cost.py): seconds = step_base_s + step_token_s x tokens batched;
+    # 0 and 0: not reported (an older worker, or nothing measured).
+    step_base_s: float = 0.0
+    step_token_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,12 @@ that exist (no job-count rates, no floors):
   on it is ahead of every newer job of its new tier, and an older P3 that ages into a P2
   job's tier goes ahead of it; a P3 whose promised start falls due (gateway/promises.py)
   moves to P2 then, as if it had aged early, and every queued job's promise is replayed;
-- a job holds a slot for prompt / prefill rate + expected output / decode rate, with the
-  per-sequence rates each worker measured (worker/calibration.py, in every heartbeat).
+- a job holds a slot for its worker's engine steps (gateway/estimate_steps.py): the work a
+  worker holds runs out step by step in the worker's order, a job the replay starts there takes
+  its prompt's chunks and a step per output token, and its prefill lengthens the work beside it
+  on that worker; all at the step cost the worker measured (worker/step_cost.py, in every
+  heartbeat). Where a worker reports none, a job holds a slot for prompt / prefill rate +
+  expected output / decode rate, the per-sequence rates it measured (worker/calibration.py).
 - a job's prefill starts a hand-off after its slot is free, and the job holds the slot from then
   on: a worker reads its dispatches between engine steps, so on a worker that is running other
   work this is mostly the rest of the step in progress, and on an idle one next to nothing. Each
@@ -102,34 +106,39 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     """
     if not workers:
         return math.inf, None
-    heap: list[tuple[float, int, bool]] = []  # (free at, worker index, only for a job that may preempt there)
+    # Every slot: when it frees, its worker, and whether only a job that may preempt there can take it then. The
+    # heap holds (free at, slot, version): a prefill started beside a slot's work moves its time on, and the entry
+    # pushed before that is stale.
+    free_at: list[float] = []
+    worker_of: list[int] = []
+    urgent_at: list[bool] = []
+    stepped: list[bool] = []  # the slot's work is running now (not work the replay starts there)
     stepping = [0.0] * len(workers)  # until when each worker runs something (then a job sent there waits a step)
     prefilling = [0.0] * len(workers)  # until when each worker's next step prefills prompts it holds
     for i, w in enumerate(workers):
         held = w.next_step()
+        times, prefill_step_s = w.run_out()
         # Work waiting there for a slot counts too: by the time a job sent now arrives, a slot may have freed for it
         # (the better fit on the dumped states of six code-trace runs: 43 of their 48 judged P0 waits within 2x,
         # against 25 with the learned hand-off alone; BENCHMARKS.md, issue 12, sixteenth session).
         # A long prompt is prefilled a chunk of the worker's step budget at a time: the job joins the step after
         # the chunk in progress (on seven code-trace runs' dumped states, P0's median error fell on five).
-        prefilling[i] = max((w.rates.seconds(min(h.work.prefill, w.step_tokens), 0) for h in w.held
-                             if h.status in (RUNNING, WAITING) and h.work.prefill > 0), default=0.0)
-        stepping[i] = max((w.rates.seconds(h.work.prefill, h.work.decode) for h in held if h.status == RUNNING),
-                          default=0.0)
-        victims = [h for h in held if h.status == RUNNING and not h.blocks(tier)]
+        prefilling[i] = prefill_step_s
+        stepping[i] = max((x[0] for x in times if x is not None), default=0.0)
         # Work the job may not preempt, and work its guards protect to its end, free their slots as they end.
-        busy = sorted((w.rates.seconds(h.work.prefill, h.work.decode) for h in held
+        busy = sorted((times[k][0] for k, h in enumerate(held)
                        if h.blocks(tier) or (h.status == RUNNING and h.guarded_to_end())), reverse=True)[:w.slots]
         # Running work the job may preempt: its slot is the job's once the worker's guards let it (at once, unless
         # it resumed lately), but not a job's aged up to its tier (that one waits for a free slot, as the tier it
         # was admitted at, however far ahead in line).
-        guarded = sorted(h.guarded_s(w.rates) for h in victims if not h.guarded_to_end())[:w.slots - len(busy)]
+        guarded = sorted(times[k][1] for k, h in enumerate(held) if h.status == RUNNING and not h.blocks(tier)
+                         and not h.guarded_to_end())[:w.slots - len(busy)]
         slots = ([(t, False) for t in busy] + [(g, True) for g in guarded]
                  + [(0.0, False)] * (w.slots - len(busy) - len(guarded)))
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=lambda j: slots[j][0])
-            slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
+            slots[j] = (slots[j][0] + w.slot_s(h.work), slots[j][1])
             stepping[i] = max(stepping[i], slots[j][0])
         # Held work the job may preempt resumes in the first slots that free after that (it holds their credit):
         # there the job preempts it once it has re-read its prompt and passed its residency, but a job aged up
@@ -138,18 +147,56 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
                           key=lambda h: (h.work.tier.rank, h.status))
         first_free = sorted((j for j, (_, urgent) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])
         for j, h in zip(first_free, resuming):
-            slots[j] = ((slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), False) if h.guarded_to_end()
-                        else (slots[j][0] + h.guarded_s(w.rates), True))
-        heap += [(t, i, urgent) for t, urgent in slots]
+            slots[j] = ((slots[j][0] + w.slot_s(h.work), False) if h.guarded_to_end()
+                        else (slots[j][0] + w.guarded_s(h), True))
+        for j, (t, urgent) in enumerate(slots):
+            free_at.append(t)
+            worker_of.append(i)
+            urgent_at.append(urgent)
+            stepped.append(j < len(busy) + len(guarded))  # running work, its steps replayed
+    version = [0] * len(free_at)
+    # Slots free at once go as the dispatcher hands them out: a free slot before a preemption (it preempts only
+    # where every worker is full), and the worker with the most free slots first.
+    credit = [0] * len(workers)
+    for k, t in enumerate(free_at):
+        credit[worker_of[k]] += t <= 0 and not urgent_at[k]
+    heap = [(t, urgent_at[k], -credit[worker_of[k]], k, 0) for k, t in enumerate(free_at)]
     heapq.heapify(heap)
+
+    def push(k: int) -> None:
+        version[k] += 1
+        heapq.heappush(heap, (free_at[k], urgent_at[k], -credit[worker_of[k]], k, version[k]))
     line = Line(tier, enqueued_s, queued, arrivals, workers, aging_interval_s, rng, promoted_s)
 
     def handoff(t: float, i: int) -> float:  # every job's, the waiting one's too
         step = workers[i].handoff_s if stepping[i] > t else workers[i].idle_handoff_s
         return max(step, prefilling[i] - max(t, 0.0))  # a job sent mid-prefill starts in the step after it
 
-    for n in range(max_exact):
-        t, i, urgent = heapq.heappop(heap)
+    def start(k: int, t: float, work: Work) -> None:
+        """``work`` starts in slot ``k`` at ``t`` (after its hand-off): it holds the slot to its end (at the token
+        rates, measured on jobs that ran beside others' prefills), and its prefill lengthens the work running there
+        now, whose steps are replayed alone."""
+        i = worker_of[k]
+        begins = t + handoff(t, i)
+        later = workers[i].interference_s(work)
+        if later > 0:
+            for other in range(len(free_at)):
+                if other != k and stepped[other] and worker_of[other] == i and free_at[other] > begins:
+                    free_at[other] += later
+                    stepping[i] = max(stepping[i], free_at[other])
+                    push(other)
+        free_at[k] = begins + workers[i].slot_s(work)
+        stepped[k] = False
+        stepping[i] = max(stepping[i], free_at[k])
+        push(k)
+
+    n = 0
+    while n < max_exact:
+        t, _, _, k, v = heapq.heappop(heap)
+        if v != version[k]:
+            continue  # moved on since
+        n += 1
+        i, urgent = worker_of[k], urgent_at[k]
         work = line.first_before_the_job(t, preempting=urgent)
         if work is not None and tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1:
             # A job aged or promised ahead, still preemptible as what it was admitted as, starts there; the first in
@@ -158,14 +205,13 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             if dispatches is not None:
                 dispatches.append((t, i, work))
             work, urgent = line.first_before_the_job(t, preempting=True), True
+            urgent_at[k] = True
         if work is None:  # the job's slot, or one it preempts at once
-            return max(0.0, t) + handoff(t, i), n + 1
+            return max(0.0, t) + handoff(t, i), n
         if dispatches is not None:
             dispatches.append((t, i, work))
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
-        end = t + handoff(t, i) + workers[i].rates.seconds(work.prefill, work.decode)
-        stepping[i] = max(stepping[i], end)
-        heapq.heappush(heap, (end, i, urgent))
-    handoff_s = sum(w.handoff_s * w.slots for w in workers) / len(heap)  # every worker is busy by then
-    return max(0.0, fluid_tail(line, [t for t, _, _ in heap], unread or {})) + handoff_s, None
+        start(k, t, work)
+    handoff_s = sum(w.handoff_s * w.slots for w in workers) / len(free_at)  # every worker is busy by then
+    return max(0.0, fluid_tail(line, free_at, unread or {})) + handoff_s, None
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from common.tiers import PREEMPTING_TIERS, Tier
+from gateway.estimate_steps import StepCost, interference_s, run_out
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 # Who may preempt a job of each tier (a bit mask of tier ranks), by the default preemption matrix: for jobs not yet
@@ -85,6 +86,11 @@ class WorkerView:
     # Most prompt tokens one engine step prefills (the worker's max_num_batched_tokens; a longer prompt is
     # prefilled in chunks of it); inf: not reported (a worker from before it said), one step per prompt.
     step_tokens: float = math.inf
+    # What an engine step costs here (gateway/estimate_steps.py); None: not reported, the token rates time jobs.
+    step: StepCost | None = None
+    # With ``step``: how long ago the worker reported ``held`` as it is (the steps since are replayed; without
+    # ``step``, the estimator advanced the running work by this age at the token rates, and it is 0 here).
+    age_s: float = 0.0
 
     def next_step(self) -> list[Held]:
         """The held work as the worker's next step leaves it: waiting work starts where a slot is free
@@ -95,6 +101,48 @@ class WorkerView:
         queued = sorted((h for h in self.held if h.status != RUNNING), key=lambda h: (h.work.tier.rank, h.status))
         return ([h for h in self.held if h.status == RUNNING] + [replace(h, status=RUNNING) for h in queued[:free]]
                 + queued[free:])
+
+    def run_out(self) -> tuple[list[tuple[float, float] | None], float]:
+        """How the work held here runs out if nothing else comes: per job of ``next_step()``, for running work,
+        seconds until it ends and until its guard lets a job that may preempt it do so (None for the rest); and how
+        long until a job sent now is read into a step. The worker's steps replayed where it reports their cost
+        (gateway/estimate_steps.py): the step in progress, or the next one where a prompt held here is waiting to
+        start. Else each job at the token rates, and a job sent now waits where the next step prefills a prompt
+        held here (work just sent or waiting there, or a prefill under way), up to the tokens the worker
+        prefills in one step."""
+        held = self.next_step()
+        running = [k for k, h in enumerate(held) if h.status == RUNNING]
+        times: list[tuple[float, float] | None] = [None] * len(held)
+        if self.step is None:
+            for k in running:
+                times[k] = (self.rates.seconds(held[k].work.prefill, held[k].work.decode),
+                            held[k].guarded_s(self.rates))
+            return times, max((self.rates.seconds(min(h.work.prefill, self.step_tokens), 0) for h in self.held
+                               if h.status in (RUNNING, WAITING) and h.work.prefill > 0), default=0.0)
+        budget = max(1.0, self.step_tokens)
+        ran = run_out([(held[k].work.prefill, held[k].work.decode, held[k].guard) for k in running], self.step,
+                      budget, self.age_s)
+        for k, end, guard in zip(running, ran.ends, ran.guards):
+            times[k] = (end, guard)
+        # A prompt waiting here without a free slot (a P0 or P1 sent to preempt) starts in the step after the one in
+        # progress, and a job sent now joins the step after its first chunk.
+        chunk = max((self.step.step_s(min(h.work.prefill, budget)) for h in held
+                     if h.status == WAITING and h.work.prefill > 0), default=0.0)
+        return times, ran.step_left_s + chunk
+
+    def slot_s(self, work: Work) -> float:
+        """Seconds a job not running yet holds a slot here once it starts: at the token rates, which the worker
+        measured on its own jobs as they ran, beside whatever else ran (gateway/estimate_steps.py says why not
+        at the step cost)."""
+        return self.rates.seconds(work.prefill, work.decode)
+
+    def guarded_s(self, h: Held) -> float:
+        """For held work not running yet: from its start until a job that may preempt it can."""
+        return h.guarded_s(self.rates)
+
+    def interference_s(self, work: Work) -> float:
+        """How much longer the work running here now takes while ``work``'s prompt is prefilled beside it."""
+        return 0.0 if self.step is None else interference_s(self.step, work.prefill)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self.spans = GatewaySpans()
         self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
                                        learn_bias=config.wait_bias_correction, futures=config.wait_futures,
+                                       step_cost=config.wait_step_cost,
                                        dump=estimate_dump.DumpWriter(config.estimate_dump)
                                        if config.estimate_dump else None)
         self.waits = Waits()  # measured waits: admission until first prefill

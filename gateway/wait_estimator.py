@@ -24,6 +24,7 @@ from gateway import estimate_dump
 from gateway.arrival_forecast import ArrivalForecast
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
+from gateway.estimate_steps import StepCost
 from gateway.timeutil import time_ms
 from gateway.workers import reported_guard, step_tokens
 from gateway.wait_learning import BiasCorrection, HandOffs, OutputLengths
@@ -51,7 +52,7 @@ class JobInfo:
 class WaitEstimator:
     def __init__(self, queue, workers, clock: Callable[[], float], aging_interval_s: float = math.inf,
                  learn_bias: bool = True, futures: int = FUTURES,
-                 dump: estimate_dump.DumpWriter | None = None) -> None:
+                 dump: estimate_dump.DumpWriter | None = None, step_cost: bool = True) -> None:
         self.queue = queue  # gateway.redis_queue.RedisQueue
         self.workers = workers  # gateway.workers.WorkerRegistry
         self.aging_interval_s = aging_interval_s
@@ -60,6 +61,7 @@ class WaitEstimator:
         self.bias = BiasCorrection()
         self.learn_bias = learn_bias
         self.futures = futures  # drawn futures for a job near a slot (gateway/estimate_futures.py)
+        self.step_cost = step_cost  # replay the workers' steps where they report their cost (estimate_steps.py)
         self.arrivals = ArrivalForecast(clock())
         self._jobs: OrderedDict[str, JobInfo] = OrderedDict()
         self.dump = dump  # each admitted job's estimate inputs, for scripts/estimate_replay.py
@@ -181,8 +183,10 @@ class WaitEstimator:
             rates = (Rates(load.prefill_tps, load.decode_tps) if load is not None and load.prefill_tps > 0
                      and load.decode_tps > 0 else default)
             held = []
-            # The running work has gone on since the report was built: its age when sent, and since it came.
+            # The running work has gone on since the report was built: its age when sent, and since it came. Where
+            # the worker says what its steps cost, the model replays the steps since; else the work is advanced here.
             age = report_age_s(load, w.load_at, now) if load is not None else 0.0
+            step = reported_step(load) if self.step_cost else None
             for job_id, entry in (load.work.items() if load is not None else ()):
                 if len(entry) < 6 or not 0 <= entry[0] < len(ALL_TIERS):
                     continue  # a malformed entry from a worker: leave it out rather than guess
@@ -191,7 +195,7 @@ class WaitEstimator:
                 known = self._jobs.get(job_id)
                 info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
                 work = self._work(info, generated, prefill)
-                if status == RUNNING:  # both have gone on since the report
+                if status == RUNNING and step is None:  # both have gone on since the report
                     now_work = advanced(work, rates, age)
                     guard, work = max(0.0, guard - (work.decode - now_work.decode)), now_work
                 held.append(Held(work, status, mask, float(guard)))
@@ -201,7 +205,8 @@ class WaitEstimator:
                     held.append(Held(self._work(info), RUNNING, PREEMPTED_BY[info.tier]))
             wid = w.hello.worker_id
             views.append(WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(wid, busy=True),
-                                    self.handoffs.of(wid, busy=False), step_tokens(w.hello)))
+                                    self.handoffs.of(wid, busy=False), step_tokens(w.hello), step,
+                                    age if step is not None else 0.0))
         return views
 
     def _infos(self, ids: list[str]) -> dict[str, JobInfo]:
@@ -227,6 +232,17 @@ def report_age_s(load, received_at: float, now: float) -> float:
     """How long ago a worker built ``load``: its age when sent (a finite, bounded one) plus the time since it came."""
     sent = load.age_s if isinstance(load.age_s, (int, float)) and math.isfinite(load.age_s) else 0.0
     return min(MAX_REPORT_AGE_S, max(0.0, sent) + max(0.0, now - received_at))
+
+
+def reported_step(load) -> StepCost | None:
+    """The step cost a worker's report gives, where it gives a usable one (finite, neither part negative, not
+    both nothing); else None, and its jobs are timed at its token rates."""
+    if load is None:
+        return None
+    base, token = load.step_base_s, load.step_token_s
+    if not (math.isfinite(base) and math.isfinite(token) and base >= 0 and token >= 0 and base + token > 0):
+        return None
+    return StepCost(float(base), float(token))
 
 
 def advanced(work: Work, rates: Rates, seconds: float) -> Work:

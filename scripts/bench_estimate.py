@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="drawn arrival futures whose likeliest wait the gateway hedges with the evenly spaced "
                          "one for a job near a slot (wait_futures; 0: the evenly spaced one only; default: the "
                          "gateway's own, 8)")
+    ap.add_argument("--step-cost", action=argparse.BooleanOptionalAction, default=None,
+                    help="time the work workers hold by replaying their steps at the step cost they report "
+                         "(wait_step_cost; default: the gateway's own, on)")
     ap.add_argument("--dump", type=Path,
                     help="have the gateway write what its wait model saw at each admission here (estimate_dump), "
                          "for scripts/estimate_replay.py: other models judged on this run's very states")
@@ -321,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TS_GATEWAY_PROMISE_TIERS"] = json.dumps(args.promise_tiers.split(","))
     if args.wait_futures is not None:
         os.environ["TS_GATEWAY_WAIT_FUTURES"] = str(args.wait_futures)
+    if args.step_cost is not None:
+        os.environ["TS_GATEWAY_WAIT_STEP_COST"] = "true" if args.step_cost else "false"
     if args.dump is not None:
         args.dump.unlink(missing_ok=True)  # the gateway appends: one run's states, not two runs' mixed
         os.environ["TS_GATEWAY_ESTIMATE_DUMP"] = str(args.dump.resolve())

@@ -33,9 +33,10 @@ from tqdm import tqdm  # noqa: E402
 
 from common.tiers import ALL_TIERS  # noqa: E402
 from gateway import estimate_dump  # noqa: E402
-from gateway.estimate import Arrivals, replay  # noqa: E402
+from gateway.estimate import RUNNING, Arrivals, WorkerView, replay  # noqa: E402
 from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
 from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
+from gateway.wait_estimator import advanced  # noqa: E402
 from scripts.estimate_report import summarize, table  # noqa: E402
 
 
@@ -70,8 +71,7 @@ def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     out = [f"job {job['job_id']} {job['tier']} admitted at {job['at']:.2f} s: told {d.told_s:.2f} s, waited "
            f"{job['wait_s']:.2f} s (the evenly spaced future: {even:.2f} s)"]
     for i, w in enumerate(d.workers):
-        held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.rates.seconds(h.work.prefill, h.work.decode):.1f}s"
-                         for h in w.held)
+        held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.slot_s(h.work):.1f}s" for h in w.held)
         out.append(f"  worker {i}: {w.slots} slots, hand-off {w.handoff_s:.3f}/{w.idle_handoff_s:.3f} s; "
                    f"holds {held or 'nothing'}")
     by = {t: sum(q.work.tier is t for q in d.queued) for t in ALL_TIERS}
@@ -90,6 +90,20 @@ def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     out.append(f"  what started before it ({len(went)}; + admitted after it): " + " ".join(
         f"{j['tier']}{'+' if j['at'] > job['at'] else ''}@{j['at'] + j['wait_s'] - job['at']:.1f}" for j in went))
     return "\n".join(out)
+
+
+def without_step_cost(w: WorkerView) -> WorkerView:
+    """``w`` as the gateway would see it from a worker that did not report its step cost: its running work advanced
+    by the report's age at the token rates (gateway/wait_estimator.py), timed at them from then on."""
+    if w.step is None:
+        return w
+    held = []
+    for h in w.held:
+        if h.status == RUNNING:
+            work = advanced(h.work, w.rates, w.age_s)
+            h = replace(h, work=work, guard=max(0.0, h.guard - (h.work.decode - work.decode)))
+        held.append(h)
+    return replace(w, held=held, step=None, age_s=0.0)
 
 
 def same(a: float, b: float) -> bool:
@@ -114,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="the workers' step budget (max_num_batched_tokens; the worker's default: 1024) where the "
                          "dump does not say, as in dumps from before workers sent it in their hello")
+    ap.add_argument("--no-step-cost", action="store_true",
+                    help="replay as if no worker had reported its step cost: jobs timed at the token rates alone "
+                         "(gateway/estimate_steps.py), to compare the two on the same states")
     ap.add_argument("--explain", metavar="JOB", action="append", default=[],
                     help="for this job (an id or its start), what the model expected to go before it against what "
                          "did; repeatable; 'misses': every judged job not within 2x")
@@ -137,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             for d in every:
                 d.workers = [w if math.isfinite(w.step_tokens) else replace(w, step_tokens=a.step_tokens)
                              for w in d.workers]
+        if a.no_step_cost:
+            for d in every:
+                d.workers = [without_step_cost(w) for w in d.workers]
         dumps = {d.job_id: d for d in every if d.job_id in jobs}
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"estimate_replay: {e}") from None

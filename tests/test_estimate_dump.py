@@ -17,6 +17,7 @@ from gateway import estimate_dump
 from gateway.estimate import (RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView,
                               replay)
 from gateway.estimate_futures import told_wait_s
+from gateway.estimate_steps import StepCost
 from gateway.sdk import GatewayClient
 from scripts import estimate_replay
 from tests.cluster_helpers import job_hash, local_cluster, wait_for
@@ -38,8 +39,9 @@ def random_state(rng: random.Random):
                                      rng.uniform(1, 300)), rng.choice([RUNNING, SUSPENDED, WAITING]),
                                 rng.choice([0, 0b01, 0b11]), rng.choice([0.0, float(rng.randint(1, 16))]))
                            for _ in range(rng.randint(0, 6))],
-                          rng.uniform(0, 0.5), rng.uniform(0, 0.05), rng.choice([math.inf, rng.randint(16, 2048)]))
-               for _ in range(rng.randint(1, 3))]
+                          rng.uniform(0, 0.5), rng.uniform(0, 0.05), rng.choice([math.inf, rng.randint(16, 2048)]),
+                          *rng.choice([(), (StepCost(rng.uniform(0, 0.05), rng.uniform(0, 0.002)), rng.uniform(0, 1))]))
+               for _ in range(rng.randint(1, 3))]  # a worker that reports its step cost, or one that does not
     queued = [Queued(Work(rng.choice([P0, P1, P2, P3]), rng.uniform(1, 900), rng.uniform(1, 300)),
                      -rng.uniform(0, 200), rng.choice([math.inf, rng.uniform(-30, 60)]))
               for _ in range(rng.randint(0, 90))]
@@ -187,6 +189,11 @@ def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reprodu
     bench.write_text(json.dumps({"args": {"min_wait": "0.5"}, "jobs": jobs}))
     assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--check", "--min-wait", "0"]) == 0
     assert f"{len(jobs)} estimates replayed (0 of the run's jobs not in the dump); 0 differ" in capsys.readouterr().out
+    assert any(w.step is not None for d in dumps.values() for w in d.workers)  # the worker said its step cost
+    # The same states as if it had not: the token rates time the jobs, and the replay says how many estimates move.
+    assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--no-step-cost",
+                                 "--min-wait", "0"]) == 0
+    assert f"{len(jobs)} estimates replayed" in capsys.readouterr().out
     # Why a job waited: the last P2 admitted, behind the older P1s and P2s, and the P0s that came after it.
     last_p2 = [h for h in handles if h.tier == "P2"][-1]
     assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--explain", last_p2.id[:12]]) == 0

@@ -157,3 +157,40 @@ def test_each_workers_step_tokens_come_from_its_hello(server):
     views = dict(zip(est.workers.workers, est._worker_views(NOW)))
     assert {wid: v.step_tokens for wid, v in views.items()} == {"wk-0": math.inf, "wk-1": 256, "wk-2": math.inf,
                                                                  "wk-3": math.inf}
+
+
+def test_a_workers_step_cost_reaches_the_model_which_replays_the_steps_since_its_report(server):
+    """A worker that says what its steps cost: its running work is handed to the model as reported, with the
+    report's age, and the model replays the steps since (gateway/estimate_steps.py); one that does not say keeps
+    the token rates, its work advanced here."""
+    from gateway.estimate_steps import StepCost, run_out
+
+    queue, est = cluster(server, slots=1)
+    running = {"job-a": [Tier.P2.rank, 0, 0, 0, 100, 0b01]}  # a P2 about to decode 100 tokens, alone
+
+    def report(age_s: float, **step) -> float:
+        est.workers.load(P.WorkerLoad("wk-0", 0, 1000, {"P2": 1}, {}, ["job-a"], 0.0, {}, RATES.prefill_tps,
+                                      RATES.decode_tps, running, age_s, **step), NOW)
+        return est.for_new("t", Tier.P1, NOW)
+
+    assert report(0.5) == pytest.approx(1.5, abs=0.01)  # 100 tokens at 50/s, 0.5 s of them gone
+    cost = StepCost(0.01, 0.002)  # a step of one sequence: 0.012 s
+    views = est._worker_views(NOW)
+    assert views[0].step is None and views[0].age_s == 0.0
+    told = report(0.5, step_base_s=cost.base_s, step_token_s=cost.token_s)
+    [view] = est._worker_views(NOW)
+    assert view.step == cost and view.age_s == pytest.approx(0.5) and view.held[0].work.decode == 100
+    assert told == pytest.approx(run_out([(0, 100, 0)], cost, math.inf, age_s=0.5).ends[0], abs=0.01)
+    assert told == pytest.approx(1.2 - 0.5, abs=0.02)
+    assert report(0.5, step_base_s=math.nan, step_token_s=0.002) == pytest.approx(1.5, abs=0.01)  # not believed
+
+
+def test_the_step_replay_can_be_turned_off(server):
+    """wait_step_cost = false: a worker's step cost is not used; its work is advanced and timed at its token rates."""
+    queue, est = cluster(server, slots=1)
+    est.step_cost = False
+    running = {"job-a": [Tier.P2.rank, 0, 0, 0, 100, 0b01]}
+    est.workers.load(P.WorkerLoad("wk-0", 0, 1000, {"P2": 1}, {}, ["job-a"], 0.0, {}, RATES.prefill_tps,
+                                  RATES.decode_tps, running, 0.5, step_base_s=0.01, step_token_s=0.002), NOW)
+    assert est._worker_views(NOW)[0].step is None
+    assert est.for_new("t", Tier.P1, NOW) == pytest.approx(1.5, abs=0.01)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from common.errors import InvalidRequest
 from common.tiers import ALL_TIERS
 from worker.request import RequestStatus, SamplingParams
+from worker.step_cost import StepCostFit
 
 # Weight of one finished request in the decayed averages: about the last 20 requests count.
 DECAY = 0.05
@@ -71,8 +72,11 @@ class RateTracker:
         self.clock = clock
         self.prefill = DecayedRate()
         self.decode = DecayedRate()
+        self.steps = StepCostFit()
         self._timings: dict[str, _Timing] = {}
         self._step_start = 0.0
+        # The last step, until the next one starts: (tokens batched, start, end, work left to go straight on with).
+        self._last_step: tuple[int, float, float, bool] | None = None
         self._not_started: list[str] = []
 
     def added(self, request_id: str) -> None:
@@ -94,12 +98,19 @@ class RateTracker:
         return None if t is None or t.prefill_start is None else max(0.0, now - t.prefill_start)
 
     def before_step(self) -> None:
-        self._step_start = self.clock()
+        now = self.clock()
+        self._flush_step(now)
+        self._step_start = now
         self._not_started = [r.request_id for r in self.engine.scheduler.waiting
                              if not r.started and r.request_id in self._timings]
 
     def after_step(self, outputs) -> None:
         now = self.clock()
+        # A step's cost is counted until the next step starts, where the worker goes straight on to it: sending its
+        # tokens, reading dispatches and reporting between steps hold every running job up as much as the forward
+        # pass does (on the bench cluster about a tenth of a decode step). Where the worker then idles, to now.
+        self._last_step = (self.engine.last_batched_tokens, self._step_start, now,
+                           self.engine.has_unfinished())
         for rid in self._not_started:
             t = self._timings.get(rid)
             if t is not None and t.request.started:
@@ -118,9 +129,23 @@ class RateTracker:
                 suspended = req.suspended_total_s - t.suspended_at_first_token
                 self.decode.add(out.num_output_tokens - 1, now - t.first_token - suspended)
 
+    def _flush_step(self, now: float) -> None:
+        if self._last_step is None:
+            return
+        tokens, start, end, goes_on = self._last_step
+        self._last_step = None
+        self.steps.add(tokens, (now if goes_on else end) - start)
+
     def rates(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second per sequence."""
         return self.prefill.rate, self.decode.rate
+
+    def step_cost(self) -> tuple[float, float]:
+        """(base seconds, seconds per batched token) of an engine step (worker/step_cost.py), the last step's
+        included when the worker has gone idle since."""
+        if self._last_step is not None and not self._last_step[3]:
+            self._flush_step(self.clock())
+        return self.steps.cost()
 
     def work(self) -> dict[str, list[int]]:
         """What each held request still has to do, for the gateway's estimate:

@@ -33,6 +33,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or info.max_position_embeddings,
                                  info.max_position_embeddings)
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
+        self.last_batched_tokens = 0  # tokens the last step batched (prefill chunks, one per decoding sequence)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -163,6 +164,7 @@ class Engine:
         requests in it end with FinishReason.ERROR and their blocks are freed; the engine keeps serving
         the others."""
         sched = self.scheduler.schedule()
+        self.last_batched_tokens = sched.num_batched_tokens  # for the step's cost (worker/step_cost.py)
         self.tracer.step_scheduled(sched, self._requests)
         copies_done = False
         try:
