@@ -24,9 +24,8 @@ from gateway import estimate_dump
 from gateway.arrival_forecast import ArrivalForecast
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
-from gateway.estimate_steps import StepCost
 from gateway.timeutil import time_ms
-from gateway.workers import reported_guard, step_tokens
+from gateway.workers import reported_guard, reported_step, step_tokens
 from gateway.wait_learning import BiasCorrection, HandOffs, OutputLengths
 
 # A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
@@ -232,17 +231,6 @@ def report_age_s(load, received_at: float, now: float) -> float:
     """How long ago a worker built ``load``: its age when sent (a finite, bounded one) plus the time since it came."""
     sent = load.age_s if isinstance(load.age_s, (int, float)) and math.isfinite(load.age_s) else 0.0
     return min(MAX_REPORT_AGE_S, max(0.0, sent) + max(0.0, now - received_at))
-
-
-def reported_step(load) -> StepCost | None:
-    """The step cost a worker's report gives, where it gives a usable one (finite, neither part negative, not
-    both nothing); else None, and its jobs are timed at its token rates."""
-    if load is None:
-        return None
-    base, token = load.step_base_s, load.step_token_s
-    if not (math.isfinite(base) and math.isfinite(token) and base >= 0 and token >= 0 and base + token > 0):
-        return None
-    return StepCost(float(base), float(token))
 
 
 def advanced(work: Work, rates: Rates, seconds: float) -> Work:

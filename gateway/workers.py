@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 from common.protocol import WorkerHello, WorkerLoad
 from common.tiers import Tier
+from gateway.estimate_steps import StepCost
+
+
+# A step cost past this (per step or per token) is a broken worker's, not a slow one's: not believed.
+MAX_STEP_COST_S = 3600.0
 
 
 def reported_guard(entry: list) -> int:
@@ -30,6 +35,17 @@ def step_tokens(hello: WorkerHello) -> float:
     (an older worker) or says nonsense (below one token): a prompt is then taken to be prefilled in one step."""
     n = hello.max_num_batched_tokens
     return float(n) if n is not None and n >= 1 else math.inf
+
+
+def reported_step(load: WorkerLoad | None) -> StepCost | None:
+    """The step cost a worker's report gives, where it gives a usable one (neither part negative nor past an
+    hour, not both nothing); else None, and its jobs are timed at its token rates."""
+    if load is None:
+        return None
+    base, token = load.step_base_s, load.step_token_s
+    if not (0 <= base <= MAX_STEP_COST_S and 0 <= token <= MAX_STEP_COST_S and base + token > 0):
+        return None  # NaN fails every comparison
+    return StepCost(float(base), float(token))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from common.tiers import Tier
 from gateway.estimate import RUNNING, WAITING, Held, Queued, Rates, Work, WorkerView, wait_s
 from gateway.estimate_dump import decode, encode
 from gateway.estimate_steps import StepCost, run_out
-from gateway.wait_estimator import reported_step
+from gateway.workers import reported_step
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 COST = StepCost(base_s=0.02, token_s=0.001)  # a decode step of 2 sequences: 0.022 s; a 1,000-token chunk: 1.02 s
@@ -111,7 +111,7 @@ def test_a_free_slot_goes_before_a_preemption_as_the_dispatcher_has_it():
 
 
 @pytest.mark.parametrize("base, token", [(0.0, 0.0), (math.nan, 0.001), (0.02, math.inf), (-0.01, 0.001),
-                                         (0.02, -0.001)])
+                                         (0.02, -0.001), (1e300, 0.001), (0.02, math.nan)])
 def test_a_report_without_a_usable_step_cost_keeps_the_token_rates(base, token):
     load = P.WorkerLoad("w", 0, 0, {}, {}, [], 0.0, step_base_s=base, step_token_s=token)
     assert reported_step(load) is None
