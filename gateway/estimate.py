@@ -24,12 +24,13 @@ that exist (no job-count rates, no floors):
   on it is ahead of every newer job of its new tier, and an older P3 that ages into a P2
   job's tier goes ahead of it; a P3 whose promised start falls due (gateway/promises.py)
   moves to P2 then, as if it had aged early, and every queued job's promise is replayed;
-- a job holds a slot for its worker's engine steps (gateway/estimate_steps.py): the work a
-  worker holds runs out step by step in the worker's order, a job the replay starts there takes
-  its prompt's chunks and a step per output token, and its prefill lengthens the work beside it
-  on that worker; all at the step cost the worker measured (worker/step_cost.py, in every
-  heartbeat). Where a worker reports none, a job holds a slot for prompt / prefill rate +
-  expected output / decode rate, the per-sequence rates it measured (worker/calibration.py).
+- the work a worker holds runs out as its engine steps do (gateway/estimate_steps.py), step
+  by step in the worker's order at the step cost it measured (worker/step_cost.py, in every
+  heartbeat), from its report on: so the model also knows when the step in progress ends. A
+  job the replay starts there holds its slot for prompt / prefill rate + expected output /
+  decode rate, the per-sequence rates the worker measured on its jobs (worker/calibration.py),
+  and its prefill lengthens the work held there by its tokens' cost. Where a worker reports no
+  step cost, its held work is timed at those rates too.
 - a job's prefill starts a hand-off after its slot is free, and the job holds the slot from then
   on: a worker reads its dispatches between engine steps, so on a worker that is running other
   work this is mostly the rest of the step in progress, and on an idle one next to nothing. Each
@@ -107,14 +108,16 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     if not workers:
         return math.inf, None
     # Every slot: when it frees, its worker, and whether only a job that may preempt there can take it then. The
-    # heap holds (free at, slot, version): a prefill started beside a slot's work moves its time on, and the entry
-    # pushed before that is stale.
+    # heap holds (free at, urgent, -credit, slot, version): a prefill started beside a slot's work moves its time
+    # on, and the entry pushed before that is stale.
     free_at: list[float] = []
     worker_of: list[int] = []
     urgent_at: list[bool] = []
     stepped: list[bool] = []  # the slot's work is running now (not work the replay starts there)
     stepping = [0.0] * len(workers)  # until when each worker runs something (then a job sent there waits a step)
-    prefilling = [0.0] * len(workers)  # until when each worker's next step prefills prompts it holds
+    # Until when a job sent to each worker now waits to be read into a step: the step in progress (or, without a
+    # step cost, the next step's prefill of a prompt held there).
+    prefilling = [0.0] * len(workers)
     for i, w in enumerate(workers):
         held = w.next_step()
         times, prefill_step_s = w.run_out()

@@ -14,6 +14,9 @@ not from a guess). Afterwards every finished request updates the rates (decayed 
 
 The tracker also records the start of each request's first prefill chunk: the end of its wait
 (admission until first prefill), which the worker reports to the gateway.
+
+Every step also goes to the fit of what a step costs this worker (worker/step_cost.py), which
+the heartbeats carry too.
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ class RateTracker:
     def after_step(self, outputs) -> None:
         now = self.clock()
         # A step's cost is counted until the next step starts, where the worker goes straight on to it: sending its
-        # tokens, reading dispatches and reporting between steps hold every running job up as much as the forward
-        # pass does (on the bench cluster about a tenth of a decode step). Where the worker then idles, to now.
+        # tokens, reading dispatches and reporting between steps hold every running job up as the forward pass
+        # does. Where the worker then idles, only to the step's end.
         self._last_step = (self.engine.last_batched_tokens, self._step_start, now,
                            self.engine.has_unfinished())
         for rid in self._not_started:

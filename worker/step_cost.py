@@ -2,12 +2,12 @@
 
 A job's time in its batch slot is not its own: a decode step that shares the batch with another job's
 1,024-token prefill chunk lasts as long as that chunk (half a second with the bench model on CPU, against
-0.03 s for a decode step), so a per-sequence token rate averaged over jobs predicts a short job half again
+0.03 s for a decode step), so a per-sequence token rate averaged over jobs predicts a short job up to twice
 too long, or a long one too short (BENCHMARKS.md, issue 12, twentieth session). A step's time, on the other
 hand, follows the tokens in its batch: on the bench model a straight line through the steps of a prefill-heavy,
 a code-like and a conversation-like load fits each step within 10-14 % at the median (the same line on all
-three: 0.02-0.03 s plus 0.52-0.54 ms a token). The gateway replays each worker's steps with it
-(gateway/estimate_steps.py).
+three: 0.02-0.03 s plus 0.51-0.57 ms a token). The gateway replays each worker's steps with it
+(gateway/estimate_steps.py) for the work each worker holds.
 
 The fit is least squares over recent steps, each weighted by a decay so that a changed load (longer contexts,
 another model) takes over within a few thousand steps; the start-up calibration (worker/calibration.py)
