@@ -141,7 +141,7 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=lambda j: slots[j][0])
-            slots[j] = (slots[j][0] + w.slot_s(h.work), slots[j][1])
+            slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
             stepping[i] = max(stepping[i], slots[j][0])
         # Held work the job may preempt resumes in the first slots that free after that (it holds their credit):
         # there the job preempts it once it has re-read its prompt and passed its residency, but a job aged up
@@ -150,8 +150,8 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
                           key=lambda h: (h.work.tier.rank, h.status))
         first_free = sorted((j for j, (_, urgent) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])
         for j, h in zip(first_free, resuming):
-            slots[j] = ((slots[j][0] + w.slot_s(h.work), False) if h.guarded_to_end()
-                        else (slots[j][0] + w.guarded_s(h), True))
+            slots[j] = ((slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), False) if h.guarded_to_end()
+                        else (slots[j][0] + h.guarded_s(w.rates), True))
         for j, (t, urgent) in enumerate(slots):
             free_at.append(t)
             worker_of.append(i)
@@ -188,7 +188,7 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
                     free_at[other] += later
                     stepping[i] = max(stepping[i], free_at[other])
                     push(other)
-        free_at[k] = begins + workers[i].slot_s(work)
+        free_at[k] = begins + workers[i].rates.seconds(work.prefill, work.decode)
         stepped[k] = False
         stepping[i] = max(stepping[i], free_at[k])
         push(k)

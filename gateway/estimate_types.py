@@ -130,16 +130,6 @@ class WorkerView:
                      if h.status == WAITING and h.work.prefill > 0), default=0.0)
         return times, ran.step_left_s + chunk
 
-    def slot_s(self, work: Work) -> float:
-        """Seconds a job not running yet holds a slot here once it starts: at the token rates, which the worker
-        measured on its own jobs as they ran, beside whatever else ran (gateway/estimate_steps.py says why not
-        at the step cost)."""
-        return self.rates.seconds(work.prefill, work.decode)
-
-    def guarded_s(self, h: Held) -> float:
-        """For held work not running yet: from its start until a job that may preempt it can."""
-        return h.guarded_s(self.rates)
-
     def interference_s(self, work: Work) -> float:
         """How much longer the work running here now takes while ``work``'s prompt is prefilled beside it."""
         return 0.0 if self.step is None else interference_s(self.step, work.prefill)

@@ -14,7 +14,7 @@ import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import msgpack
@@ -193,11 +193,8 @@ class WaitEstimator:
                 guard = reported_guard(entry)
                 known = self._jobs.get(job_id)
                 info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
-                work = self._work(info, generated, prefill)
-                if status == RUNNING and step is None:  # both have gone on since the report
-                    now_work = advanced(work, rates, age)
-                    guard, work = max(0.0, guard - (work.decode - now_work.decode)), now_work
-                held.append(Held(work, status, mask, float(guard)))
+                h = Held(self._work(info, generated, prefill), status, mask, float(guard))
+                held.append(advanced_held(h, rates, age) if status == RUNNING and step is None else h)
             for job_id in w.pending:  # sent since its last report: it starts as soon as it arrives
                 if job_id in pending:
                     info = pending[job_id]
@@ -231,6 +228,12 @@ def report_age_s(load, received_at: float, now: float) -> float:
     """How long ago a worker built ``load``: its age when sent (a finite, bounded one) plus the time since it came."""
     sent = load.age_s if isinstance(load.age_s, (int, float)) and math.isfinite(load.age_s) else 0.0
     return min(MAX_REPORT_AGE_S, max(0.0, sent) + max(0.0, now - received_at))
+
+
+def advanced_held(h: Held, rates: Rates, seconds: float) -> Held:
+    """Running work ``h`` after ``seconds`` more at ``rates``: its work and its guard have both gone on."""
+    work = advanced(h.work, rates, seconds)
+    return replace(h, work=work, guard=max(0.0, h.guard - (h.work.decode - work.decode)))
 
 
 def advanced(work: Work, rates: Rates, seconds: float) -> Work:

@@ -36,7 +36,7 @@ from gateway import estimate_dump  # noqa: E402
 from gateway.estimate import RUNNING, Arrivals, WorkerView, replay  # noqa: E402
 from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
 from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
-from gateway.wait_estimator import advanced  # noqa: E402
+from gateway.wait_estimator import advanced_held  # noqa: E402
 from scripts.estimate_report import summarize, table  # noqa: E402
 
 
@@ -71,7 +71,8 @@ def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     out = [f"job {job['job_id']} {job['tier']} admitted at {job['at']:.2f} s: told {d.told_s:.2f} s, waited "
            f"{job['wait_s']:.2f} s (the evenly spaced future: {even:.2f} s)"]
     for i, w in enumerate(d.workers):
-        held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.slot_s(h.work):.1f}s" for h in w.held)
+        held = ", ".join(f"{h.work.tier.value} {'RSW'[h.status]} {w.rates.seconds(h.work.prefill, h.work.decode):.1f}s"
+                         for h in w.held)
         out.append(f"  worker {i}: {w.slots} slots, hand-off {w.handoff_s:.3f}/{w.idle_handoff_s:.3f} s; "
                    f"holds {held or 'nothing'}")
     by = {t: sum(q.work.tier is t for q in d.queued) for t in ALL_TIERS}
@@ -97,12 +98,7 @@ def without_step_cost(w: WorkerView) -> WorkerView:
     by the report's age at the token rates (gateway/wait_estimator.py), timed at them from then on."""
     if w.step is None:
         return w
-    held = []
-    for h in w.held:
-        if h.status == RUNNING:
-            work = advanced(h.work, w.rates, w.age_s)
-            h = replace(h, work=work, guard=max(0.0, h.guard - (h.work.decode - work.decode)))
-        held.append(h)
+    held = [advanced_held(h, w.rates, w.age_s) if h.status == RUNNING else h for h in w.held]
     return replace(w, held=held, step=None, age_s=0.0)
 
 
