@@ -47,15 +47,17 @@ class WorkerLoad:
     decode_tps: float = 0.0
     # job id -> [tier rank, status 0 running / 1 suspended / 2 waiting, tokens left to prefill, generated,
     # max_tokens, bit mask of tiers that may preempt it, tokens it still generates before its preemption guards
-    # let it be preempted (absent from older workers: none)]: the work ahead of new jobs, for wait estimates.
+    # let it be preempted (absent from older workers: none), tokens in its KV cache (absent from older workers:
+    # none)]: the work ahead of new jobs, for wait estimates.
     work: dict[str, list[int]] = field(default_factory=dict)
     # Seconds from building this report to sending it (the heartbeat thread sends the latest one, up to a
     # heartbeat old): with the time since it came, how far the running work has got past what ``work`` says.
     age_s: float = 0.0
-    # An engine step's cost here (worker/step_cost.py): seconds = step_base_s + step_token_s x tokens batched;
-    # 0 and 0: not reported (an older worker, or nothing measured).
+    # An engine step's cost here (worker/step_cost.py): seconds = step_base_s + step_token_s x tokens batched
+    # + step_pair_s x query-key pairs attended; all 0: not reported (an older worker, or nothing measured).
     step_base_s: float = 0.0
     step_token_s: float = 0.0
+    step_pair_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,10 @@ def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[Work
     return {
         "v": VERSION, "at": at, "told_s": _num(told_s), "bias": bias, "tier": tier.value,
         "workers": [{"slots": w.slots, "rates": [w.rates.prefill_tps, w.rates.decode_tps],
-                     "held": [[*_work(h.work), h.status, h.preemptible_by, h.guard] for h in w.held],
+                     "held": [[*_work(h.work), h.status, h.preemptible_by, h.guard, h.context] for h in w.held],
                      "handoff_s": w.handoff_s, "idle_handoff_s": w.idle_handoff_s,
                      "step_tokens": _num(w.step_tokens),
-                     "step": None if w.step is None else [w.step.base_s, w.step.token_s],
+                     "step": None if w.step is None else [w.step.base_s, w.step.token_s, w.step.pair_s],
                      "age_s": w.age_s} for w in workers],
         "queued": [[*_work(q.work), q.enqueued_s, _num(q.promoted_s)] for q in queued],
         "arrivals": [[*_work(a.work), a.per_s, None if a.settles_to is None else _num(a.settles_to), a.settle_s]
@@ -91,11 +91,12 @@ def decode(line: dict[str, Any]) -> Dumped:
         job_id=line["job_id"], at=float(line["at"]), told_s=float(line["told_s"]), bias=float(line["bias"]),
         tier=Tier(line["tier"]),
         workers=[WorkerView(w["slots"], Rates(*w["rates"]),
-                            [Held(_unwork(h[:3]), int(h[3]), int(h[4]), float(h[5]) if len(h) > 5 else 0.0)
-                             for h in w["held"]],
+                            [Held(_unwork(h[:3]), int(h[3]), int(h[4]), float(h[5]) if len(h) > 5 else 0.0,
+                                  float(h[6]) if len(h) > 6 else 0.0) for h in w["held"]],
                             w["handoff_s"], w["idle_handoff_s"], _unnum(w.get("step_tokens", "inf")),
                             StepCost(*w["step"]) if w.get("step") else None, float(w.get("age_s", 0.0)))
-                 for w in line["workers"]],  # older dumps: no step_tokens (before workers said it), no step cost
+                 for w in line["workers"]],  # older dumps: no step_tokens (before workers said it), no step cost,
+        # no cost per pair, no contexts
         queued=[Queued(_unwork(q[:3]), float(q[3]), _unnum(q[4])) for q in line["queued"]],
         arrivals=[Arrivals(_unwork(a[:3]), float(a[3]),
                            *([None if a[4] is None else _unnum(a[4]), float(a[5])] if len(a) > 4 else []))

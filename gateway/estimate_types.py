@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from common.tiers import PREEMPTING_TIERS, Tier
-from gateway.estimate_steps import StepCost, interference_s, run_out
+from gateway.estimate_steps import StepCost, chunk_pairs, interference_s, run_out
 
 RUNNING, SUSPENDED, WAITING = 0, 1, 2  # status codes of WorkerLoad.work
 # Who may preempt a job of each tier (a bit mask of tier ranks), by the default preemption matrix: for jobs not yet
@@ -50,6 +50,8 @@ class Held:
     # Tokens it still generates (after the prompt it has left) before the worker's preemption guards let a job
     # that may preempt it do so: a resumed job's residency, or to its end near completion.
     guard: float = 0.0
+    # Tokens it has in the worker's KV cache: its next chunk or token attends to them (0: none, or not reported).
+    context: float = 0.0
 
     def guarded_s(self, rates: Rates) -> float:
         """How long until a job that may preempt it can: its prefill left and its guarded tokens."""
@@ -120,14 +122,14 @@ class WorkerView:
             return times, max((self.rates.seconds(min(h.work.prefill, self.step_tokens), 0) for h in self.held
                                if h.status in (RUNNING, WAITING) and h.work.prefill > 0), default=0.0)
         budget = max(1.0, self.step_tokens)
-        ran = run_out([(held[k].work.prefill, held[k].work.decode, held[k].guard) for k in running], self.step,
-                      budget, self.age_s)
+        ran = run_out([(held[k].work.prefill, held[k].work.decode, held[k].guard, held[k].context) for k in running],
+                      self.step, budget, self.age_s)
         for k, end, guard in zip(running, ran.ends, ran.guards):
             times[k] = (end, guard)
         # A prompt waiting here without a free slot (a P0 or P1 sent to preempt) starts in the step after the one in
         # progress, and a job sent now joins the step after its first chunk.
-        chunk = max((self.step.step_s(min(h.work.prefill, budget)) for h in held
-                     if h.status == WAITING and h.work.prefill > 0), default=0.0)
+        chunk = max((self.step.step_s(n, chunk_pairs(n, h.context)) for h in held
+                     if h.status == WAITING and (n := min(h.work.prefill, budget)) > 0), default=0.0)
         return times, ran.step_left_s + chunk
 
     def interference_s(self, work: Work) -> float:

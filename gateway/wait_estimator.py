@@ -25,7 +25,7 @@ from gateway.arrival_forecast import ArrivalForecast
 from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
-from gateway.workers import reported_guard, reported_step, step_tokens
+from gateway.workers import reported_context, reported_guard, reported_step, step_tokens
 from gateway.wait_learning import BiasCorrection, HandOffs, OutputLengths
 
 # A report's age past this is not believed (a worker's clock or a bug): its running work is advanced this far at most.
@@ -193,7 +193,8 @@ class WaitEstimator:
                 guard = reported_guard(entry)
                 known = self._jobs.get(job_id)
                 info = JobInfo(known.tenant if known else None, ALL_TIERS[rank], 0, max_tokens)
-                h = Held(self._work(info, generated, prefill), status, mask, float(guard))
+                h = Held(self._work(info, generated, prefill), status, mask, float(guard),
+                         float(reported_context(entry)))
                 held.append(advanced_held(h, rates, age) if status == RUNNING and step is None else h)
             for job_id in w.pending:  # sent since its last report: it starts as soon as it arrives
                 if job_id in pending:

@@ -16,8 +16,10 @@ from common.tiers import Tier
 from gateway.estimate_steps import StepCost
 
 
-# A step cost past this (per step or per token) is a broken worker's, not a slow one's: not believed.
+# A step cost past this (per step, per token or per pair) is a broken worker's, not a slow one's: not believed.
 MAX_STEP_COST_S = 3600.0
+# A job's context past this many tokens is a broken worker's report (no model holds one): not believed.
+MAX_CONTEXT_TOKENS = 1 << 24
 
 
 def reported_guard(entry: list) -> int:
@@ -30,6 +32,13 @@ def reported_guard(entry: list) -> int:
     return min(guard, max(0, entry[2]) + max(0, entry[4]))  # ints: the protocol decodes work as list[int]
 
 
+def reported_context(entry: list) -> int:
+    """The tokens a WorkerLoad.work entry says its job has in the KV cache (its eighth field): none from an older
+    worker, and none believed from a bad value (not a whole number, below none, or past MAX_CONTEXT_TOKENS)."""
+    context = entry[7] if len(entry) > 7 else 0
+    return context if type(context) is int and 0 < context <= MAX_CONTEXT_TOKENS else 0
+
+
 def step_tokens(hello: WorkerHello) -> float:
     """Most prompt tokens one of the worker's engine steps prefills, as its hello says; inf where it does not say
     (an older worker) or says nonsense (below one token): a prompt is then taken to be prefilled in one step."""
@@ -38,14 +47,14 @@ def step_tokens(hello: WorkerHello) -> float:
 
 
 def reported_step(load: WorkerLoad | None) -> StepCost | None:
-    """The step cost a worker's report gives, where it gives a usable one (neither part negative nor past an
-    hour, not both nothing); else None, and its jobs are timed at its token rates."""
+    """The step cost a worker's report gives, where it gives a usable one (no part negative nor past an hour, the
+    base and per token not both nothing); else None, and its jobs are timed at its token rates."""
     if load is None:
         return None
-    base, token = load.step_base_s, load.step_token_s
-    if not (0 <= base <= MAX_STEP_COST_S and 0 <= token <= MAX_STEP_COST_S and base + token > 0):
+    base, token, pair = load.step_base_s, load.step_token_s, load.step_pair_s
+    if not all(0 <= x <= MAX_STEP_COST_S for x in (base, token, pair)) or not base + token > 0:
         return None  # NaN fails every comparison
-    return StepCost(float(base), float(token))
+    return StepCost(float(base), float(token), float(pair))
 
 
 @dataclass

@@ -102,6 +102,12 @@ def without_step_cost(w: WorkerView) -> WorkerView:
     return replace(w, held=held, step=None, age_s=0.0)
 
 
+def without_pair_cost(w: WorkerView) -> WorkerView:
+    """``w`` with what its steps' attention pairs cost left out of its step cost (base and per token as fitted
+    beside it, so not what a fit on tokens alone would give: a bound on what the term does, not the old fit)."""
+    return w if w.step is None else replace(w, step=replace(w.step, pair_s=0.0))
+
+
 def same(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
 
@@ -127,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-step-cost", action="store_true",
                     help="replay as if no worker had reported its step cost: jobs timed at the token rates alone "
                          "(gateway/estimate_steps.py), to compare the two on the same states")
+    ap.add_argument("--no-pair-cost", action="store_true",
+                    help="replay with the workers' step costs less what the attention's pairs cost (worker/step_cost.py"
+                         "), to see on the same states what that term does")
     ap.add_argument("--explain", metavar="JOB", action="append", default=[],
                     help="for this job (an id or its start), what the model expected to go before it against what "
                          "did; repeatable; 'misses': every judged job not within 2x")
@@ -153,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.no_step_cost:
             for d in every:
                 d.workers = [without_step_cost(w) for w in d.workers]
+        if a.no_pair_cost:
+            for d in every:
+                d.workers = [without_pair_cost(w) for w in d.workers]
         dumps = {d.job_id: d for d in every if d.job_id in jobs}
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"estimate_replay: {e}") from None

@@ -11,8 +11,8 @@ from common import protocol as P
 from common.tiers import Tier
 from gateway.estimate import RUNNING, WAITING, Held, Queued, Rates, Work, WorkerView, wait_s
 from gateway.estimate_dump import decode, encode
-from gateway.estimate_steps import StepCost, run_out
-from gateway.workers import reported_step
+from gateway.estimate_steps import StepCost, chunk_pairs, interference_s, run_out
+from gateway.workers import MAX_CONTEXT_TOKENS, reported_context, reported_step
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3
 COST = StepCost(base_s=0.02, token_s=0.001)  # a decode step of 2 sequences: 0.022 s; a 1,000-token chunk: 1.02 s
@@ -20,8 +20,9 @@ RATES = Rates(prefill_tps=1000.0, decode_tps=50.0)  # what the token rates would
 BY_P0_P1 = 0b11
 
 
-def held(tier: Tier, prefill: float, decode: float, mask: int = 0, guard: float = 0.0, status: int = RUNNING) -> Held:
-    return Held(Work(tier, prefill, decode), status, mask, guard)
+def held(tier: Tier, prefill: float, decode: float, mask: int = 0, guard: float = 0.0, status: int = RUNNING,
+         context: float = 0.0) -> Held:
+    return Held(Work(tier, prefill, decode), status, mask, guard, context)
 
 
 def test_decoding_work_runs_out_a_step_a_token_faster_as_the_batch_empties():
@@ -110,20 +111,140 @@ def test_a_free_slot_goes_before_a_preemption_as_the_dispatcher_has_it():
     assert wait_s(P1, [full]) == pytest.approx(0.05)  # no free slot anywhere: it preempts the P3
 
 
-@pytest.mark.parametrize("base, token", [(0.0, 0.0), (math.nan, 0.001), (0.02, math.inf), (-0.01, 0.001),
-                                         (0.02, -0.001), (1e300, 0.001), (0.02, math.nan)])
-def test_a_report_without_a_usable_step_cost_keeps_the_token_rates(base, token):
-    load = P.WorkerLoad("w", 0, 0, {}, {}, [], 0.0, step_base_s=base, step_token_s=token)
+PAIRS = StepCost(base_s=0.02, token_s=0.001, pair_s=1e-6)  # a 1,000-token chunk: 1.52 s from the start, 2.52 after 1,000
+
+
+def test_a_prompts_later_chunks_cost_more_as_they_attend_to_what_came_before():
+    ran = run_out([(2000, 1, 0)], PAIRS, 1000)
+    first = 0.02 + 1.0 + 1e-6 * 1000 * 1001 / 2
+    second = 0.02 + 1.0 + 1e-6 * (1000 * 1000 + 1000 * 1001 / 2)
+    assert ran.step_left_s == pytest.approx(first) and ran.ends == pytest.approx([first + second])
+    # A prompt the worker has half prefilled (1,000 tokens in its cache) has only the dearer chunk left.
+    assert run_out([(1000, 1, 0, 1000)], PAIRS, 1000).ends == pytest.approx([second])
+    # Without the pairs' cost (an older worker), both chunks cost the same.
+    assert run_out([(2000, 1, 0)], COST, 1000).ends == pytest.approx([2 * 1.02])
+
+
+def test_decode_steps_grow_with_their_contexts_and_a_job_sent_now_is_read_after_the_one_in_progress():
+    # Two sequences at 500 and 1,500 tokens decode 10 and 30 more: each step attends one more pair per sequence.
+    ran = run_out([(0, 10, 4, 500), (0, 30, 0, 1500)], PAIRS, 1000)
+    steps, t, ctx = [], 0.0, [500, 1500]
+    for n in range(30):
+        live = [0, 1] if n < 10 else [1]
+        steps.append(0.02 + 0.001 * len(live) + 1e-6 * sum(ctx[j] + 1 for j in live))
+        for j in live:
+            ctx[j] += 1
+    assert ran.ends == pytest.approx([sum(steps[:10]), sum(steps)])
+    assert ran.guards[0] == pytest.approx(sum(steps[:4]))
+    for age in (0.0, 0.05, sum(steps[:7]) + 1e-9, sum(steps[:12]) + 0.003):
+        at = run_out([(0, 10, 4, 500), (0, 30, 0, 1500)], PAIRS, 1000, age_s=age)
+        done = next(k for k in range(31) if sum(steps[:k + 1]) > age)  # the step in progress at ``age``
+        assert at.step_left_s == pytest.approx(sum(steps[:done + 1]) - age)
+
+
+def _stepped(jobs, cost, budget, age_s):
+    """run_out's answer worked out one step at a time, the way a worker runs them, each pair counted one position at
+    a time: the reference it must match."""
+    seqs = [{"prefill": p, "decode": d, "guard": g, "ctx": c, "made": 0, "end": None, "guarded": None}
+            for p, d, g, c in jobs]
+    for q in seqs:
+        if q["prefill"] <= 0 and q["decode"] <= 0:
+            q["end"] = 0.0
+        if q["guard"] <= 0:
+            q["guarded"] = 0.0
+    clock, left = 0.0, 0.0
+    while any(q["end"] is None for q in seqs):
+        batch = []  # (sequence, positions it computes this step)
+        room = budget
+        for q in seqs:
+            if q["end"] is None and room > 0:
+                n = 1 if q["prefill"] <= 0 else min(q["prefill"], room)
+                batch.append((q, n))
+                room -= n
+        pairs = sum(sum(range(q["ctx"] + 1, q["ctx"] + n + 1)) for q, n in batch)  # position k attends k keys
+        seconds = cost.base_s + cost.token_s * sum(n for _, n in batch) + cost.pair_s * pairs
+        if clock <= age_s < clock + seconds:
+            left = clock + seconds - age_s
+        clock += seconds
+        for q, n in batch:
+            q["ctx"] += n
+            if q["prefill"] > 0:
+                q["prefill"] -= n
+                if q["prefill"] > 0:
+                    continue  # more chunks to come: no token yet
+            q["made"] += 1
+            q["decode"] -= 1
+            if q["guarded"] is None and q["made"] >= q["guard"]:
+                q["guarded"] = clock
+            if q["decode"] <= 0:
+                q["end"] = clock
+    return ([max(0.0, q["end"] - age_s) for q in seqs],
+            [max(0.0, min(q["guarded"] if q["guarded"] is not None else math.inf, q["end"]) - age_s) for q in seqs],
+            left)
+
+
+def test_run_out_matches_a_worker_stepped_one_step_at_a_time_on_random_work():
+    # Random held work, including the cases that break a shortcut: prompts longer than many budgets, a budget of
+    # one token, contexts past a thousand, ages inside long decode runs and past the end, guards past the end.
+    import random
+
+    rng = random.Random(12)
+    for _ in range(300):
+        cost = StepCost(rng.choice([0.0, 0.02]), rng.choice([0.0, 0.001]) or 0.0005, rng.choice([0.0, 1e-6, 3e-7]))
+        budget = rng.choice([1, 7, 256, 1000])
+        jobs = [(rng.choice([0, 0, rng.randint(1, 5000)]), rng.randint(0, 60), rng.randint(0, 70),
+                 rng.choice([0, rng.randint(1, 3000)])) for _ in range(rng.randint(0, 4))]
+        jobs = [(p, d, g, c) for p, d, g, c in jobs if budget >= 1]
+        age = rng.choice([0.0, rng.uniform(0, 2), rng.uniform(0, 30), 1e4])
+        ran = run_out(jobs, cost, budget, age)
+        ends, guards, left = _stepped(jobs, cost, budget, age)
+        assert ran.ends == pytest.approx(ends, abs=1e-9) and ran.guards == pytest.approx(guards, abs=1e-9)
+        assert ran.step_left_s == pytest.approx(left, abs=1e-9)
+
+
+def test_a_waiting_prompt_and_a_dispatched_one_cost_their_pairs_too():
+    # A P0 sent to a worker whose waiting P3 prompt has 1,000 of its tokens in the cache (its second chunk next):
+    # it is read after that chunk's step, dearer than a first chunk.
+    w = WorkerView(1, RATES, [held(P3, 1000, 10, BY_P0_P1, status=WAITING, context=1000)], step_tokens=1000,
+                   step=PAIRS)
+    assert w.run_out()[1] == pytest.approx(0.02 + 1.0 + 1e-6 * chunk_pairs(1000, 1000))
+    # A prompt started beside running work lengthens it by its tokens and the pairs they attend.
+    assert w.interference_s(Work(P2, 2000, 10)) == pytest.approx(interference_s(PAIRS, 2000))
+    assert interference_s(PAIRS, 2000) == pytest.approx(2.0 + 1e-6 * 2000 * 2001 / 2)
+    assert interference_s(PAIRS, -5) == 0.0
+
+
+@pytest.mark.parametrize("entry, context", [([3, 0, 0, 5, 10, 3, 0], 0), ([3, 0, 0, 5, 10, 3, 0, 700], 700),
+                                            ([3, 0, 0, 5, 10, 3, 0, -1], 0), ([3, 0, 0, 5, 10, 3, 0, 1.5], 0),
+                                            ([3, 0, 0, 5, 10, 3, 0, True], 0), ([3, 0, 0, 5, 10, 3, 0, "x"], 0),
+                                            ([3, 0, 0, 5, 10, 3, 0, MAX_CONTEXT_TOKENS + 1], 0)])
+def test_a_jobs_reported_context_is_believed_only_where_it_makes_sense(entry, context):
+    assert reported_context(entry) == context
+
+
+@pytest.mark.parametrize("base, token, pair", [(0.0, 0.0, 0.0), (0.0, 0.0, 1e-6), (math.nan, 0.001, 0.0),
+                                               (0.02, math.inf, 0.0), (-0.01, 0.001, 0.0), (0.02, -0.001, 0.0),
+                                               (1e300, 0.001, 0.0), (0.02, math.nan, 0.0), (0.02, 0.001, math.nan),
+                                               (0.02, 0.001, -1e-6), (0.02, 0.001, 1e300)])
+def test_a_report_without_a_usable_step_cost_keeps_the_token_rates(base, token, pair):
+    load = P.WorkerLoad("w", 0, 0, {}, {}, [], 0.0, step_base_s=base, step_token_s=token, step_pair_s=pair)
     assert reported_step(load) is None
     assert reported_step(None) is None
     assert reported_step(P.WorkerLoad("w", 0, 0, {}, {}, [], 0.0, step_base_s=0.02, step_token_s=0.001)) == \
         StepCost(0.02, 0.001)
+    assert reported_step(P.WorkerLoad("w", 0, 0, {}, {}, [], 0.0, step_base_s=0.02, step_token_s=0.001,
+                                      step_pair_s=1e-6)) == PAIRS
 
 
 def test_the_dump_keeps_the_step_cost_and_reads_dumps_without_one():
-    w = WorkerView(2, RATES, [held(P3, 0, 20, BY_P0_P1)], step_tokens=1000, step=COST)
+    w = WorkerView(2, RATES, [held(P3, 0, 20, BY_P0_P1, context=812)], step_tokens=1000, step=PAIRS)
     line = encode(1.5, 1.0, 10.0, P2, [w, WorkerView(1, RATES)], [], [], {})
     back = decode({"job_id": "j", **line})
-    assert back.workers[0].step == COST and back.workers[1].step is None
+    assert back.workers[0].step == PAIRS and back.workers[1].step is None
+    assert back.workers[0].held[0].context == 812
+    line["workers"][0]["step"] = [0.02, 0.001]  # a dump from before the pairs' cost: none
+    line["workers"][0]["held"][0] = line["workers"][0]["held"][0][:6]  # nor contexts
+    back = decode({"job_id": "j", **line})
+    assert back.workers[0].step == COST and back.workers[0].held[0].context == 0.0
     del line["workers"][0]["step"]  # a dump from before workers reported it
     assert decode({"job_id": "j", **line}).workers[0].step is None

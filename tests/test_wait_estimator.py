@@ -183,6 +183,13 @@ def test_a_workers_step_cost_reaches_the_model_which_replays_the_steps_since_its
     assert told == pytest.approx(run_out([(0, 100, 0)], cost, math.inf, age_s=0.5).ends[0], abs=0.01)
     assert told == pytest.approx(1.2 - 0.5, abs=0.02)
     assert report(0.5, step_base_s=math.nan, step_token_s=0.002) == pytest.approx(1.5, abs=0.01)  # not believed
+    # Its tokens in the KV cache (the entry's eighth field) reach the model: each step attends to them.
+    running["job-a"] = [Tier.P2.rank, 0, 0, 0, 100, 0b01, 0, 900]
+    told = report(0.5, step_base_s=cost.base_s, step_token_s=cost.token_s, step_pair_s=1e-5)
+    [view] = est._worker_views(NOW)
+    assert view.held[0].context == 900 and view.step == StepCost(0.01, 0.002, 1e-5)
+    assert told == pytest.approx(run_out([(0, 100, 0, 900)], view.step, math.inf, age_s=0.5).ends[0], abs=0.01)
+    assert told > 1.2 + 100 * 900 * 1e-5 - 0.5  # each of the 100 steps attends 900 pairs and more
 
 
 def test_the_step_replay_can_be_turned_off(server):

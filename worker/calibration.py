@@ -78,8 +78,9 @@ class RateTracker:
         self.steps = StepCostFit()
         self._timings: dict[str, _Timing] = {}
         self._step_start = 0.0
-        # The last step, until the next one starts: (tokens batched, start, end, work left to go straight on with).
-        self._last_step: tuple[int, float, float, bool] | None = None
+        # The last step, until the next one starts: (tokens batched, pairs attended, start, end, work left to go
+        # straight on with).
+        self._last_step: tuple[int, int, float, float, bool] | None = None
         self._not_started: list[str] = []
 
     def added(self, request_id: str) -> None:
@@ -112,7 +113,7 @@ class RateTracker:
         # A step's cost is counted until the next step starts, where the worker goes straight on to it: sending its
         # tokens, reading dispatches and reporting between steps hold every running job up as the forward pass
         # does. Where the worker then idles, only to the step's end.
-        self._last_step = (self.engine.last_batched_tokens, self._step_start, now,
+        self._last_step = (self.engine.last_batched_tokens, self.engine.last_attended_pairs, self._step_start, now,
                            self.engine.has_unfinished())
         for rid in self._not_started:
             t = self._timings.get(rid)
@@ -135,18 +136,18 @@ class RateTracker:
     def _flush_step(self, now: float) -> None:
         if self._last_step is None:
             return
-        tokens, start, end, goes_on = self._last_step
+        tokens, pairs, start, end, goes_on = self._last_step
         self._last_step = None
-        self.steps.add(tokens, (now if goes_on else end) - start)
+        self.steps.add(tokens, (now if goes_on else end) - start, pairs)
 
     def rates(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second per sequence."""
         return self.prefill.rate, self.decode.rate
 
-    def step_cost(self) -> tuple[float, float]:
-        """(base seconds, seconds per batched token) of an engine step (worker/step_cost.py), the last step's
-        included when the worker has gone idle since."""
-        if self._last_step is not None and not self._last_step[3]:
+    def step_cost(self) -> tuple[float, float, float]:
+        """(base seconds, seconds per batched token, seconds per attended pair) of an engine step
+        (worker/step_cost.py), the last step's included when the worker has gone idle since."""
+        if self._last_step is not None and not self._last_step[4]:
             self._flush_step(self.clock())
         return self.steps.cost()
 
@@ -154,7 +155,8 @@ class RateTracker:
         """What each held request still has to do, for the gateway's estimate:
         job id -> [tier rank, status (0 running, 1 suspended, 2 waiting), tokens left to prefill,
         tokens generated, max_tokens, bit mask of the tiers that may preempt it, tokens it will still generate
-        before a guard lets it be preempted (PreemptionPolicy.protected_tokens)]."""
+        before a guard lets it be preempted (PreemptionPolicy.protected_tokens), tokens in its KV cache (where
+        its next chunk or token attends from)]."""
         sched = self.engine.scheduler
         matrix = sched.preemption.config.matrix
         out = {}
@@ -163,7 +165,7 @@ class RateTracker:
             prefill_left = max(0, r.num_tokens - r.num_computed_tokens - (1 if r.output_token_ids else 0))
             out[r.request_id] = [r.tier.rank, STATUS_CODES.get(r.status, 2), prefill_left,
                                  len(r.output_token_ids), r.params.max_tokens, mask,
-                                 sched.preemption.protected_tokens(r)]
+                                 sched.preemption.protected_tokens(r), r.num_computed_tokens]
         return out
 
 

@@ -34,6 +34,7 @@ class Engine:
                                  info.max_position_embeddings)
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
         self.last_batched_tokens = 0  # tokens the last step batched (prefill chunks, one per decoding sequence)
+        self.last_attended_pairs = 0  # query-key pairs its attention computed (SchedulerOutput.num_attended_pairs)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -165,6 +166,7 @@ class Engine:
         the others."""
         sched = self.scheduler.schedule()
         self.last_batched_tokens = sched.num_batched_tokens  # for the step's cost (worker/step_cost.py)
+        self.last_attended_pairs = sched.num_attended_pairs
         self.tracer.step_scheduled(sched, self._requests)
         copies_done = False
         try:

@@ -38,6 +38,12 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def num_attended_pairs(self) -> int:
+        """Query-key pairs the step's attention computes: each token attends to itself and every token before it
+        in its sequence, so a chunk of n tokens from position s adds n*s + n(n+1)/2 (a decode token: s + 1)."""
+        return sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks and not self.copies
 

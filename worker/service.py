@@ -271,7 +271,7 @@ class WorkerService:
                                        for r in e.scheduler.running) - claimed) for t in ALL_TIERS}
         victims[Tier.P0.value] += any_free - free_slots
         held = list(self.jobs) + [m.job_id for _, m, _ in self._unsent]
-        base_s, token_s = self.rates.step_cost()
+        base_s, token_s, pair_s = self.rates.step_cost()
         self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
                                       held, cost, victims, *self.rates.rates(), self.rates.work(),
-                                      step_base_s=base_s, step_token_s=token_s)
+                                      step_base_s=base_s, step_token_s=token_s, step_pair_s=pair_s)
