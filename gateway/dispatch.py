@@ -69,10 +69,11 @@ class Dispatcher:
 
     def _plan_preemptions(self) -> tuple[dict[str, list[str]], dict[str, str]]:
         """Every worker is full: a P0/P1 job goes only to a worker with a running job it may preempt
-        (as reported, less the urgent jobs already sent there and not yet reported), spread over the
-        workers; a job with no such victim anywhere stays in Redis, where aging, queue timeouts and
-        wait estimates still apply to it."""
-        room = {wid: w.victims_left(self._urgent_sent) for wid, w in self.workers.workers.items()}
+        (as reported, less the urgent jobs already sent there and not yet reported, plus the jobs it may preempt
+        sent there since), spread over the workers; a job with no such victim anywhere stays in Redis, where
+        aging, queue timeouts and wait estimates still apply to it."""
+        room = {wid: w.victims_left(self._urgent_sent, self.estimator.tier_of)
+                for wid, w in self.workers.workers.items()}
         # A worker with a victim no preemption guard protects now goes first: the job starts at once there.
         guarded = {wid: {t: w.guarded_victims(t) for t in PREEMPTING_TIERS} for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())

@@ -9,11 +9,13 @@ worker that reports a running job they may preempt (WorkerLoad.victims).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.protocol import WorkerHello, WorkerLoad
 from common.tiers import Tier
 from gateway.estimate_steps import StepCost
+from gateway.estimate_types import PREEMPTED_BY
 
 
 # A step cost past this (per step, per token or per pair) is a broken worker's, not a slow one's: not believed.
@@ -79,12 +81,31 @@ class WorkerState:
         return bool(self.pending) or (self.load is not None and any((*self.load.running.values(),
                                                                       *self.load.waiting.values())))
 
-    def victims_left(self, urgent_sent: set[str]) -> dict[Tier, int]:
-        """Per P0/P1: running jobs here it may preempt, less the urgent jobs sent since the last report."""
+    def victims_left(self, urgent_sent: set[str], tier_of: Callable[[str], Tier | None] = lambda _: None,
+                     ) -> dict[Tier, int]:
+        """Per P0/P1: running jobs here it may preempt, less the urgent jobs sent since the last report, plus the
+        jobs sent here since then that it may preempt (``tier_of``: the tier a job was admitted at, None where not
+        known). Those run when the urgent job arrives, or wait behind it: either way it starts at the next step.
+        Left out, an urgent job admitted while a job just sent here ran its first step waited in the queue for the
+        report at that step's end, and its dispatch then came just after the worker had begun the next step: it
+        waited two steps, a second or two beside a long prompt's chunks, where the wait model told it one."""
         if self.load is None:
             return {}
         unreported = len(self.pending & urgent_sent)
-        return {Tier(t): n - unreported for t, n in self.load.victims.items() if t in ("P0", "P1")}
+        sent = [t for t in map(tier_of, self.pending - urgent_sent) if t is not None]
+        out = {}
+        for t, n in self.load.victims.items():
+            if t in ("P0", "P1"):
+                urgent = Tier(t)
+                out[urgent] = n - unreported + sum(self._may_preempt(urgent, v) for v in sent)
+        return out
+
+    def _may_preempt(self, urgent: Tier, victim: Tier) -> bool:
+        """By the worker's preemption matrix as its report shows it (the mask of a job of ``victim``'s tier it
+        holds), else by the default matrix."""
+        mask = next((e[5] for e in self.load.work.values() if len(e) > 5 and e[0] == victim.rank
+                     and type(e[5]) is int), PREEMPTED_BY[victim])
+        return bool((mask >> urgent.rank) & 1)
 
     def guarded_victims(self, tier: Tier) -> int:
         """Running jobs here ``tier`` may preempt, but not yet: a preemption guard protects them (a resumed

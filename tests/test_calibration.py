@@ -42,13 +42,15 @@ def test_first_prefill_start_and_held_work(tiny_model_dir):
     tracker.added("b")
     work = tracker.work()
     # Nothing ran yet: both wait with their whole prompts; P3 may be preempted by P0 and P1, P2 by P0.
-    assert work == {"a": [3, 2, 3, 0, 20, 0b11, 0], "b": [2, 2, 2, 0, 5, 0b01, 0]}  # no guard on either
+    # No guard on either, and nothing in the KV cache.
+    assert work == {"a": [3, 2, 3, 0, 20, 0b11, 0, 0], "b": [2, 2, 2, 0, 5, 0b01, 0, 0]}
     tracker.before_step()
     tracker.after_step(engine.step())
     started = {r: tracker.prefill_start_s(r) for r in "ab"}
     assert started["b"] is not None and started["b"] >= 0  # the P2 outranks the P3: its prefill ran first
     assert started["a"] is None  # one slot: the P3 has not started
     assert tracker.work()["b"][:4] == [2, 0, 0, 1]  # running, prompt done, one token out
+    assert tracker.work()["b"][7] == 2  # its prompt in the cache; the token out is computed next step
     run(engine, tracker)
     assert tracker.prefill_start_s("a") > started["b"]
     assert all(r > 0 for r in tracker.rates())

@@ -88,3 +88,45 @@ def test_a_guard_is_believed_up_to_its_jobs_end_only():
     assert reported_guard([3, 0, 100, 10, 400, 3, 12]) == 12
     assert reported_guard([3, 0, 100, 10, 400, 3, True]) == 0  # a bool is no count
     assert reported_guard([3, 0, 100, 10, 400, 3]) == 0  # an older worker's six fields
+
+
+def _sent(d: Plan, wid: str, tier: Tier, known: bool = True) -> str:
+    """A job of ``tier`` this gateway sent to ``wid`` since its last report (``known``: admitted here)."""
+    job_id = uuid.uuid4().hex
+    if known:
+        d.estimator.admitted(job_id, "t", tier, 2, 4, 0.0, NOW)
+    d.workers.workers[wid].pending.add(job_id)
+    return job_id
+
+
+def test_a_job_sent_since_the_last_report_is_a_victim_for_the_urgent_jobs_that_may_preempt_it(server):
+    # One full worker running a P2 nobody but a P0 may preempt; a P3 just went to it (the worker's report of it
+    # comes at the end of the step that starts it, a second away beside a long prompt's chunk). A P1 admitted now
+    # goes at once, to start at the next step, not after that report and the step the worker has begun by then.
+    d = Plan(server)
+    d.worker("wk-a", {"a2": [Tier.P2.rank, 0, 0, 10, 400, 0b01]})
+    p1 = d.admit(Tier.P1)
+    assert d._plan_preemptions()[0] == {}  # the P2 is no victim of a P1's
+    _sent(d, "wk-a", Tier.P3)
+    assert d.workers.workers["wk-a"].victims_left(d._urgent_sent, d.estimator.tier_of) == {Tier.P0: 2, Tier.P1: 1}
+    assert d._plan_preemptions()[0] == {"wk-a": [p1]}
+    # An urgent job already sent there and not yet reported takes that victim: no second P1 goes.
+    urgent = _sent(d, "wk-a", Tier.P1)
+    d._urgent_sent.add(urgent)
+    assert d.workers.workers["wk-a"].victims_left(d._urgent_sent, d.estimator.tier_of) == {Tier.P0: 1, Tier.P1: 0}
+    assert d._plan_preemptions()[0] == {}
+
+
+def test_a_sent_job_counts_as_a_victim_only_by_the_workers_own_matrix_and_only_when_known(server):
+    d = Plan(server)
+    d.worker("wk-a", {"a3": [Tier.P3.rank, 0, 0, 10, 400, 0b01]})  # this worker lets only a P0 preempt a P3
+    _sent(d, "wk-a", Tier.P3)
+    _sent(d, "wk-a", Tier.P2)  # a P2: a P0's victim by the default matrix (this worker reports none to say)
+    _sent(d, "wk-a", Tier.P3, known=False)  # another gateway's job: its tier is not known here
+    _sent(d, "wk-a", Tier.P0)  # nobody's victim
+    assert d.workers.workers["wk-a"].victims_left(d._urgent_sent, d.estimator.tier_of) == {Tier.P0: 3, Tier.P1: 0}
+    p1 = d.admit(Tier.P1)
+    assert d._plan_preemptions()[0] == {}  # stays in Redis: nothing there gives way to it
+    p0 = d.admit(Tier.P0)
+    assert d._plan_preemptions()[0] == {"wk-a": [p0]}
+    assert p1 not in d._plan_preemptions()[0].get("wk-a", [])
