@@ -32,7 +32,7 @@ class Dispatcher:
         if self.workers.total_credit() > 0:
             by_worker, reason = self._plan_by_credit()
         else:
-            by_worker, reason = self._plan_preemptions()
+            by_worker, reason = self._plan_preemptions(now)
         for wid, job_ids in by_worker.items():
             w = self.workers.workers[wid]
             busy = w.stepping  # before this pass's jobs join w.pending: the worker reads them together
@@ -67,23 +67,29 @@ class Dispatcher:
             planned[w.hello.worker_id] += 1
         return by_worker, dict.fromkeys(ids, "credit")
 
-    def _plan_preemptions(self) -> tuple[dict[str, list[str]], dict[str, str]]:
+    def _plan_preemptions(self, now: float) -> tuple[dict[str, list[str]], dict[str, str]]:
         """Every worker is full: a P0/P1 job goes only to a worker with a running job it may preempt
         (as reported, less the urgent jobs already sent there and not yet reported, plus the jobs it may preempt
-        sent there since), spread over the workers; a job with no such victim anywhere stays in Redis, where
-        aging, queue timeouts and wait estimates still apply to it."""
+        sent there since), to the worker where the wait model expects it to start first (a worker reads a job
+        after the step in progress, and one may be midway through a long prompt's chunk while the other decodes);
+        a job with no such victim anywhere stays in Redis, where aging, queue timeouts and wait estimates still
+        apply to it."""
         room = {wid: w.victims_left(self._urgent_sent, self.estimator.tier_of)
                 for wid, w in self.workers.workers.items()}
-        # A worker with a victim no preemption guard protects now goes first: the job starts at once there.
+        # Where the starts tie, a worker with a victim no preemption guard protects now goes first, then the one
+        # with the most victims, then the one this pass has sent fewer to.
         guarded = {wid: {t: w.guarded_victims(t) for t in PREEMPTING_TIERS} for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())
         by_worker: dict[str, list[str]] = {}
-        for job_id, tier in self._urgent_candidates(most):
+        candidates = self._urgent_candidates(most)
+        starts = self.estimator.starts_s(sorted({t for _, t in candidates}, key=lambda t: t.rank), now) \
+            if candidates else {}
+        for job_id, tier in candidates:
             fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0]
             if not fits:
                 continue
-            wid = max(fits, key=lambda wid: (room[wid][tier] > guarded[wid][tier], room[wid][tier],
-                                             -len(by_worker.get(wid, ()))))
+            wid = min(fits, key=lambda wid: (starts.get(wid, {}).get(tier, 0.0), room[wid][tier] <= guarded[wid][tier],
+                                             -room[wid][tier], len(by_worker.get(wid, ()))))
             by_worker.setdefault(wid, []).append(job_id)
             for t in room[wid]:  # one victim is gone, whoever would have taken it
                 room[wid][t] -= 1

@@ -22,7 +22,8 @@ import msgpack
 from common.tiers import ALL_TIERS, Tier
 from gateway import estimate_dump
 from gateway.arrival_forecast import ArrivalForecast
-from gateway.estimate import MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView
+from gateway.estimate import (MAX_EXACT_DISPATCHES, PREEMPTED_BY, RUNNING, Held, Queued, Rates, Work, WorkerView,
+                              wait_s)
 from gateway.estimate_futures import FUTURES, told_wait_s
 from gateway.timeutil import time_ms
 from gateway.workers import reported_context, reported_guard, reported_step, step_tokens
@@ -111,6 +112,14 @@ class WaitEstimator:
             return 0.0  # dispatched (or gone) meanwhile
         info = self._infos([job_id]).get(job_id)
         return self._estimate(info.tier if info else tier, job_id, score, now)
+
+    def starts_s(self, tiers: list[Tier], now: float) -> dict[str, dict[Tier, float]]:
+        """Per worker and tier: seconds until a job of that tier sent there now would start, by the wait model on
+        that worker's report alone (nothing queued before it, nothing to come): the rest of the step in progress,
+        a waiting prompt's chunk, a guard. Where every worker is full, the dispatcher sends an urgent job where it
+        starts first, as the model expects it to."""
+        views = self._worker_views(now)
+        return {wid: {t: wait_s(t, [v]) for t in tiers} for wid, v in zip(self.workers.workers, views)}
 
     def _queued(self, tier: Tier, score: float | None) -> tuple[list[list[tuple[str, float]]], list[int], float]:
         """The queued jobs that may go before a job of ``tier`` enqueued at ``score`` (None: now), with their

@@ -62,10 +62,10 @@ def test_a_p0_goes_to_the_worker_whose_victim_gives_way_now(server):
     d.worker("wk-a", {"a3": P3_RUNNING + [8]})  # resumed a moment ago: 8 tokens of residency left
     d.worker("wk-b", {"b3": P3_RUNNING + [0]})
     job = d.admit(Tier.P0)
-    assert d._plan_preemptions()[0] == {"wk-b": [job]}
+    assert d._plan_preemptions(NOW)[0] == {"wk-b": [job]}
     # Both free now, or reported by older workers (no guard field): as before, the first with most room.
     d.worker("wk-a", {"a3": P3_RUNNING})
-    assert d._plan_preemptions()[0] == {"wk-a": [job]}
+    assert d._plan_preemptions(NOW)[0] == {"wk-a": [job]}
 
 
 def test_a_guarded_victim_is_still_one_when_it_is_the_only_one(server):
@@ -73,7 +73,7 @@ def test_a_guarded_victim_is_still_one_when_it_is_the_only_one(server):
     d.worker("wk-a", {"a3": P3_RUNNING + [8]})
     d.worker("wk-b", {"b1": [Tier.P1.rank, 0, 0, 10, 400, 0]})  # a P1: nobody may preempt it
     job = d.admit(Tier.P1)
-    assert d._plan_preemptions()[0] == {"wk-a": [job]}  # it waits for the guard there, not in Redis for a report
+    assert d._plan_preemptions(NOW)[0] == {"wk-a": [job]}  # it waits for the guard there, not in Redis for a report
     assert d.workers.workers["wk-a"].guarded_victims(Tier.P1) == 1
     assert d.workers.workers["wk-b"].guarded_victims(Tier.P1) == 0
     for bad in (-1, "x", None, 2.5):  # a worker's bad field: no guard believed
@@ -106,15 +106,15 @@ def test_a_job_sent_since_the_last_report_is_a_victim_for_the_urgent_jobs_that_m
     d = Plan(server)
     d.worker("wk-a", {"a2": [Tier.P2.rank, 0, 0, 10, 400, 0b01]})
     p1 = d.admit(Tier.P1)
-    assert d._plan_preemptions()[0] == {}  # the P2 is no victim of a P1's
+    assert d._plan_preemptions(NOW)[0] == {}  # the P2 is no victim of a P1's
     _sent(d, "wk-a", Tier.P3)
     assert d.workers.workers["wk-a"].victims_left(d._urgent_sent, d.estimator.tier_of) == {Tier.P0: 2, Tier.P1: 1}
-    assert d._plan_preemptions()[0] == {"wk-a": [p1]}
+    assert d._plan_preemptions(NOW)[0] == {"wk-a": [p1]}
     # An urgent job already sent there and not yet reported takes that victim: no second P1 goes.
     urgent = _sent(d, "wk-a", Tier.P1)
     d._urgent_sent.add(urgent)
     assert d.workers.workers["wk-a"].victims_left(d._urgent_sent, d.estimator.tier_of) == {Tier.P0: 1, Tier.P1: 0}
-    assert d._plan_preemptions()[0] == {}
+    assert d._plan_preemptions(NOW)[0] == {}
 
 
 def test_a_sent_job_counts_as_a_victim_only_by_the_workers_own_matrix_and_only_when_known(server):
@@ -126,7 +126,32 @@ def test_a_sent_job_counts_as_a_victim_only_by_the_workers_own_matrix_and_only_w
     _sent(d, "wk-a", Tier.P0)  # nobody's victim
     assert d.workers.workers["wk-a"].victims_left(d._urgent_sent, d.estimator.tier_of) == {Tier.P0: 3, Tier.P1: 0}
     p1 = d.admit(Tier.P1)
-    assert d._plan_preemptions()[0] == {}  # stays in Redis: nothing there gives way to it
+    assert d._plan_preemptions(NOW)[0] == {}  # stays in Redis: nothing there gives way to it
     p0 = d.admit(Tier.P0)
-    assert d._plan_preemptions()[0] == {"wk-a": [p0]}
-    assert p1 not in d._plan_preemptions()[0].get("wk-a", [])
+    assert d._plan_preemptions(NOW)[0] == {"wk-a": [p0]}
+    assert p1 not in d._plan_preemptions(NOW)[0].get("wk-a", [])
+
+
+def test_an_urgent_job_goes_where_the_model_expects_it_to_start_first(server):
+    # Two full workers (two slots each), both running P3s a P0 may preempt. wk-a has two victims, but is midway
+    # through a 2,000-token prompt: its next step, a 1,000-token chunk deep in the prompt, runs about 1.7 s before
+    # a job sent now is read. wk-b decodes (steps of 0.02 s). The P0 goes to wk-b, as the wait model told it.
+    d = Plan(server)
+    step = dict(step_base_s=0.02, step_token_s=0.001, step_pair_s=4e-7)
+    loads = {"wk-a": {"a1": [Tier.P3.rank, 0, 1000, 0, 400, 0b11, 0, 1000], "a2": [Tier.P3.rank, 0, 0, 10, 400,
+                                                                                    0b11, 0, 300]},
+             "wk-b": {"b1": [Tier.P3.rank, 0, 0, 10, 400, 0b11, 0, 300], "b2": [Tier.P0.rank, 0, 0, 10, 400, 0,
+                                                                                 0, 300]}}
+    for wid, work in loads.items():
+        d.workers.hello(P.WorkerHello(wid, "m", 512, 4096, 2, 1000, max_num_batched_tokens=1000), wid.encode(), NOW)
+        victims = {t.value: sum(e[1] == 0 and (e[5] >> t.rank) & 1 for e in work.values()) for t in ALL_TIERS}
+        d.workers.load(P.WorkerLoad(wid, 0, 1000, {"P3": 2}, {}, list(work), 0.0, victims, 1000.0, 50.0, work,
+                                    **step), NOW)
+    starts = d.estimator.starts_s([Tier.P0], NOW)
+    assert starts["wk-b"][Tier.P0] < 0.1 < 1.5 < starts["wk-a"][Tier.P0]
+    job = d.admit(Tier.P0)
+    assert d._plan_preemptions(NOW)[0] == {"wk-b": [job]}  # not to wk-a, for all its two victims
+    # Two P0s (admitted together: either is first): the second goes to wk-a, as wk-b has no victim left.
+    second = d.admit(Tier.P0)
+    plan = d._plan_preemptions(NOW)[0]
+    assert sorted(plan) == ["wk-a", "wk-b"] and sorted(plan["wk-a"] + plan["wk-b"]) == sorted([job, second])
