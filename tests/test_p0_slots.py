@@ -151,3 +151,65 @@ def test_the_load_report_offers_the_reserved_slots_to_p0_alone(tiny_model_dir):
         assert load.free_slots == 0 and load.victims["P0"] == 3 + 1 and load.victims["P2"] == 0
     finally:
         service.close()
+
+
+@pytest.mark.parametrize("reserve", [0, 1, 2])
+def test_next_to_start_names_what_the_next_step_starts_where_slots_are_the_limit(reserve):
+    # Random mixes of running and waiting work with KV and budget to spare: the requests the next step starts
+    # are those next_to_start() named before it, in its order, whatever the tiers, the reserve and the slots
+    # (and where urgent work preempts besides, those and more).
+    import random
+
+    rng = random.Random(reserve)
+    for case in range(200):
+        # Every waiting prompt fits the step's budget and the pool.
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=4096,
+                                      p0_reserve_slots=reserve),
+                      BlockManager(1024, 16), PriorityPolicy(), PreemptionConfig(bytes_per_block=1))
+        for i in range(rng.randint(0, 4)):
+            s.add(req(f"r{case}-{i}", rng.choice(list(Tier)), prompt=rng.randint(1, 20)))
+        step(s)
+        for i in range(rng.randint(0, 5)):
+            s.add(req(f"w{case}-{i}", rng.choice(list(Tier)), prompt=rng.randint(1, 20)))
+        named = [r.request_id for r in s.next_to_start()]
+        waiting = {r.request_id for r in s.waiting}
+        out = s.schedule()
+        started = [c.request.request_id for c in out.chunks if c.request.request_id in waiting]
+        if out.preempted:  # urgent work took running slots besides: what had a free slot started too
+            assert set(named) <= set(started), (case, named, started)
+        else:
+            assert started == named, (case, named, started)
+
+
+def test_a_job_reported_before_the_step_that_starts_it_is_already_a_victim(tiny_model_dir):
+    # A worker reports a job it was just sent before the step that starts it. For that step it runs: an urgent
+    # job sent now preempts it at the next step, so the report counts it as a victim for P0 and P1 (not for a
+    # tier that may not preempt it, and not where the P0 slot reserve keeps it from starting).
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    for reserve, p1_victims in ((0, 1), (1, 0)):
+        engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_num_seqs=2, p0_reserve_slots=reserve))
+        service = WorkerService(WorkerConfig(worker_id="wk-v", gateways=["tcp://127.0.0.1:9"], model="tiny"), engine)
+        try:
+            engine.add_request("p2", [5, 6, 7], SamplingParams(max_tokens=8), tier="P2")
+            engine.step()
+            engine.add_request("p3", [5, 6, 7], SamplingParams(max_tokens=8), tier="P3")
+            service._refresh_snapshot(0.0)
+            load = service._snapshot
+            assert load.waiting["P3"] == 1 and load.victims["P1"] == p1_victims
+            assert load.victims["P0"] == 1 + p1_victims  # the P2, and the P3 where it starts
+            engine.step()
+            assert (engine.get_request("p3").status is RequestStatus.RUNNING) == bool(p1_victims)
+            service._refresh_snapshot(0.0)
+            assert service._snapshot.victims["P1"] == p1_victims  # as the report before the step said
+            if p1_victims:
+                # Suspended, it resumes at the next step, but then its residency protects it: no victim yet.
+                from worker.preemption import PreemptMode
+
+                engine.scheduler.suspend(engine.get_request("p3"), PreemptMode.KEEP)
+                assert [r.request_id for r in engine.scheduler.next_to_start()] == ["p3"]
+                service._refresh_snapshot(0.0)
+                assert service._snapshot.victims["P1"] == 0
+        finally:
+            service.close()

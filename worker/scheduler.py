@@ -173,6 +173,21 @@ class Scheduler(GivingWay):
             return False
         return req.tier is Tier.P0 or self._low_slots_free() > 0
 
+    def next_to_start(self) -> list[Request]:
+        """Waiting requests the next step starts or resumes where slots are the limit (KV blocks and the token
+        budget aside): in policy order, a free slot each, the P0 slot reserve kept for P0, stopping at the first
+        that has none, as schedule() does."""
+        out: list[Request] = []
+        running, low = len(self.running), sum(r.tier is not Tier.P0 for r in self.running)
+        for req in self.waiting:
+            if running >= self.config.max_num_seqs or (
+                    req.tier is not Tier.P0 and low >= self.config.max_num_seqs - self.config.p0_reserve_slots):
+                break
+            out.append(req)
+            running += 1
+            low += req.tier is not Tier.P0
+        return out
+
     def _isolate_p0_prefill(self) -> bool:
         """Whether this step runs a new P0's prefill with running P0s only (lower tiers wait one step).
 

@@ -261,14 +261,24 @@ class WorkerService:
         # Slots any tier may take; the P0 slot reserve's free ones are offered to P0 alone, as victims are.
         free_slots = min(any_free, max(0, e.config.max_num_seqs - e.config.p0_reserve_slots
                                        - sum(r.tier is not Tier.P0 for r in here)))
-        low_running = any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING for r in e.scheduler.running)
+        # A job just sent here is reported before the step that starts it: for that step (a second, beside a long
+        # prompt's chunk) it runs, and an urgent job sent now preempts it at the next, as the wait model expects.
+        # Counted only as running, an urgent job admitted then waited for the report after that step and missed
+        # the next step's start.
+        # Never-started, unguarded ones only: one that resumes is protected by its residency when it does.
+        guarded = e.scheduler.preemption.protected_tokens
+        starting = [r for r in e.scheduler.next_to_start()
+                    if r.tier.rank > 1 and r.status is RequestStatus.WAITING and not guarded(r)]
+        low_running = starting or any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING
+                                      for r in e.scheduler.running)
         cost = 0.0 if any_free or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
         may_preempt = e.scheduler.preemption.config.may_preempt
         # An urgent job already here but not yet running (added since the last step) will take a victim of its
         # own: counting that victim as free would let a gateway send one more urgent job to wait behind it.
         claimed = sum(r.tier.rank <= 1 for r in e.scheduler.waiting)
         victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
-                                       for r in e.scheduler.running) - claimed) for t in ALL_TIERS}
+                                       for r in e.scheduler.running)
+                                + sum(may_preempt(t, r.tier) for r in starting) - claimed) for t in ALL_TIERS}
         victims[Tier.P0.value] += any_free - free_slots
         held = list(self.jobs) + [m.job_id for _, m, _ in self._unsent]
         base_s, token_s, pair_s = self.rates.step_cost()
