@@ -111,7 +111,7 @@ def test_a_free_slot_goes_before_a_preemption_as_the_dispatcher_has_it():
     assert wait_s(P1, [full]) == pytest.approx(0.05)  # no free slot anywhere: it preempts the P3
 
 
-PAIRS = StepCost(base_s=0.02, token_s=0.001, pair_s=1e-6)  # a 1,000-token chunk: 1.52 s from the start, 2.52 after 1,000
+PAIRS = StepCost(base_s=0.02, token_s=0.001, pair_s=1e-6)  # 1,000-token chunks: 1.52 s from 0, 2.52 s from 1,000
 
 
 def test_a_prompts_later_chunks_cost_more_as_they_attend_to_what_came_before():
