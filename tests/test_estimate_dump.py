@@ -194,6 +194,10 @@ def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reprodu
     assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--no-step-cost",
                                  "--min-wait", "0"]) == 0
     assert f"{len(jobs)} estimates replayed" in capsys.readouterr().out
+    # And with what the attention's pairs cost left out of the step cost.
+    assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--no-pair-cost",
+                                 "--min-wait", "0"]) == 0
+    assert f"{len(jobs)} estimates replayed" in capsys.readouterr().out
     # Why a job waited: the last P2 admitted, behind the older P1s and P2s, and the P0s that came after it.
     last_p2 = [h for h in handles if h.tier == "P2"][-1]
     assert estimate_replay.main(["--dump", str(dump), "--bench-json", str(bench), "--explain", last_p2.id[:12]]) == 0
@@ -207,3 +211,11 @@ def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reprodu
     assert any(j["tier"] == "P0" for j in went)  # admitted after it, they preempted their way in first
     said_went = next(line for line in said.splitlines() if "what started before it" in line)
     assert said_went.startswith(f"  what started before it ({len(went)};")
+
+
+def test_leaving_out_the_pairs_cost_keeps_the_rest_of_the_step_cost():
+    w = WorkerView(2, Rates(1000.0, 50.0), [Held(Work(Tier.P3, 0, 10), RUNNING, 0b11, 0.0, 700.0)],
+                   step=StepCost(0.02, 0.001, 1e-6))
+    assert estimate_replay.without_pair_cost(w).step == StepCost(0.02, 0.001, 0.0)
+    assert estimate_replay.without_pair_cost(w).held == w.held and w.step.pair_s == 1e-6  # a copy, the rest kept
+    assert estimate_replay.without_pair_cost(WorkerView(2, Rates(1000.0, 50.0))).step is None
