@@ -24,6 +24,7 @@ from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
+from worker.linger import Linger, offers_room
 from worker.request import RequestStatus, SamplingParams
 from worker.service_config import WorkerConfig
 
@@ -61,6 +62,7 @@ class WorkerService:
         self._beat_pending = False
         self._heartbeat = Heartbeat(self._lock, self._beat, self._hello, config.heartbeat_interval_s, HELLO_EVERY_S)
         self.rates = RateTracker(engine, clock)
+        self.linger = Linger(config.dispatch_linger_s)  # for the answer to a report offering room (worker/linger.py)
 
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
@@ -73,6 +75,8 @@ class WorkerService:
         self._hello()
 
     def close(self) -> None:
+        log.info("dispatch linger: %d reports offered room, waited on %d, answered in time %d",
+                 self.linger.offers, self.linger.waits, self.linger.answers)
         self._heartbeat.stop()
         with self._lock:
             for s in self.sockets:
@@ -104,25 +108,35 @@ class WorkerService:
         while not should_stop():
             busy = self.engine.has_unfinished() or self._unsent
             with self._lock:
-                for sock, _ in poller.poll(timeout=0 if busy else 20):
+                for sock, _ in poller.poll(timeout=self.linger.poll_ms(self.clock()) if busy else 20):
                     self._drain(sock)
                 self._retry_unsent()
+            if busy and self.linger.poll_ms(self.clock()):
+                continue  # a frame came, not the dispatch the last report offered room for: wait on
             # Before the step too: the heartbeat thread sends only what was last published, and a job
             # just dispatched must be in it before a step that may outlast the job's lease (its prefill).
             self._publish()
             if self.engine.has_unfinished():
+                started = self.clock()
                 self._step()
-            self._publish()
+                offered, before = self._publish()
+                if offered and offers_room(self._snapshot, before):
+                    self.linger.offered(self.clock(), self.clock() - started)
+            else:
+                self._publish()
 
-    def _publish(self) -> None:
-        """Refresh the snapshot the heartbeat thread sends; send it now if jobs came or went."""
-        now = self.clock()
+    def _publish(self) -> tuple[bool, P.WorkerLoad | None]:
+        """Refresh the snapshot the heartbeat thread sends; send it now if jobs came or went. Returns whether it
+        went now, and the snapshot before."""
+        now, before = self.clock(), self._snapshot
         if self._beat_pending or now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
             self._refresh_snapshot(now)
-        if self._beat_pending:
-            self._beat_pending = False
-            with self._lock:
-                self._beat()
+        if not self._beat_pending:
+            return False, before
+        self._beat_pending = False
+        with self._lock:
+            self._beat()
+        return True, before
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):
@@ -162,6 +176,7 @@ class WorkerService:
             self._finish(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
+        self.linger.dispatched(self.clock())
         self.rates.added(msg.job_id)
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
 

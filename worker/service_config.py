@@ -39,6 +39,10 @@ class WorkerConfig:
     metrics_bind: str = ""
     # Seconds between load reports; they also extend the leases of this worker's jobs.
     heartbeat_interval_s: float = 0.5
+    # After a report offering a free slot or a victim, the step loop waits up to this long (and a quarter of a
+    # step) for the gateway's dispatch before its next step, while such reports are answered (worker/linger.py);
+    # 0: never.
+    dispatch_linger_s: float = 0.01
     # This worker's CURVE key pair (a .key_secret file from `python -m common.keys`); its public half must
     # be on the gateways' allow-list. "" connects without CURVE (only an --insecure-workers gateway accepts).
     curve_secret_key_file: str = ""

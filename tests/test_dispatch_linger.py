@@ -1,0 +1,167 @@
+"""A worker waits a moment, after a report that offers room, for the dispatch that answers it (worker/linger.py):
+otherwise the answer, a few milliseconds behind the report, misses the step the worker had begun meanwhile and
+waits that whole step with its slot idle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from common import protocol as P
+from worker.linger import EXPLORE_EVERY, Linger, offers_room
+
+
+def test_the_window_is_bounded_by_the_cap_and_a_share_of_the_step_and_an_answer_ends_it():
+    linger = Linger(0.01, share=0.05)
+    assert linger.window_s(1.0) == 0.01  # the cap
+    assert linger.window_s(0.1) == pytest.approx(0.005)  # 5 % of the step
+    assert linger.window_s(0.01) == 0.0  # under the poller's resolution: not worth a wait
+    linger.offered(0.0, 1.0)
+    assert linger.poll_ms(0.0) == 10 and linger.poll_ms(0.004) == 6
+    linger.dispatched(0.001)  # answered after 1 ms
+    assert linger.poll_ms(0.001) == 0 and (linger.waits, linger.answers) == (1, 1)
+    assert linger.window_s(1.0) == 0.01  # a quick answer does not shorten the next wait
+
+
+def test_a_worker_stops_waiting_when_offers_go_unanswered_and_starts_again_when_answers_come_back():
+    linger, now = Linger(0.01), 0.0
+    waited = []
+    for _ in range(40):  # a gateway with nothing queued: no offer is ever answered
+        linger.offered(now, 1.0)
+        waited.append(linger.poll_ms(now) > 0)
+        now += 1.0
+    assert all(waited[:7])  # it waits on the first ones ...
+    # ... then only now and then, to see whether answers have come back
+    assert sum(waited[7:]) == len([i for i in range(8, 41) if i % EXPLORE_EVERY == 0])
+    while True:  # the next offer it waits on is answered, and so are all after it
+        now += 1.0
+        linger.offered(now, 1.0)
+        if linger.poll_ms(now):
+            break
+    linger.dispatched(now + 0.002)
+    for _ in range(5):
+        now += 1.0
+        linger.offered(now, 1.0)
+        assert linger.poll_ms(now) > 0
+        linger.dispatched(now + 0.002)
+    assert linger.answers == 6
+
+
+def test_a_dispatch_outside_an_offers_window_answers_nothing():
+    linger = Linger(0.01)
+    linger.dispatched(5.0)  # no offer open
+    linger.offered(10.0, 1.0)
+    linger.dispatched(10.5)  # long after the window: read after the step, not waited for
+    assert linger.answers == 0
+    assert linger.poll_ms(10.5) == 0
+
+
+@pytest.mark.parametrize("cap, share", [(-0.01, 0.05), (float("nan"), 0.05), (0.01, -1.0), (float("inf"), 0.05)])
+def test_a_bad_linger_is_refused(cap, share):
+    with pytest.raises(ValueError, match="linger"):
+        Linger(cap, share)
+
+
+def test_no_linger_never_waits():
+    linger = Linger(0.0)
+    linger.offered(0.0, 10.0)
+    assert linger.poll_ms(0.0) == 0 and linger.waits == 0
+
+
+def _load(free_slots: int, victims: dict[str, int]) -> P.WorkerLoad:
+    return P.WorkerLoad("wk", free_slots, 10, {}, {}, [], 0.0, victims)
+
+
+def test_room_is_a_free_slot_or_a_new_victim_for_an_urgent_tier():
+    assert offers_room(_load(1, {}), None)
+    assert offers_room(_load(0, {"P1": 1}), None)
+    assert offers_room(_load(0, {"P0": 2, "P1": 1}), _load(0, {"P0": 1, "P1": 1}))
+    assert not offers_room(_load(0, {"P0": 1, "P1": 1}), _load(0, {"P0": 1, "P1": 1}))  # nothing new
+    assert not offers_room(_load(0, {"P2": 3}), _load(0, {}))  # no gateway sends a P2 on a victim
+    assert not offers_room(_load(0, {}), None)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 200 + 5 for i in range(n)]
+
+
+@pytest.mark.parametrize("cap_s", [0.0, 0.5])
+def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_dir, cap_s):
+    """A job finishes and frees a slot beside a long one; the gateway answers 20 ms later with the next job. With
+    the linger it starts in the very next step; without, the worker had begun that step and the job misses it
+    (the race this fixes, reproduced)."""
+    import zmq
+
+    from worker import Engine, EngineConfig
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    ctx = zmq.Context.instance()
+    gateway = ctx.socket(zmq.ROUTER)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=3,
+                                                                    p0_reserve_slots=1))
+    service = WorkerService(WorkerConfig(worker_id="wk-linger", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
+                                         dispatch_linger_s=cap_s), engine)
+    service.connect()
+    # Any step's share: a tiny model's steps take a millisecond or two, the answer here 20 ms.
+    service.linger = Linger(cap_s, share=1e6)
+    steps: list[tuple[set[str], set[str]]] = []  # per step: the jobs that got a token, those that finished
+    step = engine.step
+
+    def counted_step():
+        outs = step()
+        steps.append(({o.request_id for o in outs}, {o.request_id for o in outs if o.finished}))
+        return outs
+
+    engine.step = counted_step
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+
+    def job(job_id: str, max_tokens: int, seed: int) -> bytes:
+        return P.encode(P.DispatchJob(job_id, 1, "P3", "t", _prompt(20, seed), max_tokens, 0.0, 1.0, None, seed, "gw",
+                                      ignore_eos=True))
+
+    try:
+        while gateway.poll(60_000):
+            ident, frame = gateway.recv_multipart()
+            if isinstance(P.decode(frame), P.WorkerHello):
+                break
+        gateway.send_multipart([ident, job("long", 200, 1)])
+        gateway.send_multipart([ident, job("short", 3, 2)])
+        finished = set()
+        while "next" not in finished and gateway.poll(60_000):
+            _, frame = gateway.recv_multipart()
+            msg = P.decode(frame)
+            if isinstance(msg, P.JobFinished):
+                finished.add(msg.job_id)
+                if msg.job_id == "short":
+                    time.sleep(0.02)  # the gateway's claim in Redis and the frame's way back, made long
+                    gateway.send_multipart([ident, job("next", 3, 3)])
+        assert {"short", "next"} <= finished
+        short_done = next(i for i, (_, done) in enumerate(steps) if "short" in done)
+        next_first = next(i for i, (got, _) in enumerate(steps) if "next" in got)
+        assert "long" in steps[short_done + 1][0]  # the long job kept the worker stepping meanwhile
+        if cap_s:
+            assert next_first == short_done + 1, (steps, vars(service.linger))
+            assert service.linger.answers >= 1
+        else:
+            assert next_first >= short_done + 2
+            assert service.linger.waits == 0
+    finally:
+        stop.set()
+        thread.join(30)
+        service.close()
+        gateway.close(linger=0)
+
+
+def test_the_worker_process_refuses_a_negative_linger_before_loading_its_model(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tmp_path / "no-model-here"),
+                           "--dispatch-linger-s", "-1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "linger" in done.stderr and "Traceback" not in done.stderr

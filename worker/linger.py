@@ -1,0 +1,88 @@
+"""A moment's wait for the gateway's answer before the next step.
+
+A worker reports at once when a slot frees or what runs changes (worker/service.py), and a gateway answers such
+a report with the jobs it sends on it: a free slot's, or an urgent job's on a victim. The answer comes a few
+milliseconds later (the gateway claims the job in Redis first), and by then the step loop had begun the next
+step: the job waited that whole step, its slot idle or its victim still running (on a CPU a long prompt's chunk
+is a second). So after a report that offers room the loop polls its sockets a little longer before it steps.
+
+How long: ``cap_s``, and never more than ``share`` of the last step (a step costs every running job the same
+time, so the wait is at most that share of their pace); an answer ends the wait when it comes. On the bench's
+CPU cluster answers came 1.6-8 ms after the report (median 4 ms; BENCHMARKS.md, issue 12, twenty-third
+session), where a step's fixed cost alone is 20-27 ms. Whether: only while offers have been answered lately. A
+gateway with nothing queued answers none, and a worker that went on waiting would slow its running jobs for
+nothing; so once answers stop it waits only on every ``EXPLORE_EVERY``-th offer, to see whether they have come back.
+"""
+
+from __future__ import annotations
+
+import math
+
+URGENT = ("P0", "P1")  # the tiers a gateway sends on victims
+EXPLORE_EVERY = 8  # offers between two waits while answers have stopped coming
+MIN_ANSWERED = 0.25  # the share of recent offers answered in time below which the worker stops waiting
+DECAY = 0.2  # weight of the newest offer in the share answered
+MIN_WINDOW_S = 0.001  # the poller's resolution
+
+
+def offers_room(report, before) -> bool:
+    """Does ``report`` (a WorkerLoad) offer a gateway room it may answer with a dispatch: a free slot, or more
+    victims for an urgent tier than the report ``before`` it listed (None: none before)?"""
+    if report.free_slots > 0:
+        return True
+    was = before.victims if before is not None else {}
+    return any(report.victims.get(t, 0) > was.get(t, 0) for t in URGENT)
+
+
+class Linger:
+    """Decides how long the step loop waits for dispatches after each offering report."""
+
+    def __init__(self, cap_s: float, share: float = 0.25) -> None:
+        if not (math.isfinite(cap_s) and cap_s >= 0 and math.isfinite(share) and share >= 0):
+            raise ValueError(f"dispatch linger must be finite and >= 0, got cap {cap_s}, share {share}")
+        self.cap_s, self.share = cap_s, share
+        self.answered_share = 1.0  # optimistic: a fresh worker waits on its first offers
+        self.offers = 0
+        self.waits = 0  # offers on which the loop waited
+        self.answers = 0  # of those, answered within the window
+        self._offer_at: float | None = None  # the open offer: when its report went, while its window lasts
+        self._until = -math.inf
+
+    def offered(self, now: float, step_s: float) -> None:
+        """A report offering room went out at ``now``; the last step took ``step_s``."""
+        self._close()
+        self.offers += 1
+        window = self.window_s(step_s)
+        if window <= 0 or (self.answered_share < MIN_ANSWERED and self.offers % EXPLORE_EVERY):
+            return
+        self.waits += 1
+        self._offer_at, self._until = now, now + window
+
+    def window_s(self, step_s: float) -> float:
+        """How long an offer is waited on after a step of ``step_s``."""
+        # Not fitted to the answers' latency: one learned from the second of two jobs sent together (0.2 ms)
+        # would miss the usual answer (the gateway's claim in Redis first, a few ms).
+        window = min(self.cap_s, self.share * max(0.0, step_s))
+        return window if window >= MIN_WINDOW_S else 0.0
+
+    def dispatched(self, now: float) -> None:
+        """A dispatch came in at ``now``."""
+        if self._offer_at is not None and now <= self._until:
+            self.answers += 1
+            self.answered_share += DECAY * (1.0 - self.answered_share)
+            self._offer_at, self._until = None, -math.inf
+
+    def poll_ms(self, now: float) -> int:
+        """The poll timeout before the next step: 0 unless an offer's window is open."""
+        if self._offer_at is None:
+            return 0
+        if now >= self._until:
+            self._close()
+            return 0
+        return max(1, math.ceil((self._until - now) * 1000))
+
+    def _close(self) -> None:
+        """The open offer, if any, went unanswered."""
+        if self._offer_at is not None:
+            self.answered_share *= 1 - DECAY
+            self._offer_at, self._until = None, -math.inf
