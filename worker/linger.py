@@ -8,7 +8,7 @@ is a second). So after a report that offers room the loop polls its sockets a li
 
 How long: ``cap_s``, and never more than ``share`` of the last step (a step costs every running job the same
 time, so the wait is at most that share of their pace); an answer ends the wait when it comes. On the bench's
-CPU cluster answers came 1.6-8 ms after the report (median 4 ms; BENCHMARKS.md, issue 12, twenty-third
+CPU cluster answers came 1.7-8.1 ms after the report (p10-p90, median 3.8 ms; BENCHMARKS.md, issue 12, twenty-third
 session), where a step's fixed cost alone is 20-27 ms. Whether: only while offers have been answered lately. A
 gateway with nothing queued answers none, and a worker that went on waiting would slow its running jobs for
 nothing; so once answers stop it waits only on every ``EXPLORE_EVERY``-th offer, to see whether they have come back.
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 
-URGENT = ("P0", "P1")  # the tiers a gateway sends on victims
+from common.tiers import PREEMPTING_TIERS
+
 EXPLORE_EVERY = 8  # offers between two waits while answers have stopped coming
 MIN_ANSWERED = 0.25  # the share of recent offers answered in time below which the worker stops waiting
 DECAY = 0.2  # weight of the newest offer in the share answered
@@ -31,7 +32,7 @@ def offers_room(report, before) -> bool:
     if report.free_slots > 0:
         return True
     was = before.victims if before is not None else {}
-    return any(report.victims.get(t, 0) > was.get(t, 0) for t in URGENT)
+    return any(report.victims.get(t.value, 0) > was.get(t.value, 0) for t in PREEMPTING_TIERS)
 
 
 class Linger:
@@ -45,8 +46,7 @@ class Linger:
         self.offers = 0
         self.waits = 0  # offers on which the loop waited
         self.answers = 0  # of those, answered within the window
-        self._offer_at: float | None = None  # the open offer: when its report went, while its window lasts
-        self._until = -math.inf
+        self._until: float | None = None  # the open offer's window ends then; None: no offer open
 
     def offered(self, now: float, step_s: float) -> None:
         """A report offering room went out at ``now``; the last step took ``step_s``."""
@@ -56,7 +56,7 @@ class Linger:
         if window <= 0 or (self.answered_share < MIN_ANSWERED and self.offers % EXPLORE_EVERY):
             return
         self.waits += 1
-        self._offer_at, self._until = now, now + window
+        self._until = now + window
 
     def window_s(self, step_s: float) -> float:
         """How long an offer is waited on after a step of ``step_s``."""
@@ -67,14 +67,14 @@ class Linger:
 
     def dispatched(self, now: float) -> None:
         """A dispatch came in at ``now``."""
-        if self._offer_at is not None and now <= self._until:
+        if self._until is not None and now <= self._until:
             self.answers += 1
             self.answered_share += DECAY * (1.0 - self.answered_share)
-            self._offer_at, self._until = None, -math.inf
+            self._until = None
 
     def poll_ms(self, now: float) -> int:
         """The poll timeout before the next step: 0 unless an offer's window is open."""
-        if self._offer_at is None:
+        if self._until is None:
             return 0
         if now >= self._until:
             self._close()
@@ -83,6 +83,6 @@ class Linger:
 
     def _close(self) -> None:
         """The open offer, if any, went unanswered."""
-        if self._offer_at is not None:
+        if self._until is not None:
             self.answered_share *= 1 - DECAY
-            self._offer_at, self._until = None, -math.inf
+            self._until = None

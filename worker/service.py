@@ -121,7 +121,8 @@ class WorkerService:
                 self._step()
                 offered, before = self._publish()
                 if offered and offers_room(self._snapshot, before):
-                    self.linger.offered(self.clock(), self.clock() - started)
+                    now = self.clock()
+                    self.linger.offered(now, now - started)
             else:
                 self._publish()
 
