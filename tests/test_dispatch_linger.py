@@ -87,11 +87,12 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 200 + 5 for i in range(n)]
 
 
-@pytest.mark.parametrize("cap_s", [0.0, 0.5])
-def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_dir, cap_s):
+@pytest.mark.parametrize("cap_s, noise", [(0.0, False), (0.5, False), (0.5, True)])
+def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_dir, cap_s, noise):
     """A job finishes and frees a slot beside a long one; the gateway answers 20 ms later with the next job. With
     the linger it starts in the very next step; without, the worker had begun that step and the job misses it
-    (the race this fixes, reproduced)."""
+    (the race this fixes, reproduced). Other frames that come first (junk, a cancel of no job here) do not end
+    the wait."""
     import zmq
 
     from worker import Engine, EngineConfig
@@ -139,6 +140,10 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
             if isinstance(msg, P.JobFinished):
                 finished.add(msg.job_id)
                 if msg.job_id == "short":
+                    if noise:
+                        time.sleep(0.01)
+                        gateway.send_multipart([ident, b"\xffnot a frame"])
+                        gateway.send_multipart([ident, P.encode(P.CancelJob("no-such-job"))])
                     time.sleep(0.02)  # the gateway's claim in Redis and the frame's way back, made long
                     gateway.send_multipart([ident, job("next", 3, 3)])
         assert {"short", "next"} <= finished
@@ -148,6 +153,7 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
         if cap_s:
             assert next_first == short_done + 1, (steps, vars(service.linger))
             assert service.linger.answers >= 1
+            assert service.counters["malformed"] == (1 if noise else 0)
         else:
             assert next_first >= short_done + 2
             assert service.linger.waits == 0
