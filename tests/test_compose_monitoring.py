@@ -126,6 +126,8 @@ def test_dashboard_shows_what_operators_asked_for():
     panel_with("ts_preemptions_total", "by (mode)")
     panel_with("ts_preempt_wasted_tokens_total")
     panel_with("ts_kv_cache_usage_ratio")
+    panel_with("ts_dispatch_handoff_seconds_bucket", "worker_state")
+    panel_with("ts_dispatch_linger_total", "by (outcome)")
     # Every metric a panel reads is one the processes define.
     used = {re.sub(r"_(bucket|count|sum|total)$", "", n) for e in joined.values() for n in re.findall(r"ts_\w+", e)}
     assert used <= defined_metric_names(), used - defined_metric_names()

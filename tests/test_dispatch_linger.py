@@ -58,6 +58,21 @@ def test_a_dispatch_outside_an_offers_window_answers_nothing():
     assert linger.poll_ms(10.5) == 0
 
 
+def test_every_offer_ends_one_way_and_says_how_long_it_waited():
+    seen: list[tuple[str, float]] = []
+    linger, now = Linger(0.01, observe=lambda outcome, waited_s: seen.append((outcome, waited_s))), 0.0
+    linger.offered(now, 1.0)
+    linger.dispatched(now + 0.003)
+    linger.offered(now := 1.0, 1.0)
+    assert linger.poll_ms(now + 0.011) == 0  # waited out
+    linger.offered(now := 2.0, 0.001)  # a step too short to wait on
+    assert [o for o, _ in seen] == ["answered", "unanswered", "not_waited"]
+    assert [w for _, w in seen] == pytest.approx([0.003, 0.01, 0.0])
+    assert len(seen) == linger.offers  # one outcome per offer, none twice
+    linger.dispatched(now + 0.001)
+    assert len(seen) == 3
+
+
 @pytest.mark.parametrize("cap, share", [(-0.01, 0.05), (float("nan"), 0.05), (0.01, -1.0), (float("inf"), 0.05)])
 def test_a_bad_linger_is_refused(cap, share):
     with pytest.raises(ValueError, match="linger"):
@@ -83,6 +98,11 @@ def test_room_is_a_free_slot_or_a_new_victim_for_an_urgent_tier():
     assert not offers_room(_load(0, {}), None)
 
 
+def _linger_count(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value("ts_dispatch_linger_total", {"outcome": outcome}) or 0.0
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 200 + 5 for i in range(n)]
 
@@ -95,7 +115,7 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
     the wait."""
     import zmq
 
-    from worker import Engine, EngineConfig
+    from worker import Engine, EngineConfig, metrics
     from worker.service import WorkerService
     from worker.service_config import WorkerConfig
 
@@ -108,7 +128,8 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
                                          dispatch_linger_s=cap_s), engine)
     service.connect()
     # Any step's share: a tiny model's steps take a millisecond or two, the answer here 20 ms.
-    service.linger = Linger(cap_s, share=1e6)
+    service.linger = Linger(cap_s, share=1e6, observe=metrics.dispatch_linger)
+    counted_before = {o: _linger_count(o) for o in metrics.LINGER_OUTCOMES}
     steps: list[tuple[set[str], set[str]]] = []  # per step: the jobs that got a token, those that finished
     step = engine.step
 
@@ -157,6 +178,14 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
         else:
             assert next_first >= short_done + 2
             assert service.linger.waits == 0
+        # /metrics says the same, one outcome per offer (the last may still be open when the loop stops)
+        stop.set()
+        thread.join(30)
+        linger = service.linger
+        counted = {o: _linger_count(o) - counted_before[o] for o in metrics.LINGER_OUTCOMES}
+        assert counted["answered"] == linger.answers
+        assert counted["answered"] + counted["unanswered"] in (linger.waits, linger.waits - 1)  # one may be open
+        assert sum(counted.values()) in (linger.offers, linger.offers - 1)
     finally:
         stop.set()
         thread.join(30)

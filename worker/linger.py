@@ -12,11 +12,16 @@ CPU cluster answers came 1.7-8.1 ms after the report (p10-p90, median 3.8 ms; BE
 session), where a step's fixed cost alone is 20-27 ms. Whether: only while offers have been answered lately. A
 gateway with nothing queued answers none, and a worker that went on waiting would slow its running jobs for
 nothing; so once answers stop it waits only on every ``EXPLORE_EVERY``-th offer, to see whether they have come back.
+
+Each offer ends one way, told to ``observe`` (worker/metrics.py: ``ts_dispatch_linger_total``, and the seconds
+waited): ``answered`` in time, ``unanswered`` (the window ran out), or ``not_waited``. An operator tuning the cap
+reads the first two against the seconds they cost the running jobs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from common.tiers import PREEMPTING_TIERS
 
@@ -38,15 +43,18 @@ def offers_room(report, before) -> bool:
 class Linger:
     """Decides how long the step loop waits for dispatches after each offering report."""
 
-    def __init__(self, cap_s: float, share: float = 0.25) -> None:
+    def __init__(self, cap_s: float, share: float = 0.25,
+                 observe: Callable[[str, float], None] | None = None) -> None:
         if not (math.isfinite(cap_s) and cap_s >= 0 and math.isfinite(share) and share >= 0):
             raise ValueError(f"dispatch linger must be finite and >= 0, got cap {cap_s}, share {share}")
         self.cap_s, self.share = cap_s, share
+        self.observe = observe or (lambda outcome, waited_s: None)  # (outcome, seconds waited) per offer
         self.answered_share = 1.0  # optimistic: a fresh worker waits on its first offers
         self.offers = 0
         self.waits = 0  # offers on which the loop waited
         self.answers = 0  # of those, answered within the window
-        self._until: float | None = None  # the open offer's window ends then; None: no offer open
+        self._since = self._until = 0.0  # the open offer's window (when it was offered, when it ends)
+        self._open = False
 
     def offered(self, now: float, step_s: float) -> None:
         """A report offering room went out at ``now``; the last step took ``step_s``."""
@@ -54,9 +62,10 @@ class Linger:
         self.offers += 1
         window = self.window_s(step_s)
         if window <= 0 or (self.answered_share < MIN_ANSWERED and self.offers % EXPLORE_EVERY):
+            self.observe("not_waited", 0.0)
             return
         self.waits += 1
-        self._until = now + window
+        self._since, self._until, self._open = now, now + window, True
 
     def window_s(self, step_s: float) -> float:
         """How long an offer is waited on after a step of ``step_s``."""
@@ -67,14 +76,15 @@ class Linger:
 
     def dispatched(self, now: float) -> None:
         """A dispatch came in at ``now``."""
-        if self._until is not None and now <= self._until:
+        if self._open and now <= self._until:
             self.answers += 1
             self.answered_share += DECAY * (1.0 - self.answered_share)
-            self._until = None
+            self._open = False
+            self.observe("answered", max(0.0, now - self._since))
 
     def poll_ms(self, now: float) -> int:
         """The poll timeout before the next step: 0 unless an offer's window is open."""
-        if self._until is None:
+        if not self._open:
             return 0
         if now >= self._until:
             self._close()
@@ -83,6 +93,7 @@ class Linger:
 
     def _close(self) -> None:
         """The open offer, if any, went unanswered."""
-        if self._until is not None:
+        if self._open:
             self.answered_share *= 1 - DECAY
-            self._until = None
+            self._open = False
+            self.observe("unanswered", self._until - self._since)

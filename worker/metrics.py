@@ -31,8 +31,17 @@ GENERATION_TOKENS = Counter("ts_generation_tokens_total", "Tokens generated")
 FINISHED = Counter("ts_requests_finished_total", "Requests that ended on this worker, by tier and finish reason",
                    ["tier", "reason"])
 
+LINGER_OFFERS = Counter("ts_dispatch_linger_total", "Load reports offering a gateway a slot or a victim, by what "
+                        "the step loop did next: waited and the dispatch came in time (answered), waited it out "
+                        "(unanswered), or stepped at once (not_waited)", ["outcome"])
+LINGER_SECONDS = Counter("ts_dispatch_linger_seconds", "Seconds the step loop waited for dispatches answering its "
+                         "reports, summed (every running job waited them too)")
+LINGER_OUTCOMES = ("answered", "unanswered", "not_waited")
+
 for _t in TIER_VALUES:
     PREEMPT_WAIT.labels(_t)
+for _o in LINGER_OUTCOMES:
+    LINGER_OFFERS.labels(_o)
 
 # request id -> its suspended_total_s when last seen resuming, so each resume observes only its own gap.
 _suspended_before: dict[str, float] = {}
@@ -43,6 +52,12 @@ def resumed(req: Request) -> None:
     before = _suspended_before.get(req.request_id, 0.0)
     PREEMPT_WAIT.labels(req.tier.value).observe(max(0.0, req.suspended_total_s - before))
     _suspended_before[req.request_id] = req.suspended_total_s
+
+
+def dispatch_linger(outcome: str, waited_s: float) -> None:
+    """An offering report's wait ended (worker/linger.py)."""
+    LINGER_OFFERS.labels(outcome).inc()
+    LINGER_SECONDS.inc(waited_s)
 
 
 def step_finished(out: SchedulerOutput) -> None:

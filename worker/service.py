@@ -21,11 +21,11 @@ import zmq
 from common import protocol as P
 from common.errors import InvalidRequest
 from common.sockets import make_socket
-from common.tiers import ALL_TIERS, Tier
+from worker import load_report, metrics
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
 from worker.linger import Linger, offers_room
-from worker.request import RequestStatus, SamplingParams
+from worker.request import SamplingParams
 from worker.service_config import WorkerConfig
 
 log = logging.getLogger("worker")
@@ -62,7 +62,8 @@ class WorkerService:
         self._beat_pending = False
         self._heartbeat = Heartbeat(self._lock, self._beat, self._hello, config.heartbeat_interval_s, HELLO_EVERY_S)
         self.rates = RateTracker(engine, clock)
-        self.linger = Linger(config.dispatch_linger_s)  # for the answer to a report offering room (worker/linger.py)
+        # The wait for the answer to a report offering room (worker/linger.py).
+        self.linger = Linger(config.dispatch_linger_s, observe=metrics.dispatch_linger)
 
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
@@ -220,8 +221,9 @@ class WorkerService:
                     continue
                 if job.first_token is None:
                     job.first_token = now
-                started, age = ((self.rates.prefill_start_s(job.job_id), self.rates.prefill_start_age_s(job.job_id, now))
-                                if not job.tokens else (None, None))
+                first = not job.tokens  # only the first tokens' frame says when the prefill started
+                started = self.rates.prefill_start_s(job.job_id) if first else None
+                age = self.rates.prefill_start_age_s(job.job_id, now) if first else None
                 self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids, started,
                                                   age))
                 job.tokens.extend(out.new_token_ids)
@@ -265,39 +267,5 @@ class WorkerService:
         """The load report the heartbeat thread sends until the next refresh (built here: engine state
         is only read on the step loop's thread)."""
         self._snapshot_at = now
-        e = self.engine
-        running = {t.value: 0 for t in ALL_TIERS}
-        waiting = {t.value: 0 for t in ALL_TIERS}
-        for r in e.scheduler.running:
-            running[r.tier.value] += 1
-        for r in e.scheduler.waiting:
-            waiting[r.tier.value] += 1
-        here = e.scheduler.running + e.scheduler.waiting
-        any_free = max(0, e.config.max_num_seqs - len(here))
-        # Slots any tier may take; the P0 slot reserve's free ones are offered to P0 alone, as victims are.
-        free_slots = min(any_free, max(0, e.config.max_num_seqs - e.config.p0_reserve_slots
-                                       - sum(r.tier is not Tier.P0 for r in here)))
-        # A job just sent here is reported before the step that starts it: for that step (a second, beside a long
-        # prompt's chunk) it runs, and an urgent job sent now preempts it at the next, as the wait model expects.
-        # Counted only as running, an urgent job admitted then waited for the report after that step and missed
-        # the next step's start.
-        # Never-started, unguarded ones only: one that resumes is protected by its residency when it does.
-        guarded = e.scheduler.preemption.protected_tokens
-        starting = [r for r in e.scheduler.next_to_start()
-                    if r.tier.rank > 1 and r.status is RequestStatus.WAITING and not guarded(r)]
-        low_running = starting or any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING
-                                      for r in e.scheduler.running)
-        cost = 0.0 if any_free or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
-        may_preempt = e.scheduler.preemption.config.may_preempt
-        # An urgent job already here but not yet running (added since the last step) will take a victim of its
-        # own: counting that victim as free would let a gateway send one more urgent job to wait behind it.
-        claimed = sum(r.tier.rank <= 1 for r in e.scheduler.waiting)
-        victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
-                                       for r in e.scheduler.running)
-                                + sum(may_preempt(t, r.tier) for r in starting) - claimed) for t in ALL_TIERS}
-        victims[Tier.P0.value] += any_free - free_slots
         held = list(self.jobs) + [m.job_id for _, m, _ in self._unsent]
-        base_s, token_s, pair_s = self.rates.step_cost()
-        self._snapshot = P.WorkerLoad(self.config.worker_id, free_slots, e.blocks.num_free, running, waiting,
-                                      held, cost, victims, *self.rates.rates(), self.rates.work(),
-                                      step_base_s=base_s, step_token_s=token_s, step_pair_s=pair_s)
+        self._snapshot = load_report.build(self.config.worker_id, self.engine, self.rates, held)
