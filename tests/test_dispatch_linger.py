@@ -127,6 +127,7 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
     service = WorkerService(WorkerConfig(worker_id="wk-linger", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
                                          dispatch_linger_s=cap_s), engine)
     service.connect()
+    assert service.linger.observe is metrics.dispatch_linger  # what /metrics serves is what the worker's own feeds
     # Any step's share: a tiny model's steps take a millisecond or two, the answer here 20 ms.
     service.linger = Linger(cap_s, share=1e6, observe=metrics.dispatch_linger)
     counted_before = {o: _linger_count(o) for o in metrics.LINGER_OUTCOMES}
