@@ -49,8 +49,8 @@ class GatewayConfig:
     # For a job a few dispatches from a slot, the wait told hedges the one evenly spaced future of the higher tiers'
     # arrivals with the likeliest of this many drawn ones (gateway/estimate_futures.py); 0: the evenly spaced only.
     wait_futures: int = 8
-    # Time the work a worker holds by replaying its engine steps at the step cost it reports (gateway/estimate_steps.py);
-    # false: at its per-sequence token rates alone, as before workers reported a step cost.
+    # Time the work a worker holds by replaying its engine steps at the step cost it reports
+    # (gateway/estimate_steps.py); false: at its per-sequence token rates alone, as before workers reported one.
     wait_step_cost: bool = True
     # A JSON-lines file each admitted job's wait estimate inputs are appended to, for scripts/estimate_replay.py
     # (gateway/estimate_dump.py); "" writes none. A debugging aid: it costs a line written per admission. One file

@@ -29,6 +29,7 @@ EXPLORE_EVERY = 8  # offers between two waits while answers have stopped coming
 MIN_ANSWERED = 0.25  # the share of recent offers answered in time below which the worker stops waiting
 DECAY = 0.2  # weight of the newest offer in the share answered
 MIN_WINDOW_S = 0.001  # the poller's resolution
+OUTCOMES = ANSWERED, UNANSWERED, NOT_WAITED = ("answered", "unanswered", "not_waited")  # one per offer, to observe
 
 
 def offers_room(report, before) -> bool:
@@ -53,8 +54,8 @@ class Linger:
         self.offers = 0
         self.waits = 0  # offers on which the loop waited
         self.answers = 0  # of those, answered within the window
-        self._since = self._until = 0.0  # the open offer's window (when it was offered, when it ends)
-        self._open = False
+        self._since = 0.0  # when the open offer went out
+        self._until: float | None = None  # when its window ends; None: no offer open
 
     def offered(self, now: float, step_s: float) -> None:
         """A report offering room went out at ``now``; the last step took ``step_s``."""
@@ -62,10 +63,10 @@ class Linger:
         self.offers += 1
         window = self.window_s(step_s)
         if window <= 0 or (self.answered_share < MIN_ANSWERED and self.offers % EXPLORE_EVERY):
-            self.observe("not_waited", 0.0)
+            self.observe(NOT_WAITED, 0.0)
             return
         self.waits += 1
-        self._since, self._until, self._open = now, now + window, True
+        self._since, self._until = now, now + window
 
     def window_s(self, step_s: float) -> float:
         """How long an offer is waited on after a step of ``step_s``."""
@@ -76,15 +77,15 @@ class Linger:
 
     def dispatched(self, now: float) -> None:
         """A dispatch came in at ``now``."""
-        if self._open and now <= self._until:
+        if self._until is not None and now <= self._until:
             self.answers += 1
             self.answered_share += DECAY * (1.0 - self.answered_share)
-            self._open = False
-            self.observe("answered", max(0.0, now - self._since))
+            self._until = None
+            self.observe(ANSWERED, max(0.0, now - self._since))
 
     def poll_ms(self, now: float) -> int:
         """The poll timeout before the next step: 0 unless an offer's window is open."""
-        if not self._open:
+        if self._until is None:
             return 0
         if now >= self._until:
             self._close()
@@ -93,7 +94,7 @@ class Linger:
 
     def _close(self) -> None:
         """The open offer, if any, went unanswered."""
-        if self._open:
+        if self._until is not None:
             self.answered_share *= 1 - DECAY
-            self._open = False
-            self.observe("unanswered", self._until - self._since)
+            self.observe(UNANSWERED, self._until - self._since)
+            self._until = None

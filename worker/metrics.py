@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from common import metrics
 from common.metrics import LATENCY_BUCKETS, TIER_VALUES
+from worker import linger
 from worker.request import Request, RequestStatus
 from worker.scheduler import SchedulerOutput
 
@@ -36,7 +37,7 @@ LINGER_OFFERS = Counter("ts_dispatch_linger_total", "Load reports offering a gat
                         "(unanswered), or stepped at once (not_waited)", ["outcome"])
 LINGER_SECONDS = Counter("ts_dispatch_linger_seconds", "Seconds the step loop waited for dispatches answering its "
                          "reports, summed (every running job waited them too)")
-LINGER_OUTCOMES = ("answered", "unanswered", "not_waited")
+LINGER_OUTCOMES = linger.OUTCOMES
 
 for _t in TIER_VALUES:
     PREEMPT_WAIT.labels(_t)
