@@ -49,10 +49,13 @@ sys.path.insert(0, str(ROOT))
 
 from common.errors import Overloaded, QuotaExceeded, ServingError  # noqa: E402
 from gateway.sdk import AsyncGatewayClient  # noqa: E402
-from scripts.estimate_report import TIERS, draw, mean_handoff, promotions, summarize, table  # noqa: E402
+from scripts.estimate_report import (TIERS, draw, mean_handoff, promotions, slipped_promises, summarize,  # noqa: E402
+                                     table)
 from common.arrival_traces import load_trace, spread_ties, ties_rng  # noqa: E402
+from common import settings  # noqa: E402
 from common.redis_keys import KeySpace  # noqa: E402
 from common.redis_server import redis_client  # noqa: E402
+from gateway.config import ENV_PREFIX, GatewayConfig  # noqa: E402
 from gateway.queue_records import JobRecord  # noqa: E402
 
 DEFAULT_LOAD = 0.8
@@ -371,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     done = {t: sum(1 for r in records if r["tier"] == t and r.get("outcome") == "done") for t in promoted}
     print("promised starts kept (moved up a tier when due; warm-up included), by the tier left: " + ", ".join(
         f"{t} {n} ({done[t]} judged jobs done)" for t, n in sorted(promoted.items())))
+    aging_s = settings.load(GatewayConfig, None, ENV_PREFIX).aging_interval_s  # the cluster's: up.py passes no file
+    slipped = slipped_promises(records, args.min_wait, aging_s)
+    if slipped:
+        print("promises that slipped (judged jobs moved up when due that started half an aging interval or more "
+              "after it; told within 2x of their wait): " + ", ".join(
+                  f"{t} {v['slipped']} of {v['promoted']} ({v['slipped_within_2x']})" for t, v in slipped.items()))
     if args.png:
         draw(records, args.min_wait, args.png)
         print(f"plot: {args.png}")
@@ -379,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "calibrated": calibrated, "warmup_factor": factor,
                                          "paced_rates": rates, "tail_sent": tail_sent, "measured_load": real,
                                          "handoff_mean_s": handoff and handoff[0], "promotions": promoted,
+                                         "promises_slipped": slipped,
                                          "jobs": records}, indent=1))
     return 0
 

@@ -70,6 +70,22 @@ def summarize(records: list[dict], min_wait: float) -> dict:
     return {"all": stats(records), **{t: stats([r for r in records if r["tier"] == t]) for t in TIERS}}
 
 
+def slipped_promises(records: list[dict], min_wait: float, aging_s: float) -> dict[str, dict[str, int]]:
+    """Per tier admitted, the judged jobs whose promise moved them (``promoted_s``, from where_they_ran), those of
+    them that started half an aging interval or more after it (``slipped``: the queue they moved to did not move,
+    and aging took them on; BENCHMARKS.md, issue 12, twenty-fifth session), and how many of those were told a wait
+    within 2x of theirs."""
+    out = {}
+    for tier in TIERS:
+        moved = [r for r in judged(records, min_wait) if r["tier"] == tier and r.get("promoted_s") is not None]
+        if not moved:
+            continue
+        slipped = [r for r in moved if r["wait_s"] - r["promoted_s"] >= aging_s / 2]
+        out[tier] = {"promoted": len(moved), "slipped": len(slipped),
+                     "slipped_within_2x": sum(r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"] for r in slipped)}
+    return out
+
+
 def table(summary: dict, min_wait: float) -> str:
     lines = [f"{'tier':<6}{'jobs':>6}{'done':>6}{'overload':>9}{'quota':>7}{'failed':>7}"
              f"{f'waited>={min_wait:g}s':>14}{'median rel err':>16}{'within 2x':>11}{'(95 % CI)':>11}{'mean wait':>11}"

@@ -156,3 +156,20 @@ def test_the_report_judges_each_tier_as_the_issue_says_with_the_uncertainty_of_f
     assert 0.49 < lo < 0.50 and 0.94 < hi < 0.95  # 8 of 10: the Wilson interval
     assert wilson(0, 0) is None and wilson(5, 5)[1] == 1.0 and wilson(0, 5)[0] == 0.0
     assert re.search(r"^P1 .* 80\.0 % +49-94 % ", table(s, 0.5), re.M)
+
+
+def test_a_promise_that_slipped_is_one_whose_job_started_half_an_aging_interval_or_more_after_it():
+    def job(tier, estimate, wait, promoted, outcome="done"):
+        return {"tier": tier, "estimate_s": estimate, "wait_s": wait, "promoted_s": promoted, "outcome": outcome}
+    records = [job("P3", 1.0, 61.0, 0.5),  # moved at once, started as aging lifted it on: slipped, 61x off
+               job("P3", 40.0, 70.0, 39.5),  # slipped by 30.5 s, exactly half an interval; told within 2x
+               job("P3", 40.0, 69.0, 39.5),  # 29.5 s after: kept, if late
+               job("P3", 5.0, 5.2, None),  # never moved
+               job("P3", 0.2, 0.3, 0.0),  # too short a wait to judge
+               job("P2", 3.0, 3.1, 2.5),  # kept
+               job("P2", 3.0, None, 2.5, "failed")]  # never ran: not judged
+    assert estimate_report.slipped_promises(records, 0.5, 60.0) == {
+        "P2": {"promoted": 1, "slipped": 0, "slipped_within_2x": 0},
+        "P3": {"promoted": 3, "slipped": 2, "slipped_within_2x": 1}}
+    assert estimate_report.slipped_promises(records, 0.5, float("inf"))["P3"]["slipped"] == 0  # no aging: none
+    assert estimate_report.slipped_promises([job("P1", 1.0, 2.0, None)], 0.5, 60.0) == {}
