@@ -6,7 +6,9 @@ dispatch (scripts/offline_dispatch.py: slots, Redis order: tier then age, aging 
 --aging-interval; P0/P1 preempting running P2/P3 work, unless --no-preempt, where the worker's
 guards let them (a resumed job's residency, a job a few tokens from its end; --no-guards: any
 victim at once, as before the eighteenth session); job durations from the given per-sequence
-rates) and
+rates, and a --handoff between a job's dispatch and its start; --rates-from RUN.json takes both
+from a real run, the only way the code trace's bursts wait here as long as on the cluster:
+BENCHMARKS.md, issue 12, twenty-fifth session) and
 asks gateway/estimate.py's wait_s, at every arrival, with the state the simulation had then and
 a forecast of the arrivals to come:
 
@@ -40,6 +42,7 @@ several times the cluster's capacity, seconds long, between quiet spells.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -69,7 +72,7 @@ def run(jobs: list[dict], a, dur) -> list[tuple[str, float, float]]:
     estimates: dict[int, float] = {}
     on_arrival = estimator(jobs, a, dur, estimates)
     waits = simulate(jobs, a.slots, a.aging_interval, dur, on_arrival, a.noise, a.seed, a.preempt,
-                     guards=worker_guards(a) if a.guards else None)
+                     guards=worker_guards(a) if a.guards else None, handoff=a.handoff)
     return [(j["tier"], estimates[j["i"]], waits[j["i"]]) for j in jobs if j.get("judged", True)]
 
 
@@ -87,7 +90,7 @@ def estimator(jobs: list[dict], a, dur, out: dict[int, float]):
 
     def on_arrival(job: dict, held: list[Held], queued: list[dict]) -> float:
         tier, now = Tier(job["tier"]), job["at"]
-        view = WorkerView(a.slots, SECONDS, held)
+        view = WorkerView(a.slots, SECONDS, held, a.handoff, a.handoff)  # the hand-off as the gateway learns it
         line = [Queued(Work(Tier(q["tier"]), 0, dur(q)), q["at"] - now, q["promise"] - now) for q in queued]
         arrivals: list[Arrivals] = []
         if a.forecast == "rates":
@@ -146,13 +149,23 @@ def parser() -> argparse.ArgumentParser:
                     help="time constant (s) over which the rates now are expected to settle to the long-run ones")
     ap.add_argument("--long-tau", type=float, default=LONG_TAU_S, help="decay time of the long-run rates (s)")
     ap.add_argument("--window", type=float, default=60.0, help="the oracle's look ahead (s)")
-    ap.add_argument("--tail", type=int, default=250, help="rows after each segment that arrive too, unjudged")
+    ap.add_argument("--tail", type=int, default=500,
+                    help="rows after each segment that arrive too, unjudged (as bench_estimate.py --tail)")
+    ap.add_argument("--handoff", type=float, default=0.0,
+                    help="seconds from a job's dispatch to its start, its slot idle (the cluster's "
+                         "ts_dispatch_handoff_seconds: 0.02-0.03 s a job on the conversation trace, 0.08-0.13 s on "
+                         "the code trace); the model is told it, as the gateway learns it (0: none)")
     ap.add_argument("--samples", type=int, default=0, help="drawn futures per job (0: the gateway's evenly spaced)")
     ap.add_argument("--futures", type=int, default=FUTURES,
                     help="drawn futures whose likeliest wait the estimate of a job near a slot is hedged with, as the "
                          "gateway's wait_futures (0: the evenly spaced future only)")
     ap.add_argument("--pick", choices=("median", "within-2x"), default="median",
                     help="of the --samples waits, the median or the estimate with most of them within 2x")
+    ap.add_argument("--rates-from", type=Path, default=None, metavar="RUN.json",
+                    help="the slots, per-sequence rates and hand-off of a bench_estimate.py --json run (its paced "
+                         "rates, which its load is counted in, and the gateway's mean hand-off), instead of --slots, "
+                         "--prefill-tps, --decode-tps and --handoff: a trace's jobs run at other rates than another's, "
+                         "and the share of a burst's work in its long prompts decides its waits")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--prefill-tps", type=float, default=1300.0, help="per sequence (the bench model here: ~1300)")
     ap.add_argument("--decode-tps", type=float, default=37.5, help="per sequence (the bench model here: ~37.5)")
@@ -195,13 +208,33 @@ def segment(a, start: int) -> list[dict]:
     return jobs
 
 
+def measured(run: Path) -> tuple[int, float, float, float]:
+    """(slots, prefill tokens/s, decode tokens/s, hand-off s) of a bench_estimate.py --json run: its workers' paced
+    per-sequence rates (slot-weighted means) and the gateway's mean hand-off (0 where it measured none)."""
+    try:
+        data = json.loads(Path(run).read_text())
+        rates = [(float(p), float(d), int(n)) for p, d, n in data["paced_rates"]]
+        handoff = float(data.get("handoff_mean_s") or 0.0)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"estimate_offline: {run} is not a bench_estimate.py --json run with paced rates: {e}")
+    slots = sum(n for _, _, n in rates)
+    if not rates or slots <= 0:
+        raise SystemExit(f"estimate_offline: {run} has no slots in its paced rates")
+    return (slots, sum(p * n for p, _, n in rates) / slots, sum(d * n for _, d, n in rates) / slots, handoff)
+
+
 def durations(a):
     """Seconds a job holds a slot at the given per-sequence rates (as bench_estimate paces it)."""
     return slot_seconds([(a.prefill_tps, a.decode_tps, a.slots)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    ap = parser()
+    a = ap.parse_args(argv)
+    if a.rates_from is not None:
+        a.slots, a.prefill_tps, a.decode_tps, a.handoff = measured(a.rates_from)
+    if not 0 <= a.handoff < math.inf:
+        ap.error(f"--handoff must be finite and >= 0, got {a.handoff}")
     dur = durations(a)
     per_segment = []
     for k in range(a.segments):

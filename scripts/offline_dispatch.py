@@ -11,7 +11,11 @@ One worker of ``slots`` batch slots, dispatched as the gateway and worker do it,
   started last (least work lost), which is suspended with the rest of its time; with ``guards``, as the
   worker's (worker/preemption.py), not one resumed within its residency, nor one near its end;
 - a job holds its slot for its predicted time times its own lognormal spread (``noise``): the rates
-  predict only the mean.
+  predict only the mean;
+- a job dispatched to a slot (not a suspended one resuming on its own worker) starts ``handoff`` seconds
+  later, its slot idle till then: the gateway hears of the slot, claims the job, sends it, and the worker
+  finishes its step (``ts_dispatch_handoff_seconds``: 0.02-0.03 s a job on the conversation trace on CPU,
+  0.08-0.13 s on the code trace's long prompts).
 
 The model is handed what the gateway sees at each arrival: the work the slots hold, running and
 suspended, as predicted (without the spread), and the jobs queued.
@@ -61,14 +65,15 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
              on_arrival: Callable[[dict, list[Held], list[dict]], float] | None = None, noise: float = 0.0,
              seed: int = 0, preempt: bool = True,
              on_run: Callable[[dict, float, float], None] | None = None,
-             guards: Callable[[dict], tuple[float, float]] | None = None) -> dict[int, float]:
+             guards: Callable[[dict], tuple[float, float]] | None = None, handoff: float = 0.0) -> dict[int, float]:
     """Each job's wait, admission to its first start. ``on_arrival(job, held, queued)``, called as each job comes
     with the slots' work as the gateway would see it and the jobs queued, returns when its promise falls due
     (inf: none). ``preempt=False``: P0/P1 wait for a free slot like the rest. ``on_run(job, start, end)``: each
     stretch a job ran, until it ended or was preempted. ``guards(job)``: (residency, near end) in the job's
     predicted seconds: once resumed it may not be preempted for its residency, nor at all with its near end or less
     left (None: no guards; the cluster's worker has both, and on prompts that are nearly all of a job's work, as on
-    the code trace, the near-end guard protects most jobs once their prompt is read)."""
+    the code trace, the near-end guard protects most jobs once their prompt is read). ``handoff``: seconds from a
+    job's dispatch to its start, its slot idle (a resumed job has none)."""
     spread = spreads(jobs, noise, seed)
     ran = on_run or (lambda job, t0, t1: None)
     pool = [_Slot() for _ in range(slots)]
@@ -82,6 +87,7 @@ def simulate(jobs: list[dict], slots: int, aging_s: float, dur: Callable[[dict],
     guard = guards or no_guards
 
     def start(slot: _Slot, job: dict, t: float, seconds: float, resumed: bool = False) -> None:
+        t += 0.0 if resumed else handoff
         slot.job, slot.started, slot.free_at = job, t, t + seconds
         slot.protected_until = t + residency(guard, spread, job) if resumed else t
         waits.setdefault(job["i"], t - job["at"])  # the first start: a resumed job has its wait already

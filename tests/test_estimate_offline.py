@@ -119,3 +119,15 @@ def test_pick_takes_the_median_or_the_estimate_with_most_waits_within_2x():
     assert sum(w / 2 <= e <= 2 * w for w in waits) == 8  # 1.0 .. 3.5 (no estimate covers 50 with them)
     assert e == 2.0  # of the estimates that cover them (1.75 .. 2.0), the nearest to the median
     assert offline.pick([0.0] * 5, "within-2x") == 0.0
+
+
+def test_a_hand_off_idles_the_slot_before_each_dispatched_job_and_the_model_told_it_replays_it_exactly():
+    jobs = [{"i": i, "at": 0.0, "tier": "P3", "s": 1.0} for i in range(3)]
+    waits = dispatch.simulate(jobs, 1, math.inf, lambda job: job["s"], handoff=0.25)
+    assert [waits[i] for i in range(3)] == pytest.approx([0.25, 1.5, 2.75])  # each starts a hand-off after its slot
+    rows = run("exact", "--no-preempt", "--handoff", "0.3")
+    assert sum(w >= 0.5 for _, _, w in rows) > 50
+    for tier, estimate, wait in rows:
+        assert estimate == pytest.approx(wait, abs=1e-6), tier
+    with pytest.raises(SystemExit):
+        offline.main(["--handoff", "-0.1"])
