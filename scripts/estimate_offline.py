@@ -167,8 +167,10 @@ def parser() -> argparse.ArgumentParser:
                          "--prefill-tps, --decode-tps and --handoff: a trace's jobs run at other rates than another's, "
                          "and the share of a burst's work in its long prompts decides its waits")
     ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--prefill-tps", type=float, default=1300.0, help="per sequence (the bench model here: ~1300)")
-    ap.add_argument("--decode-tps", type=float, default=37.5, help="per sequence (the bench model here: ~37.5)")
+    ap.add_argument("--prefill-tps", type=float, default=1300.0,
+                    help="per sequence (the bench paced the bench model at 385-585 here in the twenty-fifth session: "
+                         "prefer --rates-from)")
+    ap.add_argument("--decode-tps", type=float, default=37.5, help="per sequence (paced: 40-62; see --rates-from)")
     ap.add_argument("--aging-interval", type=float, default=60.0)
     ap.add_argument("--token-scale", type=float, default=0.25)
     ap.add_argument("--max-len", type=int, default=2048)
@@ -218,8 +220,9 @@ def measured(run: Path) -> tuple[int, float, float, float]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"estimate_offline: {run} is not a bench_estimate.py --json run with paced rates: {e}")
     slots = sum(n for _, _, n in rates)
-    if not rates or slots <= 0:
-        raise SystemExit(f"estimate_offline: {run} has no slots in its paced rates")
+    if not rates or slots <= 0 or not all(p > 0 and d > 0 and n >= 0 for p, d, n in rates) or handoff < 0:
+        raise SystemExit(f"estimate_offline: {run} has no slots, or rates or a hand-off out of range: {rates}, "
+                         f"{handoff}")
     return (slots, sum(p * n for p, _, n in rates) / slots, sum(d * n for _, d, n in rates) / slots, handoff)
 
 

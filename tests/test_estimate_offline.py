@@ -3,6 +3,7 @@ came, its replay must reproduce every simulated wait; with none foreseen it may 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -131,3 +132,18 @@ def test_a_hand_off_idles_the_slot_before_each_dispatched_job_and_the_model_told
         assert estimate == pytest.approx(wait, abs=1e-6), tier
     with pytest.raises(SystemExit):
         offline.main(["--handoff", "-0.1"])
+
+
+def test_a_runs_rates_and_hand_off_are_read_from_its_json_and_a_file_without_them_is_refused(tmp_path):
+    run_json = tmp_path / "run.json"
+    run_json.write_text(json.dumps({"paced_rates": [[500.0, 60.0, 2], [600.0, 40.0, 2]], "handoff_mean_s": 0.1}))
+    assert offline.measured(run_json) == pytest.approx((4, 550.0, 50.0, 0.1))
+    run_json.write_text(json.dumps({"paced_rates": [[500.0, 60.0, 2]], "handoff_mean_s": None}))
+    assert offline.measured(run_json) == (2, 500.0, 60.0, 0.0)  # a run that measured no hand-off
+    for bad in ({"summary": {}}, {"paced_rates": []}, {"paced_rates": [[0.0, 60.0, 2]]},
+                {"paced_rates": [[500.0, 60.0, 2]], "handoff_mean_s": -1}):
+        run_json.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match="estimate_offline"):
+            offline.main(["--rates-from", str(run_json)])
+    with pytest.raises(SystemExit, match="estimate_offline"):
+        offline.measured(tmp_path / "missing.json")
