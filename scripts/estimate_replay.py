@@ -37,7 +37,7 @@ from gateway.estimate import RUNNING, Arrivals, WorkerView, replay  # noqa: E402
 from gateway.arrival_forecast import LONG_TAU_S, SETTLE_S, SHORT_TAU_S, ArrivalForecast  # noqa: E402
 from gateway.estimate_futures import FUTURES, told_wait_s  # noqa: E402
 from gateway.wait_estimator import advanced_held  # noqa: E402
-from scripts.estimate_report import summarize, table  # noqa: E402
+from scripts.estimate_report import judged, summarize, table, within_2x  # noqa: E402
 
 
 def replayed(dump: estimate_dump.Dumped, futures: int, arrivals: list[Arrivals] | None = None) -> float:
@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         told.append({**job, "estimate_s": d.told_s})
         now.append({**job, "estimate_s": e})
     if a.explain:
-        judged = [j for j in jobs.values() if j.get("outcome") == "done" and j["wait_s"] >= min_wait]
-        wanted = ([j for j in judged if not j["wait_s"] / 2 <= j["estimate_s"] <= 2 * j["wait_s"]]
+        wanted = ([j for j in judged(list(jobs.values()), min_wait) if not within_2x(j)]
                   if a.explain == ["misses"] else [j for j in jobs.values() if any(j["job_id"].startswith(x)
                                                                                  for x in a.explain)])
         if not wanted and a.explain != ["misses"]:

@@ -52,11 +52,16 @@ def judged(records: list[dict], min_wait: float) -> list[dict]:
     return [r for r in records if r.get("outcome") == "done" and r["wait_s"] >= min_wait]
 
 
+def within_2x(record: dict) -> bool:
+    """Was the job told a wait within 2x of the one it had (the issue's second measure)?"""
+    return record["wait_s"] / 2 <= record["estimate_s"] <= 2 * record["wait_s"]
+
+
 def summarize(records: list[dict], min_wait: float) -> dict:
     def stats(rs: list[dict]) -> dict:
         waited = judged(rs, min_wait)
         rel = [abs(r["estimate_s"] - r["wait_s"]) / r["wait_s"] for r in waited]
-        within = [r for r in waited if r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"]]
+        within = [r for r in waited if within_2x(r)]
         outcomes = {o: sum(1 for r in rs if r.get("outcome") == o) for o in ("done", "overloaded", "quota", "failed")}
         waits = sorted(r["wait_s"] for r in rs if r.get("outcome") == "done")
         return {"jobs": len(rs), **outcomes, "waited": len(waited),
@@ -75,14 +80,15 @@ def slipped_promises(records: list[dict], min_wait: float, aging_s: float) -> di
     them that started half an aging interval or more after it (``slipped``: the queue they moved to did not move,
     and aging took them on; BENCHMARKS.md, issue 12, twenty-fifth session), and how many of those were told a wait
     within 2x of theirs."""
+    promoted = [r for r in judged(records, min_wait) if r.get("promoted_s") is not None]
     out = {}
     for tier in TIERS:
-        moved = [r for r in judged(records, min_wait) if r["tier"] == tier and r.get("promoted_s") is not None]
+        moved = [r for r in promoted if r["tier"] == tier]
         if not moved:
             continue
         slipped = [r for r in moved if r["wait_s"] - r["promoted_s"] >= aging_s / 2]
         out[tier] = {"promoted": len(moved), "slipped": len(slipped),
-                     "slipped_within_2x": sum(r["wait_s"] / 2 <= r["estimate_s"] <= 2 * r["wait_s"] for r in slipped)}
+                     "slipped_within_2x": sum(map(within_2x, slipped))}
     return out
 
 
