@@ -107,6 +107,21 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 200 + 5 for i in range(n)]
 
 
+def _job(job_id: str, max_tokens: int, seed: int, prompt: list[int] | None = None) -> bytes:
+    prompt = _prompt(20, seed) if prompt is None else prompt
+    return P.encode(P.DispatchJob(job_id, 1, "P3", "t", prompt, max_tokens, 0.0, 1.0, None, seed, "gw",
+                                  ignore_eos=True))
+
+
+def _hello_from(gateway) -> bytes:
+    """The routing id of the worker whose hello comes first."""
+    while gateway.poll(60_000):
+        ident, frame = gateway.recv_multipart()
+        if isinstance(P.decode(frame), P.WorkerHello):
+            return ident
+    raise AssertionError("no hello from the worker")
+
+
 @pytest.mark.parametrize("cap_s, noise", [(0.0, False), (0.5, False), (0.5, True)])
 def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_dir, cap_s, noise):
     """A job finishes and frees a slot beside a long one; the gateway answers 20 ms later with the next job. With
@@ -144,17 +159,10 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
     thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
     thread.start()
 
-    def job(job_id: str, max_tokens: int, seed: int) -> bytes:
-        return P.encode(P.DispatchJob(job_id, 1, "P3", "t", _prompt(20, seed), max_tokens, 0.0, 1.0, None, seed, "gw",
-                                      ignore_eos=True))
-
     try:
-        while gateway.poll(60_000):
-            ident, frame = gateway.recv_multipart()
-            if isinstance(P.decode(frame), P.WorkerHello):
-                break
-        gateway.send_multipart([ident, job("long", 200, 1)])
-        gateway.send_multipart([ident, job("short", 3, 2)])
+        ident = _hello_from(gateway)
+        gateway.send_multipart([ident, _job("long", 200, 1)])
+        gateway.send_multipart([ident, _job("short", 3, 2)])
         finished = set()
         while "next" not in finished and gateway.poll(60_000):
             _, frame = gateway.recv_multipart()
@@ -167,7 +175,7 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
                         gateway.send_multipart([ident, b"\xffnot a frame"])
                         gateway.send_multipart([ident, P.encode(P.CancelJob("no-such-job"))])
                     time.sleep(0.02)  # the gateway's claim in Redis and the frame's way back, made long
-                    gateway.send_multipart([ident, job("next", 3, 3)])
+                    gateway.send_multipart([ident, _job("next", 3, 3)])
         assert {"short", "next"} <= finished
         short_done = next(i for i, (_, done) in enumerate(steps) if "short" in done)
         next_first = next(i for i, (got, _) in enumerate(steps) if "next" in got)
@@ -201,3 +209,83 @@ def test_the_worker_process_refuses_a_negative_linger_before_loading_its_model(t
     done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tmp_path / "no-model-here"),
                            "--dispatch-linger-s", "-1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "linger" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_dispatch_the_worker_refuses_still_answers_the_offer(tiny_model_dir):
+    """The gateway answered the freed slot, with a job the worker refuses (an empty prompt here): the offer was
+    answered all the same, and waiting on would only hold the running job back for the rest of the window."""
+    import zmq
+
+    from worker import Engine, EngineConfig
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    ctx = zmq.Context.instance()
+    gateway = ctx.socket(zmq.ROUTER)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=2))
+    service = WorkerService(WorkerConfig(worker_id="wk-refuse", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
+                                         dispatch_linger_s=0.5), engine)
+    service.connect()
+    outcomes: list[tuple[str, float]] = []
+    service.linger = Linger(0.5, share=1e6, observe=lambda outcome, waited: outcomes.append((outcome, waited)))
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+
+    try:
+        ident = _hello_from(gateway)
+        gateway.send_multipart([ident, _job("long", 400, 1)])
+        gateway.send_multipart([ident, _job("short", 3, 2)])
+        refused = None
+        while refused is None and gateway.poll(60_000):
+            msg = P.decode(gateway.recv_multipart()[1])
+            if isinstance(msg, P.JobFinished) and msg.job_id == "short":
+                time.sleep(0.02)
+                gateway.send_multipart([ident, _job("bad", 3, 3, prompt=[])])
+            elif isinstance(msg, P.JobFinished) and msg.job_id == "bad":
+                refused = msg
+        assert refused is not None and refused.state == "failed" and "empty" in refused.reason
+        answered = [waited for outcome, waited in outcomes if outcome == "answered"]
+        assert len(answered) == 1 and 0.01 < answered[0] < 0.5, outcomes
+        assert "long" in service.jobs  # still running: the refusal touched nothing else
+    finally:
+        stop.set()
+        thread.join(30)
+        service.close()
+        gateway.close(linger=0)
+
+
+def test_room_is_judged_against_the_last_report_sent_not_the_last_snapshot(tiny_model_dir, monkeypatch):
+    """The snapshot is refreshed every half heartbeat interval whether or not it goes out. A victim that appeared
+    in a refresh no report carried is new to every gateway when the next report carries it: that report offers
+    room, and the worker waits for the answer."""
+    from worker import Engine, EngineConfig, load_report
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    import zmq
+
+    gateway = zmq.Context.instance().socket(zmq.ROUTER)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    now = [0.0]
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=2))
+    service = WorkerService(WorkerConfig(worker_id="wk-room", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
+                                         heartbeat_interval_s=0.5), engine, clock=lambda: now[0])
+    service.sockets[0].connect(f"tcp://127.0.0.1:{port}")
+    reports = iter([_load(0, {"P1": 0}), _load(0, {"P1": 1}), _load(0, {"P1": 1})])
+    monkeypatch.setattr(load_report, "build", lambda *a, **k: next(reports))
+    try:
+        service._beat_soon()
+        assert service._publish()[0]  # sent: no victim
+        assert gateway.poll(10_000) and P.decode(gateway.recv_multipart()[1]).victims == {"P1": 0}
+        now[0] = 10.0
+        assert not service._publish()[0]  # refreshed (a victim now), not sent
+        now[0] = 10.1
+        service._beat_soon()
+        sent, before = service._publish()
+        assert sent and before is not None and before.victims == {"P1": 0}
+        assert offers_room(service._snapshot, before)
+    finally:
+        service.close()
+        gateway.close(linger=0)

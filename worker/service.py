@@ -58,6 +58,7 @@ class WorkerService:
         # Completions the gateway could not take yet, with when they were first tried.
         self._unsent: list[tuple[zmq.Socket, P.JobFinished, float]] = []
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
+        self._sent: P.WorkerLoad | None = None  # the last report that went out: what the gateways know
         self._snapshot_at = float("-inf")
         self._beat_pending = False
         self._heartbeat = Heartbeat(self._lock, self._beat, self._hello, config.heartbeat_interval_s, HELLO_EVERY_S)
@@ -129,14 +130,15 @@ class WorkerService:
 
     def _publish(self) -> tuple[bool, P.WorkerLoad | None]:
         """Refresh the snapshot the heartbeat thread sends; send it now if jobs came or went. Returns whether it
-        went now, and the snapshot before."""
-        now, before = self.clock(), self._snapshot
+        went now, and the report sent before it (a refresh in between may never have gone out)."""
+        now = self.clock()
         if self._beat_pending or now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
             self._refresh_snapshot(now)
         if not self._beat_pending:
-            return False, before
+            return False, self._sent
         self._beat_pending = False
         with self._lock:
+            before = self._sent
             self._beat()
         return True, before
 
@@ -171,6 +173,7 @@ class WorkerService:
             del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
+        self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
         try:
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
                                     trace_context=msg.trace_context)
@@ -178,7 +181,6 @@ class WorkerService:
             self._finish(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
-        self.linger.dispatched(self.clock())
         self.rates.added(msg.job_id)
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
 
@@ -260,8 +262,8 @@ class WorkerService:
     def _beat(self) -> None:
         if self._snapshot is not None:
             report = replace(self._snapshot, age_s=max(0.0, self.clock() - self._snapshot_at))
-            for s in self.sockets:
-                self._send(s, report)
+            if any([self._send(s, report) for s in self.sockets]):  # a list: every gateway gets it
+                self._sent = self._snapshot
 
     def _refresh_snapshot(self, now: float) -> None:
         """The load report the heartbeat thread sends until the next refresh (built here: engine state
