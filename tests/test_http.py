@@ -245,6 +245,55 @@ def test_refusals_store_nothing(cluster):
     assert_unchanged(before, snapshot(cluster))
 
 
+def test_a_stranger_is_refused_before_anything_else(cluster):
+    """A key no gateway knows gets 401 whatever its body: no validation, no tokenizing, no model name, for a
+    caller who is nobody here."""
+    before = snapshot(cluster)
+    stranger = {"Authorization": "Bearer not-a-key"}
+    for path, body in [("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 0}),
+                       ("/v1/chat/completions", {"messages": []}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20000}]})]:
+        err = assert_error(post(cluster, path, body, api_key="not-a-key"), 401, "authentication_error")
+        assert "tiny-llama" not in err["message"]
+    r = httpx.post(cluster["http"] + "/v1/completions", content=b"{not json", headers=stranger, timeout=30)
+    assert_error(r, 401, "authentication_error")
+    # The known key is refused nothing it was allowed before.
+    assert_error(post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400, "invalid_request_error",
+                 "max_tokens")
+    assert_unchanged(before, snapshot(cluster))
+
+
+def test_the_door_keeps_no_client_for_a_stranger(cluster):
+    """Upstream.check, as the door uses it: a stranger's key is refused and forgotten at once (strangers cannot
+    fill the table); a tenant's is kept, known, and not asked again."""
+    import asyncio
+
+    from common.errors import Unauthorized
+    from gateway.http.upstream import Upstream
+
+    async def check_both() -> Upstream:
+        up = Upstream([cluster["gateway"]], timeout_s=30)
+        for _ in range(3):
+            with pytest.raises(Unauthorized):
+                await up.check("not-a-key")
+        await up.check(key(cluster, "api-co"))
+        entry = up._entries[key(cluster, "api-co")]
+
+        async def asked_again():
+            raise AssertionError("a known key was asked about again")
+
+        entry.client.info = asked_again
+        await up.check(key(cluster, "api-co"))
+        return up
+
+    up = asyncio.run(check_both())
+    try:
+        assert list(up._entries) == [key(cluster, "api-co")] and up._entries[key(cluster, "api-co")].known
+    finally:
+        up.close()
+
+
 def test_p0_quota_429_with_retry_after(cluster):
     # chat-co: P0 burst 4, refilled at 2/s. Concurrent bursts of P0 requests must meet the quota.
     seen = None

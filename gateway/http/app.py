@@ -1,7 +1,7 @@
 """The ASGI application: OpenAI-compatible routes over the async SDK.
 
-A request is authenticated by the gateway (the bearer token is the tenant's API key), its
-prompt tokenized here (gateway/http/prompts.py), submitted as one job, and answered whole or
+A request is authenticated by the gateway (the bearer token is the tenant's API key; a key
+the door has not yet seen is checked before the body is read), its prompt tokenized here (gateway/http/prompts.py), submitted as one job, and answered whole or
 as server-sent events. Response headers are sent only once the job's first token (or its
 end) is known, so a job that expires in the queue is a real 504, not a 200 with an error
 inside. A client that goes away cancels its job, which frees its KV blocks on the worker.
@@ -90,6 +90,7 @@ class FrontDoor:
             if not key:
                 raise HttpError(401, "authentication_error", "missing 'Authorization: Bearer <api key>'",
                                 code="invalid_api_key")
+            await self._authenticate(key)
             body = schema.model_validate_json(await self._read_body(request))
             tier = _tier(request.headers.get("x-priority"), body.priority)
             if body.model is not None and body.model != self.model:
@@ -105,6 +106,15 @@ class FrontDoor:
             return e.response()
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; says what happened in the access log
+
+    async def _authenticate(self, key: str) -> None:
+        """401 for a key no gateway knows, before the body is read: a stranger learns nothing of this server."""
+        try:
+            await self.upstream.check(key)
+        except TimeoutError:
+            raise _no_gateway() from None
+        except ServingError as e:  # Unauthorized; or Unavailable after the SDK waited out a Redis outage
+            raise errors.from_serving_error(e) from None
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -137,8 +147,7 @@ class FrontDoor:
         except ServingError as e:
             raise errors.from_serving_error(e, prompt_param) from None
         except TimeoutError:
-            raise HttpError(503, "overloaded_error", "no gateway answered", code="gateway_unavailable",
-                            headers={"Retry-After": "1"}) from None
+            raise _no_gateway() from None
         headers = {"X-Request-Id": job.id, "X-Tier": job.tier,
                    "X-Estimated-Wait-Seconds": f"{job.estimated_wait_s:.3f}"}
         reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
@@ -226,7 +235,7 @@ class FrontDoor:
 
 
 def _info(endpoint: str, key: str):
-    # The async client has no info(); a short-lived sync client in a thread asks instead.
+    # A short-lived client of one gateway (the door's own fail over between them): is this one up?
     with GatewayClient(endpoint, key, timeout_s=HEALTH_TIMEOUT_S) as client:
         return client.info()
 
@@ -234,6 +243,11 @@ def _info(endpoint: str, key: str):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _no_gateway() -> HttpError:
+    return HttpError(503, "overloaded_error", "no gateway answered", code="gateway_unavailable",
+                     headers={"Retry-After": "1"})
 
 
 def _bearer(request: Request) -> str | None:

@@ -3,7 +3,9 @@
 The SDK's client speaks for one API key, and the front door serves every tenant, so it holds
 a client per key that has asked recently (bounded: the least recently used idle client is
 closed past ``max_clients``; a key the gateway refuses is forgotten at once, so strangers
-cannot fill the table). Nothing here outlives a restart: jobs live in the gateways' Redis.
+cannot fill the table). A key is checked with a gateway the first time the table holds it
+(``check``), before the door reads the request that came with it: a stranger gets 401 and no
+other answer. Nothing here outlives a restart: jobs live in the gateways' Redis.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from common.errors import Unauthorized
 from gateway.sdk import AsyncGatewayClient
 
 
@@ -19,6 +22,7 @@ class _Entry:
     def __init__(self, client: AsyncGatewayClient) -> None:
         self.client = client
         self.users = 0
+        self.known = False  # a gateway said it knows this key
 
 
 class Upstream:
@@ -49,6 +53,22 @@ class Upstream:
             yield entry
         finally:
             entry.users -= 1
+
+    async def check(self, api_key: str) -> None:
+        """Raise Unauthorized if the gateway does not know ``api_key``. Asked once while the table holds the key;
+        the gateways still check it on every call. Any other error (TimeoutError, Unavailable while Redis is
+        down) is raised as well and leaves the key unchecked: it is asked again next time."""
+        entry = self._entries.get(api_key)
+        if entry is not None and entry.known:
+            self._entries.move_to_end(api_key)
+            return
+        try:
+            async with self.client(api_key) as entry:
+                await entry.client.info()
+                entry.known = True
+        except Unauthorized:
+            self.forget(api_key)
+            raise
 
     def forget(self, api_key: str) -> None:
         """Drop the client of a key the gateway did not know."""
