@@ -29,7 +29,8 @@ key                     type         contents and lifetime
 ``dead``                sorted set   dead-lettered job id -> time of dead-lettering in ms. Keeps
                                      the newest ``dead_letter_max``; the oldest are dropped with
                                      their hashes. An entry may outlive its (expired) hash.
-``idem:<tenant>:<key>`` string       job id admitted under this idempotency key; TTL
+``idem:<tenant>:<key>`` string       job id admitted under this idempotency key, then a space and
+                                     the request's fingerprint (gateway/admission.fingerprint); TTL
                                      ``idempotency_ttl`` (default 24 h) from admission. The
                                      tenant is percent-encoded so ':' cannot make names collide.
 ``tenant-jobs:<tenant>`` sorted set  the tenant's admitted job ids -> admission ms, kept only under a

@@ -5,9 +5,12 @@ Everything here runs before anything is stored or charged; a refusal raises a ty
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgpack
 
 from common.errors import Forbidden, InvalidRequest, TierLimitExceeded, Unauthorized
 from common.protocol import SubmitRequest
@@ -69,3 +72,12 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
     if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= 200:
         raise InvalidRequest("idempotency_key must be 1..200 characters", field="idempotency_key")
     return Admission(tenant, tier, list(ids))
+
+
+def fingerprint(req: SubmitRequest, adm: Admission) -> str:
+    """What the request asks for, as stored with its idempotency key: the same on every gateway and on every
+    retry of it (the trace context and request id, which a retry may change, are left out; the seed is the one
+    asked for, None where the gateway draws it)."""
+    asked = [adm.prompt_token_ids, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
+             adm.tier_requested.value, bool(req.ignore_eos)]
+    return hashlib.sha256(msgpack.packb(asked)).hexdigest()[:32]

@@ -16,7 +16,8 @@ from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, promises, security
-from gateway.redis_queue import Admitted, Overloaded, QuotaRefused, QuotaSpec, StoreFull, TenantFull
+from gateway.redis_queue import (Admitted, IdempotencyMismatch, Overloaded, QuotaRefused, QuotaSpec, StoreFull,
+                                 TenantFull)
 from gateway.spans import GatewaySpans
 
 log = logging.getLogger("gateway")
@@ -66,7 +67,12 @@ class ClientApi:
         result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
                                   tier=adm.tier_requested, payload=payload,
                                   idempotency_key=req.idempotency_key, quota=quota,
-                                  drain_rate_per_s=self.drain_rates(now), estimate_s=estimate, promise_s=promise)
+                                  drain_rate_per_s=self.drain_rates(now), estimate_s=estimate, promise_s=promise,
+                                  fingerprint=admission.fingerprint(req, adm) if req.idempotency_key else None)
+        if isinstance(result, IdempotencyMismatch):
+            return self._error_for(InvalidRequest(
+                f"idempotency_key {req.idempotency_key!r} was used for another request (job {result.job_id}); "
+                "a key stands for one request and its retries", field="idempotency_key"))
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
             return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",

@@ -84,7 +84,14 @@ class StoreFull:
     detail: str  # Redis's own words
 
 
-AdmitResult = Union[Admitted, QuotaRefused, Overloaded, TenantFull, StoreFull]
+@dataclass(frozen=True)
+class IdempotencyMismatch:
+    """The idempotency key was first used for another request (another prompt or other sampling)."""
+
+    job_id: str  # the job admitted under it
+
+
+AdmitResult = Union[Admitted, QuotaRefused, Overloaded, TenantFull, StoreFull, IdempotencyMismatch]
 
 
 @dataclass(frozen=True)

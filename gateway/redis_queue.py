@@ -20,8 +20,8 @@ from common.errors import DuplicateRequest, IncompleteResult
 from common.redis_keys import KeySpace, load_scripts
 from common.tiers import ALL_TIERS, Tier
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
-    _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, JobRecord, JobState, Overloaded, QuotaRefused,
-    QuotaSpec, Settled, StoreFull, TenantFull,
+    _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, IdempotencyMismatch, JobRecord, JobState, Overloaded,
+    QuotaRefused, QuotaSpec, Settled, StoreFull, TenantFull,
 )
 from gateway.queue_sweeps import SWEEP_LIMIT, QueueSweeps  # noqa: F401  (SWEEP_LIMIT: part of the queue's API)
 
@@ -97,13 +97,15 @@ class RedisQueue(QueueSweeps):
     def admit(
         self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int | None = None,
         idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
-        estimate_s: float | None = None, promise_s: float | None = None,
+        estimate_s: float | None = None, promise_s: float | None = None, fingerprint: str | None = None,
     ) -> AdmitResult:  # fmt: skip
         """Admit a job with one script call (see common/lua/admit.lua for the rules).
 
         ``estimate_s``: the wait estimate to store and to shed on; None estimates from the drain rates.
         ``promise_s``: for a P2 or P3 job, when from now its promised start falls due (gateway/promises.py); None:
-        no promise."""
+        no promise. ``fingerprint``: what the request asks for (gateway/admission.fingerprint), stored with the
+        idempotency key: a later request under the key with another fingerprint is refused (IdempotencyMismatch),
+        one with the same is the first job's duplicate; None: any request under the key is."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
         rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
@@ -128,6 +130,10 @@ class RedisQueue(QueueSweeps):
             if estimate_s is None or not math.isfinite(promise_s) or promise_s < 0:
                 raise ValueError(f"promise_s must be finite and >= 0, with an estimate_s; got {promise_s}")
             args.append(str(int(promise_s * 1000)))
+        if fingerprint is not None:
+            if not fingerprint or " " in fingerprint:
+                raise ValueError(f"a fingerprint is a non-empty string without spaces, got {fingerprint!r}")
+            args += [""] * (21 - len(args)) + [fingerprint]  # ARGV[20..21] stay optional
         try:
             reply = self._scripts["admit"](keys=keys, args=args)
         except redis.ResponseError as e:
@@ -145,6 +151,8 @@ class RedisQueue(QueueSweeps):
             return Overloaded(float(reply[2]), t, self.tier_timeouts_s[t])  # type: ignore[arg-type]
         if kind == "duplicate":
             return self._duplicate(reply[1].decode(), Tier(tier), rates)
+        if kind == "mismatch":
+            return IdempotencyMismatch(reply[1].decode())
         if kind == "exists":
             raise DuplicateRequest(job_id)
         if kind == "tenant_full":

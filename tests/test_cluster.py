@@ -72,6 +72,19 @@ def test_refusals_store_nothing_and_charge_nothing(cluster):
         (lambda: lab.submit("hi", max_tokens=0, ignore_eos=True), InvalidRequest),
         (lambda: lab.submit("hi", temperature=-1.0), InvalidRequest),
         (lambda: lab.submit(), InvalidRequest),
+        # Wrong types are the SDK's typed refusal too, never a raw OverflowError or a protocol error.
+        (lambda: lab.submit("hi", seed=2**64), InvalidRequest),
+        (lambda: lab.submit("hi", seed=-1), InvalidRequest),
+        (lambda: lab.submit("hi", max_tokens=2.5), InvalidRequest),
+        (lambda: lab.submit("hi", max_tokens=True), InvalidRequest),
+        (lambda: lab.submit("hi", top_k=2.0), InvalidRequest),
+        (lambda: lab.submit("hi", temperature="hot"), InvalidRequest),
+        (lambda: lab.submit(prompt_token_ids=[1.5], max_tokens=1), InvalidRequest),
+        (lambda: lab.submit(prompt_token_ids=[True], max_tokens=1), InvalidRequest),
+        (lambda: lab.submit(prompt_token_ids="abc", max_tokens=1), InvalidRequest),
+        (lambda: lab.submit(prompt_token_ids=[2**70], max_tokens=1), InvalidRequest),
+        (lambda: lab.submit(b"bytes", max_tokens=1), InvalidRequest),
+        (lambda: lab.submit("hi", idempotency_key=42), InvalidRequest),
         (lambda: chat.submit(prompt_token_ids=[4], max_tokens=1, ignore_eos=True, tier="P0"), QuotaExceeded),
     ]
     for call, error in refusals:
@@ -86,6 +99,22 @@ def test_idempotency_key_returns_the_same_job(cluster):
     b = lab.submit("same", max_tokens=3, idempotency_key="order-42", ignore_eos=True)
     assert a.id == b.id and not a.duplicate and b.duplicate
     assert a.result(timeout=30).token_ids == b.result(timeout=30).token_ids
+
+
+def test_an_idempotency_key_reused_for_another_request_is_refused(cluster):
+    """Under a key, another prompt or other sampling is a refusal naming the first job: its result would not be
+    this request's. The refusal stores and charges nothing; a retry of the first request still gets its job."""
+    lab = client(cluster, "lab-co")
+    first = lab.submit("first", max_tokens=3, idempotency_key="order-43", ignore_eos=True)
+    assert len(first.result(timeout=30).token_ids) == 3  # done: the snapshot below holds still
+    before = snapshot(cluster)
+    for other in [dict(prompt="second", max_tokens=3), dict(prompt="first", max_tokens=4),
+                  dict(prompt="first", max_tokens=3, temperature=0.5), dict(prompt="first", max_tokens=3, seed=7)]:
+        with pytest.raises(InvalidRequest) as e:
+            lab.submit(**other, idempotency_key="order-43", ignore_eos=True)
+        assert e.value.field == "idempotency_key" and first.id in str(e.value)
+    assert snapshot(cluster) == before
+    assert lab.submit("first", max_tokens=3, idempotency_key="order-43", ignore_eos=True).id == first.id
 
 
 def test_aging_promotes_a_waiting_p3_job(cluster):

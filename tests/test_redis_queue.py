@@ -31,6 +31,7 @@ from gateway.redis_queue import (
     DEFAULT_TIER_TIMEOUTS_S,
     MIN_DRAIN_RATE_PER_S,
     Admitted,
+    IdempotencyMismatch,
     JobState,
     Overloaded,
     QuotaRefused,
@@ -186,6 +187,31 @@ def test_idempotent_admission_returns_the_first_job_and_changes_nothing(queue, c
     short = RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S, idempotency_ttl_s=60)
     admit(short, "j5", P2, key="req-2")
     assert 0 < client.pttl(keys.idem("acme", "req-2")) <= 60_000
+
+
+def test_an_idempotency_key_reused_for_another_request_is_refused_and_changes_nothing(queue, client, keys):
+    """A key stands for one request: its retries get the first job; another request under it (another prompt,
+    other sampling) gets a refusal naming that job, never the first job's result as if it were its own."""
+    def with_fp(job_id, fp, **kw):
+        return queue.admit(job_id=job_id, tenant="acme", tier_requested=P2, tier=P2, payload=b"x", now_ms=T0,
+                           idempotency_key="req-1", quota=None, drain_rate_per_s={t: 10.0 for t in ALL},
+                           fingerprint=fp, **kw)
+
+    first = with_fp("j1", "fp-a")
+    assert not first.duplicate
+    assert with_fp("j2", "fp-a") == Admitted("j1", P2, 0.0, True, 0)  # a retry
+    before = snapshot(client, keys)
+    assert with_fp("j3", "fp-b") == IdempotencyMismatch("j1")
+    assert snapshot(client, keys) == before and queue.get("j3") is None
+    # A caller that sends no fingerprint is told the first job, as before fingerprints existed.
+    assert with_fp("j4", None).job_id == "j1"
+    # A key stored before fingerprints (the job id alone) matches any request.
+    client.set(keys.idem("acme", "req-old"), "j1")
+    old = queue.admit(job_id="j5", tenant="acme", tier_requested=P2, tier=P2, payload=b"x", now_ms=T0,
+                      idempotency_key="req-old", quota=None, drain_rate_per_s={}, fingerprint="fp-c")
+    assert old.job_id == "j1" and old.duplicate
+    with pytest.raises(ValueError):
+        with_fp("j6", "has space")
 
 
 def test_p0_quota_refuses_then_refills_over_time_and_refusal_changes_nothing(queue, client, keys):

@@ -8,7 +8,8 @@
 -- KEYS[8]     deadlines index zset
 -- KEYS[9]     the tenant's unfinished-jobs zset (used only when ARGV[19] > 0)
 -- KEYS[10]    promises index zset (used only for a P2 or P3 job given ARGV[21])
--- KEYS[11]    idempotency key (present only when the request carries one)
+-- KEYS[11]    idempotency key (present only when the request carries one): the job id admitted under it,
+--             then a space and that request's fingerprint where it was given one
 -- ARGV[1]     job id
 -- ARGV[2]     tenant
 -- ARGV[3]     tier requested by the client (P0..P3)
@@ -24,12 +25,14 @@
 -- ARGV[19]    most unfinished (queued or dispatched) jobs the tenant may hold, all tiers; 0 = no cap
 -- ARGV[20]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
 -- ARGV[21]    optional: ms from now at which a P2 or P3 job's promised start falls due (gateway/promises.py); "": none
+-- ARGV[22]    optional: the request's fingerprint (no spaces), stored with the idempotency key; "": none
 --
 -- Returns one of:
 --   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms}
 --                                                    position = queued jobs ahead of it, then per tier;
 --                                                    promise_at_ms "" where none was made
---   {"duplicate", existing job id}                   the idempotency key was seen before
+--   {"duplicate", existing job id}                   the idempotency key was seen before, for this request
+--   {"mismatch", existing job id}                    ... for another request (both fingerprints given, unequal)
 --   {"quota", retry_after_s}                         P0 bucket empty, policy refuse
 --   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
 --   {"exists"}                                       the job id is already in use
@@ -49,7 +52,16 @@ local quota_rate, quota_burst, on_exhausted = tonumber(ARGV[16]), tonumber(ARGV[
 if #KEYS >= 11 then
     local existing = redis.call('GET', KEYS[11])
     if existing then
-        return {'duplicate', existing}
+        local space = string.find(existing, ' ', 1, true)
+        local id, fp = existing, ''
+        if space then
+            id, fp = string.sub(existing, 1, space - 1), string.sub(existing, space + 1)
+        end
+        local asked = ARGV[22] or ''
+        if fp ~= '' and asked ~= '' and fp ~= asked then
+            return {'mismatch', id}
+        end
+        return {'duplicate', id}
     end
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then
@@ -112,7 +124,7 @@ for r = 0, rank do
     ahead = ahead + depth
     estimate = estimate + depth / tonumber(ARGV[12 + r])
 end
-if ARGV[20] then
+if ARGV[20] and ARGV[20] ~= '' then
     estimate = tonumber(ARGV[20])
 end
 local timeout_ms = tonumber(ARGV[8 + rank])
@@ -144,7 +156,11 @@ if rank >= 2 and ARGV[21] and ARGV[21] ~= '' then
     redis.call('ZADD', KEYS[10], promise_at, job_id)
 end
 if #KEYS >= 11 then
-    redis.call('SET', KEYS[11], job_id, 'PX', idem_ttl_ms)
+    local stored = job_id
+    if ARGV[22] and ARGV[22] ~= '' then
+        stored = job_id .. ' ' .. ARGV[22]
+    end
+    redis.call('SET', KEYS[11], stored, 'PX', idem_ttl_ms)
 end
 if tenant_cap > 0 then
     for _, id in ipairs(gone) do
