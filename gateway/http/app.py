@@ -271,7 +271,9 @@ def _tier(header: str | None, priority: int | None) -> str | None:
 
 def _validation_error(e: ValidationError) -> HttpError:
     first = e.errors()[0] if e.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list["))]
+    # Less the tags pydantic puts in a union member's path ("str", "list[int]", "function-after[...]"); a field
+    # whose name begins so ("stream") stays.
+    loc = [str(p) for p in first.get("loc", ()) if not (str(p) == "str" or str(p).startswith(("function-", "list[")))]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return errors.invalid(f"the body is not valid JSON: {first.get('msg')}", None)

@@ -2,7 +2,9 @@
 
 Fields this server cannot honour are refused with a 400 naming them rather than silently
 ignored (``n`` > 1, ``logprobs``, ``echo``, stop strings, penalties); fields it does not know
-are ignored, as OpenAI-compatible servers do, so newer clients keep working.
+are ignored, as OpenAI-compatible servers do, so newer clients keep working. Types are strict,
+as OpenAI's are: ``"max_tokens": true`` is not one token, nor ``"stream": 1`` a stream (an
+integer is still a float).
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ Priority = Annotated[int, Field(ge=0, le=len(ALL_TIERS) - 1)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or a list of text parts (image and audio parts are refused: this model reads text).
     content: str | list[TextPart] | None = None
@@ -45,7 +47,7 @@ class Message(BaseModel):
 class _Sampling(BaseModel):
     """What both endpoints share: sampling, streaming, the tier and the vLLM extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
