@@ -1,8 +1,8 @@
 """The ASGI application: OpenAI-compatible routes over the async SDK.
 
 A request is authenticated by the gateway (the bearer token is the tenant's API key; a key
-the door has not yet seen is checked before the body is read), its prompt tokenized here (gateway/http/prompts.py), submitted as one job, and answered whole or
-as server-sent events. Response headers are sent only once the job's first token (or its
+the door has not yet seen is checked before the body is read), its prompt tokenized here
+(gateway/http/prompts.py), submitted as one job, and answered whole or as server-sent events. Response headers are sent only once the job's first token (or its
 end) is known, so a job that expires in the queue is a real 504, not a 200 with an error
 inside. A client that goes away cancels its job, which frees its KV blocks on the worker.
 """
