@@ -88,7 +88,8 @@ def explain(job: dict, d: estimate_dump.Dumped, jobs: list[dict]) -> str:
     start = job["at"] + job["wait_s"]
     went = sorted((j for j in jobs if j is not job and j.get("outcome") == "done"
                    and job["at"] <= j["at"] + j["wait_s"] < start), key=lambda j: j["at"] + j["wait_s"])
-    out.append(f"  what started before it ({len(went)}; + admitted after it): " + " ".join(
+    out.append(f"  what started before it ({len(went)}; + admitted after it; judged rows only: the unjudged tail's "
+               "jobs are not in the run's JSON): " + " ".join(
         f"{j['tier']}{'+' if j['at'] > job['at'] else ''}@{j['at'] + j['wait_s'] - job['at']:.1f}" for j in went))
     return "\n".join(out)
 
