@@ -48,6 +48,13 @@ def test_stream_delivers_each_index_once_and_matches_the_result(cluster):
     assert [t for c in chunks for t in c.token_ids] == result.token_ids
     assert "".join(c.text for c in chunks) == result.text
     assert result.finish_reason == "length" and result.total_s >= result.queued_s >= 0
+    # Resumed from an index, it delivers exactly the rest; an index that is no index is refused, never a stream
+    # that ends at once with none of the job's tokens.
+    assert [t for c in job.stream(from_index=45) for t in c.token_ids] == result.token_ids[45:]
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(InvalidRequest) as e:
+            list(job.stream(from_index=bad))
+        assert e.value.field == "from_index"
 
 
 def test_refusals_store_nothing_and_charge_nothing(cluster):

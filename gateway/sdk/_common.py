@@ -218,6 +218,8 @@ class StreamState:
 
     def __init__(self, job_id: str, api_key: str, from_index: int, *, liveness_s: float, retries: int,
                  chunk_timeout: float | None = None, deadline: float | None = None) -> None:
+        if type(from_index) is not int or from_index < 0:  # -1 would drop every chunk: a stream of nothing
+            raise InvalidRequest(f"from_index must be an integer >= 0, got {from_index!r}", field="from_index")
         self.job_id, self.api_key = job_id, api_key
         self.next = from_index
         self.done: P.JobDone | None = None
