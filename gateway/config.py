@@ -3,11 +3,21 @@ environment variables TS_GATEWAY_<KEY> (e.g. TS_GATEWAY_REDIS_URL)."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, field
 
+from common.settings import ConfigError
+from common.tiers import ALL_TIERS
+
 ENV_PREFIX = "TS_GATEWAY_"
+# Durations and rates that must be finite and > 0: the loop divides by them, or sweeps and beats every so often.
+POSITIVE = ("lease_s", "worker_timeout_s", "aging_interval_s", "maintenance_interval_s", "stream_flush_interval_s",
+            "keepalive_interval_s", "default_drain_rate_per_s")
+AT_LEAST = {"max_model_len": 1, "max_tokens_limit": 1, "max_attempts": 1, "idempotency_ttl_s": 1,
+            "result_ttl_s": 1, "tenant_max_jobs": 0, "dead_letter_max": 1, "client_max_message_bytes": 1,
+            "client_queue_bytes_per_peer": 1}  # tenant_max_jobs 0: no cap
 
 
 @dataclass(frozen=True)
@@ -101,3 +111,20 @@ class GatewayConfig:
     client_queue_bytes_per_peer: int = 32 * 2**20
     # File holding the Redis password (kept out of redis_url, argv and logs); "" uses redis_url's own.
     redis_password_file: str = ""
+
+    def __post_init__(self) -> None:
+        """Refuse, naming the key, a value the gateway could not run with (before anything is started)."""
+        for key in POSITIVE:
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+        for key, least in AT_LEAST.items():
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}")
+        timeouts = self.tier_timeouts_s
+        names = {t.value for t in ALL_TIERS}
+        if not isinstance(timeouts, dict) or not set(timeouts) <= names or not all(
+                v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0) for v in timeouts.values()):
+            raise ConfigError(f"tier_timeouts_s maps tiers of {sorted(names)} to seconds > 0 (a tier left out, or "
+                              f"None: no timeout), got {timeouts!r}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shutil
@@ -296,20 +297,39 @@ def cluster_args(**options) -> argparse.Namespace:
     return args
 
 
+def _number(kind: type, least: float, above: bool = False, most: float | None = None):
+    """An argparse type: a ``kind`` at least ``least`` (above it, if ``above``), at most ``most``: refused with
+    the flag named, not started and then crashed in a child's log (or a traceback, as --gateways 0 was)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        low = value <= least if above else value < least
+        if not math.isfinite(value) or low or (most is not None and value > most):
+            bound = f"> {least:g}" if above else f">= {least:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and <= {most:g}" if most is not None else "")
+                                             + f", got {text}")
+        return value
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__)
     ap.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                     help="start the OpenAI-compatible HTTP front door (state file key `http`: its base URL)")
-    ap.add_argument("--http-port", type=int, default=0, help="its port (0: a free one)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--gateways", type=int, default=1, help="gateways sharing the one Redis")
-    ap.add_argument("--lease-s", type=float, default=10.0, help="dispatch lease; heartbeats extend it")
+    ap.add_argument("--http-port", type=_number(int, 0, most=65535), default=0, help="its port (0: a free one)")
+    ap.add_argument("--workers", type=_number(int, 0), default=2)
+    ap.add_argument("--gateways", type=_number(int, 1), default=1, help="gateways sharing the one Redis")
+    ap.add_argument("--lease-s", type=_number(float, 0, above=True), default=10.0,
+                    help="dispatch lease; heartbeats extend it")
     ap.add_argument("--model", default="tiny", help="tiny | bench | a model directory")
     ap.add_argument("--state-file", type=Path, required=True, help="where to write the cluster's JSON state")
-    ap.add_argument("--max-running", type=int, default=16, help="batch slots per worker")
-    ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from memory)")
-    ap.add_argument("--aging-interval", type=float, default=60.0, help="seconds before a waiting job ages a tier")
-    ap.add_argument("--ready-timeout", type=float, default=120.0)
+    ap.add_argument("--max-running", type=_number(int, 1), default=16, help="batch slots per worker")
+    ap.add_argument("--kv-blocks", type=_number(int, 0), default=0, help="KV blocks per worker (0: from memory)")
+    ap.add_argument("--aging-interval", type=_number(float, 0, above=True), default=60.0,
+                    help="seconds before a waiting job ages a tier")
+    ap.add_argument("--ready-timeout", type=_number(float, 0, above=True), default=120.0)
     ap.add_argument("--policy", choices=["priority", "fifo"], default="priority",
                     help="the workers' scheduling policy (fifo: no tiers, no preemption; for comparisons)")
     ap.add_argument("--logs-dir", type=Path, help="where every process's log (and the spans, unless --spans-file) go;"
