@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from common.errors import Forbidden, InvalidRequest, QuotaExceeded, Unauthorized
+from common.errors import Forbidden, InvalidRequest, JobFailed, QuotaExceeded, Unauthorized
 from gateway.sdk import AsyncGatewayClient, GatewayClient
 from tests.cluster_helpers import job_hash, local_cluster, snapshot, wait_for
 
@@ -92,6 +92,10 @@ def test_refusals_store_nothing_and_charge_nothing(cluster):
         (lambda: lab.submit(prompt_token_ids=[2**70], max_tokens=1), InvalidRequest),
         (lambda: lab.submit(b"bytes", max_tokens=1), InvalidRequest),
         (lambda: lab.submit("hi", idempotency_key=42), InvalidRequest),
+        (lambda: GatewayClient(cluster["gateway"], lab.api_key, timeout_s=0), InvalidRequest),
+        (lambda: GatewayClient(cluster["gateway"], lab.api_key, timeout_s=float("nan")), InvalidRequest),
+        (lambda: GatewayClient(cluster["gateway"], None), InvalidRequest),
+        (lambda: AsyncGatewayClient(cluster["gateway"], lab.api_key, retries=-1), InvalidRequest),
         (lambda: chat.submit(prompt_token_ids=[4], max_tokens=1, ignore_eos=True, tier="P0"), QuotaExceeded),
     ]
     for call, error in refusals:
@@ -176,6 +180,12 @@ def test_cancel_frees_the_worker(cluster):
     assert lab.cancel(job.id) is True
     assert lab.status(job.id).state == "cancelled"
     assert lab.cancel(job.id) is False
+    # Its stream ends in the job's fate, as result() does, never quietly as if the tokens were all there.
+    with pytest.raises(JobFailed, match="cancelled"):
+        for _ in job.stream():
+            pass
+    with pytest.raises(JobFailed, match="cancelled"):
+        job.result(timeout=30)
     # The slot is free again: a short job runs at once.
     assert len(lab.submit("next", max_tokens=2, ignore_eos=True).result(timeout=30).token_ids) == 2
 
@@ -191,6 +201,11 @@ def test_async_client_has_the_same_surface(cluster):
             seen = [i async for chunk in job.stream() for i in range(chunk.index, chunk.index + len(chunk.token_ids))]
             result = await job.result()
             status = await c.status(job.id)
+            gone = await c.submit("async, cancelled", max_tokens=1800, ignore_eos=True)
+            assert await gone.cancel() is True
+            with pytest.raises(JobFailed, match="cancelled"):
+                async for _ in gone.stream():
+                    pass
             return seen, result, status
         finally:
             c.close()

@@ -12,7 +12,8 @@ number of coroutines share one client and its one connection per gateway. Refusa
 ``Unauthorized``, ``Forbidden``, ``InvalidRequest``, ``QuotaExceeded`` (``.retry_after_s``), ``Overloaded``
 (``.estimated_wait_s``), ``NotFound``; ``Unavailable`` (the cluster's Redis is unreachable) and
 ``TimeoutError`` (no gateway answered) once the client's retries are spent. A job that ends without a
-result raises ``JobFailed`` or ``JobExpired`` from ``result()``. A ``GatewayClient`` is not thread-safe:
+result raises ``JobFailed`` or ``JobExpired`` from ``result()``, and at the end of ``stream()``: a stream
+never ends quietly short of its tokens. A ``GatewayClient`` is not thread-safe:
 use one per thread.
 
 Liveness: while a job is queued the gateway sends a keepalive every few seconds, so ``timeout_s`` (the

@@ -18,8 +18,8 @@ from opentelemetry import trace
 
 from common import protocol as P
 from common.sockets import curve_client, make_socket
-from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
-                                 RetryBudget, auto_idempotency_key, endpoint_list, failed_at, new_request_id,
+from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
+                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, new_request_id,
                                  on_submit_reply, raise_for, submit_request, submit_span, to_result, to_status,
                                  with_request_id)
 
@@ -118,9 +118,7 @@ class AsyncGatewayClient:
                  server_public_key: str | bytes | None = None) -> None:
         self.server_public_key = server_public_key  # as GatewayClient's
         self.endpoints = endpoint_list(endpoint)
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.retries = retries
+        self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.asyncio.Context.instance()
@@ -203,6 +201,7 @@ class AsyncGatewayClient:
                 if chunk is not None:
                     yield chunk
             job._done = st.done
+            to_result(st.done)  # a job that ended otherwise than done raises here, as result() does
         finally:
             if conn is not None:
                 conn.inboxes.pop(st.request_id, None)

@@ -4,6 +4,7 @@ state machine of one stream (which index comes next, when a silent gateway count
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import random
 import secrets
@@ -89,6 +90,18 @@ def endpoint_list(endpoint: str | Sequence[str]) -> list[str]:
     if not endpoints or not all(isinstance(e, str) and e for e in endpoints):
         raise InvalidRequest("endpoint must be a non-empty string or a non-empty list of them", field="endpoint")
     return endpoints
+
+
+def client_settings(api_key, timeout_s, retries) -> tuple[str, float, int]:
+    """A client's key, timeout and retries, checked: a timeout of 0 (or NaN) made every call fail as a silent
+    gateway, and a missing key failed each call with an untyped protocol error."""
+    if not isinstance(api_key, str) or not api_key:
+        raise InvalidRequest("api_key must be a non-empty string", field="api_key")
+    if type(timeout_s) not in (int, float) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise InvalidRequest(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}", field="timeout_s")
+    if type(retries) is not int or retries < 0:
+        raise InvalidRequest(f"retries must be an integer >= 0, got {retries!r}", field="retries")
+    return api_key, float(timeout_s), retries
 
 
 def new_request_id() -> str:

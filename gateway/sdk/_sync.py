@@ -12,8 +12,8 @@ from opentelemetry import trace
 
 from common import protocol as P
 from common.sockets import curve_client, make_socket
-from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, StreamState,
-                                 RetryBudget, auto_idempotency_key, endpoint_list, failed_at, new_request_id,
+from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
+                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, new_request_id,
                                  on_submit_reply, raise_for, submit_request, submit_span, to_result, to_status,
                                  with_request_id)
 
@@ -62,9 +62,7 @@ class GatewayClient:
         client socket is encrypted (``client_curve``)."""
         self.server_public_key = server_public_key
         self.endpoints = endpoint_list(endpoint)
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.retries = retries
+        self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.Context.instance()
@@ -166,6 +164,7 @@ class GatewayClient:
                     sock = None
                     self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"))
             job._done = st.done
+            to_result(st.done)  # a job that ended otherwise than done raises here, as result() does
         finally:
             if sock is not None:
                 sock.close(linger=0)
