@@ -1,5 +1,5 @@
-"""A gateway configuration that could not run is refused before anything starts, naming the key: a zero aging
-interval used to start, then crash the gateway's loop at its first sweep (a traceback, every job stranded)."""
+"""A gateway (or HTTP door) configuration that could not run is refused before anything starts, naming the key:
+a zero aging interval used to start a gateway, then crash its loop at the first sweep (every job stranded)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,14 @@ def test_up_refuses_a_flag_that_could_not_run_before_starting_anything(tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and flag in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert not state.exists()
+
+
+@pytest.mark.parametrize("key, value", [("port", 70000), ("gateways", []), ("gateways", [""]),
+                                        ("upstream_timeout_s", 0.0), ("upstream_timeout_s", float("inf")),
+                                        ("default_max_tokens", 0), ("max_body_bytes", 0)])
+def test_the_http_door_refuses_a_value_it_could_not_serve_with(key, value):
+    from gateway.http.config import HttpConfig
+
+    with pytest.raises(ConfigError, match=key):
+        HttpConfig(**{key: value})
+    HttpConfig()

@@ -170,7 +170,7 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
             raise InvalidRequest("prompt_token_ids must be integers", field="prompt_token_ids")
         prompt_token_ids = [int(t) for t in prompt_token_ids]  # numpy's integers as well
         if prompt_token_ids and not INT64[0] <= min(prompt_token_ids) <= max(prompt_token_ids) < INT64[1]:
-            raise InvalidRequest("prompt_token_ids must be integers", field="prompt_token_ids")
+            raise InvalidRequest("prompt_token_ids must fit in 64 bits", field="prompt_token_ids")
     for name, value in (("prompt", prompt), ("tier", tier), ("idempotency_key", idempotency_key)):
         if value is not None and not isinstance(value, str):
             raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}", field=name)
@@ -186,8 +186,7 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
         raise InvalidRequest(f"ignore_eos must be True or False, got {ignore_eos!r}", field="ignore_eos")
     return P.SubmitRequest(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
                            temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed, tier=tier,
-                           idempotency_key=idempotency_key, trace_context=tracing.carrier(),
-                           ignore_eos=ignore_eos)
+                           idempotency_key=idempotency_key, trace_context=tracing.carrier(), ignore_eos=ignore_eos)
 
 
 def with_request_id(msg, request_id: str):
