@@ -241,7 +241,8 @@ def test_a_dispatch_the_worker_refuses_still_answers_the_offer(tiny_model_dir):
         while refused is None and gateway.poll(60_000):
             msg = P.decode(gateway.recv_multipart()[1])
             if isinstance(msg, P.JobFinished) and msg.job_id == "short":
-                time.sleep(0.02)
+                outcomes.clear()  # the offers before this one (the second job may answer the first's) are not ours
+                time.sleep(0.1)  # well inside the 0.5 s window, and after the offer opens even on a busy machine
                 gateway.send_multipart([ident, _job("bad", 3, 3, prompt=[])])
             elif isinstance(msg, P.JobFinished) and msg.job_id == "bad":
                 refused = msg

@@ -227,7 +227,8 @@ def test_refusals_store_nothing(cluster):
            ({"prompt": "x", "logprobs": 3}, "logprobs"), ({"max_tokens": 1}, "prompt"),
            ({"prompt": "x", "max_tokens": True}, "max_tokens"), ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
            ({"prompt": "x", "seed": True}, "seed"), ({"prompt": "x", "stream": 1}, "stream"),
-           ({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "top_k": False}, "top_k")]
+           ({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "top_k": False}, "top_k"),
+           ({"prompt": "x", "n": True}, "n")]
     for body, param in bad:
         assert_error(post(cluster, "/v1/completions", body), 400, "invalid_request_error", param)
     assert_error(post(cluster, "/v1/chat/completions", {"messages": []}), 400, "invalid_request_error", "messages")

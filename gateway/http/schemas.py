@@ -51,7 +51,7 @@ class _Sampling(BaseModel):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=1)] = 1  # not Literal[1], which True matches
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
