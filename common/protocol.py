@@ -31,7 +31,7 @@ __all__ = ["MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "MAX_MESSAGE_BYTE
            "SCHEMA_VERSION", "CancelJob", "CancelReply", "CancelRequest", "DispatchJob", "ErrorReply", "GatewayWelcome",
            "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobTokens", "ProtocolError", "StatusReply",
            "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest", "TokenChunk", "Unauthenticated",
-           "WorkerHello", "WorkerLoad", "decode", "encode"]
+           "WorkerHello", "WorkerLoad", "decode", "encode", "mistyped"]
 
 SCHEMA_VERSION = 1
 # Bounded so a hostile or buggy peer cannot make a process allocate without limit.
@@ -148,6 +148,13 @@ def _build(cls: type, body: dict) -> Any:
             raise ProtocolError(f"{cls.__name__}.{name}: wrong type {type(body[name]).__name__}")
         kwargs[name] = body[name]
     return cls(**kwargs)
+
+
+def mistyped(cls: type, body: dict) -> str | None:
+    """The first of ``body``'s fields of message ``cls`` whose value decode() would refuse for its type, or None:
+    for a sender to name a wrong argument before it sends (the SDK), by the receiver's own rules."""
+    hints, _ = _schema(cls)
+    return next((name for name, value in body.items() if not _matches(value, hints[name])), None)
 
 
 # Exact element types a list[X] field accepts (bool is not an int here; an int is a float).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import tomllib
 import types
@@ -25,6 +26,20 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration file or variable that cannot be used."""
+
+
+def require(config: Any, *, positive: typing.Iterable[str] = (), at_least: typing.Mapping[str, int] | None = None,
+            ) -> None:
+    """Raise ConfigError naming the first of ``config``'s keys out of bounds: those in ``positive`` must be finite
+    numbers > 0 (a process divides by them, or waits them out), those in ``at_least`` integers >= their bound."""
+    for key in positive:
+        value = getattr(config, key)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+    for key, least in (at_least or {}).items():
+        value = getattr(config, key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}")
 
 
 # Field metadata: a dataclass-typed field whose own fields are keys at the top level (in the TOML file,

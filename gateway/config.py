@@ -8,7 +8,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from common.settings import ConfigError
+from common.settings import ConfigError, require
 from common.tiers import ALL_TIERS
 
 ENV_PREFIX = "TS_GATEWAY_"
@@ -114,14 +114,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the gateway could not run with (before anything is started)."""
-        for key in POSITIVE:
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
-        for key, least in AT_LEAST.items():
-            value = getattr(self, key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}")
+        require(self, positive=POSITIVE, at_least=AT_LEAST)
         timeouts = self.tier_timeouts_s
         names = {t.value for t in ALL_TIERS}
         if not isinstance(timeouts, dict) or not set(timeouts) <= names or not all(

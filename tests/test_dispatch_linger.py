@@ -4,6 +4,7 @@ waits that whole step with its slot idle."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -122,45 +123,64 @@ def _hello_from(gateway) -> bytes:
     raise AssertionError("no hello from the worker")
 
 
+@contextlib.contextmanager
+def _serving(model_dir, worker_id: str, engine_config, linger: Linger):
+    """A worker service on the tiny model with ``linger``, its step loop on a thread, and a ROUTER socket standing
+    in for its gateway. Yields (that socket, the worker's routing id, the service, a function that stops the loop)
+    once the worker has said hello. The loop steps only once it holds a job, so a test may wrap
+    ``service.engine.step`` before it sends one."""
+    import zmq
+
+    from worker import Engine, metrics
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    gateway = zmq.Context.instance().socket(zmq.ROUTER)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    config = WorkerConfig(worker_id=worker_id, gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
+                          dispatch_linger_s=linger.cap_s)
+    service = WorkerService(config, Engine.from_pretrained(model_dir, engine_config))
+    service.connect()
+    assert service.linger.observe is metrics.dispatch_linger  # what /metrics serves is what the worker's own feeds
+    service.linger = linger
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+
+    def halt() -> None:
+        stop.set()
+        thread.join(30)
+
+    try:
+        yield gateway, _hello_from(gateway), service, halt
+    finally:
+        halt()
+        service.close()
+        gateway.close(linger=0)
+
+
 @pytest.mark.parametrize("cap_s, noise", [(0.0, False), (0.5, False), (0.5, True)])
 def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_dir, cap_s, noise):
     """A job finishes and frees a slot beside a long one; the gateway answers 20 ms later with the next job. With
     the linger it starts in the very next step; without, the worker had begun that step and the job misses it
     (the race this fixes, reproduced). Other frames that come first (junk, a cancel of no job here) do not end
     the wait."""
-    import zmq
+    from worker import EngineConfig, metrics
 
-    from worker import Engine, EngineConfig, metrics
-    from worker.service import WorkerService
-    from worker.service_config import WorkerConfig
-
-    ctx = zmq.Context.instance()
-    gateway = ctx.socket(zmq.ROUTER)
-    port = gateway.bind_to_random_port("tcp://127.0.0.1")
-    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=3,
-                                                                    p0_reserve_slots=1))
-    service = WorkerService(WorkerConfig(worker_id="wk-linger", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
-                                         dispatch_linger_s=cap_s), engine)
-    service.connect()
-    assert service.linger.observe is metrics.dispatch_linger  # what /metrics serves is what the worker's own feeds
     # Any step's share: a tiny model's steps take a millisecond or two, the answer here 20 ms.
-    service.linger = Linger(cap_s, share=1e6, observe=metrics.dispatch_linger)
-    counted_before = {o: _linger_count(o) for o in metrics.LINGER_OUTCOMES}
-    steps: list[tuple[set[str], set[str]]] = []  # per step: the jobs that got a token, those that finished
-    step = engine.step
+    linger = Linger(cap_s, share=1e6, observe=metrics.dispatch_linger)
+    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=3, p0_reserve_slots=1)
+    with _serving(tiny_model_dir, "wk-linger", config, linger) as (gateway, ident, service, halt):
+        counted_before = {o: _linger_count(o) for o in metrics.LINGER_OUTCOMES}
+        steps: list[tuple[set[str], set[str]]] = []  # per step: the jobs that got a token, those that finished
+        step = service.engine.step
 
-    def counted_step():
-        outs = step()
-        steps.append(({o.request_id for o in outs}, {o.request_id for o in outs if o.finished}))
-        return outs
+        def counted_step():
+            outs = step()
+            steps.append(({o.request_id for o in outs}, {o.request_id for o in outs if o.finished}))
+            return outs
 
-    engine.step = counted_step
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-
-    try:
-        ident = _hello_from(gateway)
+        service.engine.step = counted_step
         gateway.send_multipart([ident, _job("long", 200, 1)])
         gateway.send_multipart([ident, _job("short", 3, 2)])
         finished = set()
@@ -188,18 +208,11 @@ def test_the_dispatch_answering_a_freed_slot_starts_in_the_next_step(tiny_model_
             assert next_first >= short_done + 2
             assert service.linger.waits == 0
         # /metrics says the same, one outcome per offer (the last may still be open when the loop stops)
-        stop.set()
-        thread.join(30)
-        linger = service.linger
+        halt()
         counted = {o: _linger_count(o) - counted_before[o] for o in metrics.LINGER_OUTCOMES}
         assert counted["answered"] == linger.answers
         assert counted["answered"] + counted["unanswered"] in (linger.waits, linger.waits - 1)  # one may be open
         assert sum(counted.values()) in (linger.offers, linger.offers - 1)
-    finally:
-        stop.set()
-        thread.join(30)
-        service.close()
-        gateway.close(linger=0)
 
 
 def test_the_worker_process_refuses_a_negative_linger_before_loading_its_model(tmp_path):
@@ -214,27 +227,12 @@ def test_the_worker_process_refuses_a_negative_linger_before_loading_its_model(t
 def test_a_dispatch_the_worker_refuses_still_answers_the_offer(tiny_model_dir):
     """The gateway answered the freed slot, with a job the worker refuses (an empty prompt here): the offer was
     answered all the same, and waiting on would only hold the running job back for the rest of the window."""
-    import zmq
+    from worker import EngineConfig
 
-    from worker import Engine, EngineConfig
-    from worker.service import WorkerService
-    from worker.service_config import WorkerConfig
-
-    ctx = zmq.Context.instance()
-    gateway = ctx.socket(zmq.ROUTER)
-    port = gateway.bind_to_random_port("tcp://127.0.0.1")
-    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=2))
-    service = WorkerService(WorkerConfig(worker_id="wk-refuse", gateways=[f"tcp://127.0.0.1:{port}"], model="tiny",
-                                         dispatch_linger_s=0.5), engine)
-    service.connect()
     outcomes: list[tuple[str, float]] = []
-    service.linger = Linger(0.5, share=1e6, observe=lambda outcome, waited: outcomes.append((outcome, waited)))
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-
-    try:
-        ident = _hello_from(gateway)
+    linger = Linger(0.5, share=1e6, observe=lambda outcome, waited: outcomes.append((outcome, waited)))
+    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=2)
+    with _serving(tiny_model_dir, "wk-refuse", config, linger) as (gateway, ident, service, _):
         gateway.send_multipart([ident, _job("long", 400, 1)])
         gateway.send_multipart([ident, _job("short", 3, 2)])
         refused = None
@@ -250,11 +248,6 @@ def test_a_dispatch_the_worker_refuses_still_answers_the_offer(tiny_model_dir):
         answered = [waited for outcome, waited in outcomes if outcome == "answered"]
         assert len(answered) == 1 and 0.01 < answered[0] < 0.5, outcomes
         assert "long" in service.jobs  # still running: the refusal touched nothing else
-    finally:
-        stop.set()
-        thread.join(30)
-        service.close()
-        gateway.close(linger=0)
 
 
 def test_room_is_judged_against_the_last_report_sent_not_the_last_snapshot(tiny_model_dir, monkeypatch):

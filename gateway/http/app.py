@@ -2,9 +2,10 @@
 
 A request is authenticated by the gateway (the bearer token is the tenant's API key; a key
 the door has not yet seen is checked before the body is read), its prompt tokenized here
-(gateway/http/prompts.py), submitted as one job, and answered whole or as server-sent events. Response headers are sent only once the job's first token (or its
-end) is known, so a job that expires in the queue is a real 504, not a 200 with an error
-inside. A client that goes away cancels its job, which frees its KV blocks on the worker.
+(gateway/http/prompts.py), submitted as one job, and answered whole or as server-sent events.
+Response headers are sent only once the job's first token (or its end) is known, so a job that
+expires in the queue is a real 504, not a 200 with an error inside. A client that goes away
+cancels its job, which frees its KV blocks on the worker.
 """
 
 from __future__ import annotations
@@ -273,7 +274,8 @@ def _validation_error(e: ValidationError) -> HttpError:
     first = e.errors()[0] if e.errors() else {}
     # Less the tags pydantic puts in a union member's path ("str", "list[int]", "function-after[...]"); a field
     # whose name begins so ("stream") stays.
-    loc = [str(p) for p in first.get("loc", ()) if not (str(p) == "str" or str(p).startswith(("function-", "list[")))]
+    loc = [str(p) for p in first.get("loc", ())
+           if not (str(p) == "str" or str(p).startswith(("function-", "list[")))]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return errors.invalid(f"the body is not valid JSON: {first.get('msg')}", None)

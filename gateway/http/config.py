@@ -3,10 +3,9 @@ environment variables TS_HTTP_<KEY> (e.g. TS_HTTP_GATEWAYS='["tcp://gateway:5555
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from common.settings import ConfigError
+from common.settings import ConfigError, require
 
 ENV_PREFIX = "TS_HTTP_"
 
@@ -39,13 +38,10 @@ class HttpConfig:
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the door could not serve with (a zero timeout failed every request
         as a 504; a zero body limit refused every body)."""
-        if not (0 <= self.port <= 65535):
+        require(self, positive=("upstream_timeout_s",), at_least={"port": 0, "default_max_tokens": 1,
+                                                                   "max_body_bytes": 1})
+        if self.port > 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port!r}")
         if not (isinstance(self.gateways, list) and self.gateways and all(isinstance(g, str) and g
                                                                           for g in self.gateways)):
             raise ConfigError(f"gateways must be a non-empty list of endpoints, got {self.gateways!r}")
-        if not (math.isfinite(self.upstream_timeout_s) and self.upstream_timeout_s > 0):
-            raise ConfigError(f"upstream_timeout_s must be a finite number > 0, got {self.upstream_timeout_s!r}")
-        for key in ("default_max_tokens", "max_body_bytes"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")

@@ -160,33 +160,26 @@ INT64 = (-(2**63), 2**63)  # what a frame carries (msgpack): a larger int could 
 
 def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
                    idempotency_key, ignore_eos) -> P.SubmitRequest:
-    """The frame, once each argument has the type it needs: a wrong one is InvalidRequest naming it (ranges are
-    the gateway's to judge, but for a seed, whose range is its type's)."""
-    if prompt_token_ids is not None:
-        if isinstance(prompt_token_ids, (str, bytes)):
-            raise InvalidRequest("prompt_token_ids must be a sequence of integers", field="prompt_token_ids")
-        prompt_token_ids = list(prompt_token_ids)
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise InvalidRequest("prompt_token_ids must be integers", field="prompt_token_ids")
-        prompt_token_ids = [int(t) for t in prompt_token_ids]  # numpy's integers as well
-        if prompt_token_ids and not INT64[0] <= min(prompt_token_ids) <= max(prompt_token_ids) < INT64[1]:
-            raise InvalidRequest("prompt_token_ids must fit in 64 bits", field="prompt_token_ids")
-    for name, value in (("prompt", prompt), ("tier", tier), ("idempotency_key", idempotency_key)):
-        if value is not None and not isinstance(value, str):
-            raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}", field=name)
-    for name, value, optional in (("max_tokens", max_tokens, False), ("top_k", top_k, True)):
-        if not (optional and value is None) and (type(value) is not int or not INT64[0] <= value < INT64[1]):
-            raise InvalidRequest(f"{name} must be an integer, got {value!r}", field=name)
-    if seed is not None and (type(seed) is not int or not 0 <= seed < INT64[1]):
-        raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {seed!r}", field="seed")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if type(value) not in (int, float):
-            raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}", field=name)
-    if type(ignore_eos) is not bool:
-        raise InvalidRequest(f"ignore_eos must be True or False, got {ignore_eos!r}", field="ignore_eos")
-    return P.SubmitRequest(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                           temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed, tier=tier,
-                           idempotency_key=idempotency_key, trace_context=tracing.carrier(), ignore_eos=ignore_eos)
+    """The frame, once each argument has the type the gateway's decoder takes (P.mistyped): a wrong one is
+    InvalidRequest naming it. Ranges are the gateway's to judge, but for what 64-bit frame fields can carry."""
+    if prompt_token_ids is not None and not isinstance(prompt_token_ids, (str, bytes)):
+        ids = list(prompt_token_ids)
+        # numpy's integers as well; a bool stays a bool, which the decoder refuses.
+        prompt_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                            for t in ids]
+    fields = dict(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, tier=tier,
+                  idempotency_key=idempotency_key, ignore_eos=ignore_eos)
+    wrong = P.mistyped(P.SubmitRequest, fields)
+    if wrong is not None:
+        raise InvalidRequest(f"{wrong} has the wrong type: {type(fields[wrong]).__name__}", field=wrong)
+    for name, value, least in (("max_tokens", max_tokens, INT64[0]), ("top_k", top_k, INT64[0]), ("seed", seed, 0)):
+        if value is not None and not least <= value < INT64[1]:
+            raise InvalidRequest(f"{name} must be in [{least}, 2**63), got {value!r}", field=name)
+    if prompt_token_ids and not INT64[0] <= min(prompt_token_ids) <= max(prompt_token_ids) < INT64[1]:
+        raise InvalidRequest("prompt_token_ids must fit in 64 bits", field="prompt_token_ids")
+    return P.SubmitRequest(**fields | dict(temperature=float(temperature), top_p=float(top_p)),
+                           trace_context=tracing.carrier())
 
 
 def with_request_id(msg, request_id: str):
