@@ -249,6 +249,79 @@ def test_refusals_store_nothing(cluster):
     assert_unchanged(before, snapshot(cluster))
 
 
+# What OpenAI's or vLLM's API defines and this server cannot do changes the answer: refused, naming the field,
+# never ignored (an ignored one makes the answer silently not the one asked for).
+UNHONOURED = [
+    ("/v1/chat/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("/v1/completions", {"stop": "\n"}, "stop"),
+    ("/v1/chat/completions", {"stop": ["\n"]}, "stop"),
+    ("/v1/completions", {"presence_penalty": False}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": True}, "best_of"),
+    ("/v1/completions", {"suffix": "y"}, "suffix"),
+    ("/v1/completions", {"min_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/completions", {"min_p": 0.1}, "min_p"),
+    ("/v1/completions", {"stop_token_ids": [3]}, "stop_token_ids"),
+    ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", UNHONOURED, ids=[p for _, _, p in UNHONOURED])
+def test_what_it_cannot_honour_is_refused_not_ignored(cluster, path, extra, param):
+    before = snapshot(cluster)
+    base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    err = assert_error(post(cluster, path, {**base, "max_tokens": 1, **extra}), 400, "invalid_request_error", param)
+    assert "not supported" in err["message"] or "content" in param, err
+    assert_unchanged(before, snapshot(cluster))
+
+
+def test_neutral_values_and_nulls_are_accepted(cluster):
+    """What clients send by default (a null for "the default", empty lists, the neutral value) is served."""
+    neutral = {"temperature": None, "top_p": None, "n": None, "stream": None, "ignore_eos": None, "seed": None,
+               "stop": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
+               "min_tokens": 0, "repetition_penalty": 1, "min_p": 0.0, "stop_token_ids": [], "user": None,
+               "stream_options": None, "some_field_from_a_newer_client": {"x": 1}}
+    r = post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 2, "echo": False, "suffix": None,
+                                          "best_of": 1, **neutral}, headers={"X-Priority": "P1"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+    r = post(cluster, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x", "tool_calls": []}], "max_tokens": 2, "tools": [],
+        "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0, "parallel_tool_calls": False,
+        "add_generation_prompt": True, "modalities": ["text"], **neutral}, headers={"X-Priority": "P1"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+
+
+def test_the_openai_client_is_refused_tools(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster["http"] + "/v1", api_key=key(cluster, "api-co"), max_retries=0)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, response_format={"type": "json_object"})
+
+
 def test_a_stranger_is_refused_before_anything_else(cluster):
     """A key no gateway knows gets 401 whatever its body: no validation, no tokenizing, no model name, for a
     caller who is nobody here."""

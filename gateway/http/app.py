@@ -93,6 +93,8 @@ class FrontDoor:
                                 code="invalid_api_key")
             await self._authenticate(key)
             body = schema.model_validate_json(await self._read_body(request))
+            if unhonoured := body.unhonoured():
+                raise errors.invalid(unhonoured[1], unhonoured[0])
             tier = _tier(request.headers.get("x-priority"), body.priority)
             if body.model is not None and body.model != self.model:
                 raise HttpError(404, "invalid_request_error", f"the model {body.model!r} does not exist; this "

@@ -1,21 +1,114 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), with the vLLM extras.
 
-Fields this server cannot honour are refused with a 400 naming them rather than silently
-ignored (``n`` > 1, ``logprobs``, ``echo``, stop strings, penalties); fields it does not know
-are ignored, as OpenAI-compatible servers do, so newer clients keep working. Types are strict,
-as OpenAI's are: ``"max_tokens": true`` is not one token, nor ``"stream": 1`` a stream (an
-integer is still a float).
+Fields that OpenAI's or vLLM's API defines and this server cannot honour (``logit_bias``, tools,
+``response_format``, stop strings, penalties, logprobs, guided decoding, ...) are refused with a
+400 naming them, never ignored: an ignored one makes the answer silently not the one asked for.
+Each is accepted at the value that asks for nothing, since clients send some by default (an
+empty list, a zero penalty, ``null``). Fields nobody defines are ignored, as OpenAI-compatible
+servers do, so newer clients keep working. ``null`` is the field's default, as in OpenAI's API.
+Types are strict, as OpenAI's are: ``"max_tokens": true`` is not one token, nor ``"stream": 1``
+a stream (an integer is still a float).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from common.tiers import ALL_TIERS
 
 Priority = Annotated[int, Field(ge=0, le=len(ALL_TIERS) - 1)]
+
+
+def _number(value: Any, neutral: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
+
+
+def _is(neutral: Any) -> Callable[[Any], bool]:
+    return lambda value: value is neutral
+
+
+def _empty(value: Any) -> bool:
+    return value == [] or value == {}
+
+
+def _text_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text"
+
+
+# name: (whether a value asks for nothing, that value as the refusal names it). null always asks for nothing.
+Unhonoured = dict[str, tuple[Callable[[Any], bool], str]]
+SHARED: Unhonoured = {
+    "presence_penalty": (lambda v: _number(v, 0), "0"),
+    "frequency_penalty": (lambda v: _number(v, 0), "0"),
+    "logit_bias": (_empty, "{}"),
+    "stop": (_empty, "[]"),
+    "echo": (_is(False), "false"),
+    # vLLM's extra sampling parameters.
+    "min_tokens": (lambda v: _number(v, 0), "0"),
+    "repetition_penalty": (lambda v: _number(v, 1), "1"),
+    "min_p": (lambda v: _number(v, 0), "0"),
+    "stop_token_ids": (_empty, "[]"),
+    "bad_words": (_empty, "[]"),
+    "use_beam_search": (_is(False), "false"),
+    "skip_special_tokens": (_is(True), "true"),
+    "guided_json": (_is(None), "null"),
+    "guided_regex": (_is(None), "null"),
+    "guided_choice": (_is(None), "null"),
+    "guided_grammar": (_is(None), "null"),
+    "structured_outputs": (_is(None), "null"),
+    "response_format": (_text_format, '{"type": "text"}'),
+}
+CHAT: Unhonoured = {
+    **SHARED,
+    "logprobs": (_is(False), "false"),
+    "top_logprobs": (lambda v: _number(v, 0), "0"),
+    "tools": (_empty, "[]"),
+    "functions": (_empty, "[]"),
+    "tool_choice": (lambda v: v in ("none", "auto"), '"none"'),
+    "function_call": (lambda v: v in ("none", "auto"), '"none"'),
+    "modalities": (lambda v: v == ["text"], '["text"]'),
+    "audio": (_is(None), "null"),
+    "add_generation_prompt": (_is(True), "true"),
+    "continue_final_message": (_is(False), "false"),
+    "chat_template": (_is(None), "null"),
+    "chat_template_kwargs": (_empty, "{}"),
+    "add_special_tokens": (_is(False), "false"),
+}
+COMPLETION: Unhonoured = {
+    **SHARED,
+    # An integer here: 0 still asks for the chosen tokens' log probabilities.
+    "logprobs": (_is(False), "null"),
+    "suffix": (lambda v: v == "", '""'),
+    "best_of": (lambda v: _number(v, 1), "1"),
+    "add_special_tokens": (_is(True), "true"),
+}
+MESSAGE: Unhonoured = {
+    "tool_calls": (_empty, "[]"),
+    "function_call": (_is(None), "null"),
+}
+
+
+def first_unhonoured(fields: dict[str, Any] | None, table: Unhonoured, where: str = "") -> tuple[str, str] | None:
+    """(param, message) for the first field of ``fields`` that asks for what ``table`` says cannot be done."""
+    for name, value in (fields or {}).items():
+        if name in table and value is not None and not table[name][0](value):
+            return where + name, f"{where + name} is not supported by this server (only {table[name][1]} or null)"
+    return None
+
+
+class _Body(BaseModel):
+    # Unknown fields are kept (model_extra), to be checked against the unhonoured ones; null is the default.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -29,10 +122,11 @@ class TextPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # A string, or a list of text parts (image and audio parts are refused: this model reads text).
+    # A string, or a list of text parts (image and audio parts are refused: this model reads text). Required
+    # (ChatCompletionRequest.unhonoured, after any tool call the message carries, which is the better reason):
+    # a message without content has nothing this server can put in a prompt.
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -44,10 +138,10 @@ class Message(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """What both endpoints share: sampling, streaming, the tier and the vLLM extras."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    UNHONOURED: ClassVar[Unhonoured] = SHARED
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -61,11 +155,6 @@ class _Sampling(BaseModel):
     # vLLM extras.
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
-    # Accepted only at their neutral values (clients send them by default).
-    presence_penalty: Literal[0, 0.0] | None = None
-    frequency_penalty: Literal[0, 0.0] | None = None
-    stop: None | Annotated[list[str], Field(max_length=0)] = None
-    logprobs: Literal[False] | None = None
 
     def top_k_or_none(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k  # vLLM: -1 (and 0) mean "all tokens"
@@ -73,25 +162,36 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def unhonoured(self) -> tuple[str, str] | None:
+        """(param, message) for the first field asking for what this server cannot do; None: none does."""
+        return first_unhonoured(self.model_extra, self.UNHONOURED)
+
 
 class ChatCompletionRequest(_Sampling):
+    UNHONOURED: ClassVar[Unhonoured] = CHAT
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    top_logprobs: Literal[0] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def unhonoured(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            if found := first_unhonoured(m.model_extra, MESSAGE, f"messages.{i}."):
+                return found
+            if m.content is None:
+                return f"messages.{i}.content", f"messages.{i}.content is required (a string or text parts)"
+        return super().unhonoured()
+
 
 class CompletionRequest(_Sampling):
+    UNHONOURED: ClassVar[Unhonoured] = COMPLETION
     # Text, or token ids; a batch of one is accepted in either form (a longer batch is refused: n=1 here).
-    prompt: str | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)] \
-        | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    prompt: (str | Annotated[list[StrictInt], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=1)])
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: Literal[False] = False
-    suffix: None = None
-    best_of: Literal[1] | None = None
 
     @model_validator(mode="after")
     def _unwrap(self) -> CompletionRequest:
