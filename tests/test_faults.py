@@ -7,15 +7,17 @@ engine's, for the clients that waited through the fault and through each gateway
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import job_hash, local_cluster, process_running, state_pids, wait_for
+from tests.cluster_helpers import job_hash, job_ids, local_cluster, process_running, state_pids, wait_for
 
 pytestmark = pytest.mark.faults
 
@@ -93,3 +95,58 @@ def test_kill_9_under_load_every_job_ends_whole(tmp_path, tiny_model_dir, refere
                         list(range(len(tokens))), (g["id"], job_id)
                     assert [t for c in chunks for t in c.token_ids] == tokens, (g["id"], job_id)
                     assert job.result(timeout=60).token_ids == tokens, (g["id"], job_id)
+
+
+def test_an_http_stream_survives_kill_9_of_its_gateway(tmp_path, tiny_model_dir, reference):  # noqa: F811
+    """The front door streams through the first gateway it knows; kill -9 it after the first chunk. The door's
+    SDK client hears nothing more from it and goes on from the next token index through the other gateway:
+    the stream ends whole, every token once, within seconds of the keepalives stopping, not after a timeout
+    meant for a job's whole wait (it was 600 s)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    spec = ([5, 6, 7], 1900, 0.0, 11)
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, gateways=2, lease_s=4.0) as state:
+        body = {"prompt": spec[0], "max_tokens": spec[1], "temperature": spec[2], "seed": spec[3],
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        headers = {"Authorization": f"Bearer {state['tenants']['lab-co']['api_key']}"}
+        old = state_pids(state)
+        text, usage, killed = [], None, False
+        # A read timeout well under the old 600 s and well over the door's silence limit plus a restart.
+        with httpx.stream("POST", state["http"] + "/v1/completions", json=body, headers=headers,
+                          timeout=httpx.Timeout(10, read=60)) as r:
+            assert r.status_code == 200, r.read()
+            job_id = r.headers["X-Request-Id"]
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                usage = event.get("usage") or usage
+                if event["choices"]:
+                    text.append(event["choices"][0]["text"])
+                if not killed:
+                    os.kill(old["gw-0"], signal.SIGKILL)
+                    killed = True
+        tokens = reference([spec])[0]
+        want = AutoTokenizer.from_pretrained(tiny_model_dir).decode(tokens, skip_special_tokens=True)
+        assert usage["completion_tokens"] == spec[1] and "".join(text) == want
+        assert job_hash(state, job_id)["state"] == "done"
+        # It did go over: the door's client said so (else this test would not test the fail-over).
+        log = Path(state["logs"]) / "http.log"
+        assert log.read_text().count("trying tcp://") == 1
+        # A whole answer, the same way: the door now talks to gw-1; kill it while the job runs.
+        wait_for(lambda: state_pids(state)["gw-0"] != old["gw-0"], 60, "up.py to restart gw-0")
+        answer = {}
+        whole = threading.Thread(target=lambda: answer.update(r=httpx.post(
+            state["http"] + "/v1/completions", json=body | {"stream": False, "stream_options": None},
+            headers=headers, timeout=60)))
+        whole.start()
+        wait_for(lambda: any(job_hash(state, j).get("state") == "dispatched" for j in job_ids(state) - {job_id})
+                 or not whole.is_alive(), 60, "the whole answer's job to run")
+        os.kill(old["gw-1"], signal.SIGKILL)
+        whole.join(90)
+        r = answer["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want and r.json()["usage"]["completion_tokens"] == spec[1]
+        assert log.read_text().count("trying tcp://") == 2

@@ -157,7 +157,8 @@ class FrontDoor:
         try:
             if body.stream:
                 return await self._stream(request, key, job, reply, headers, body.include_usage())
-            result = await self._until_disconnect(request, job.result(timeout=self.config.upstream_timeout_s))
+            # No bound of its own on the wait: the job's tier bounds it (queue timeout), the SDK a gateway's silence.
+            result = await self._until_disconnect(request, job.result())
             return JSONResponse(reply.whole(result), headers=headers)
         except ClientGone:
             metrics.DISCONNECTS.inc()
@@ -165,8 +166,8 @@ class FrontDoor:
             raise
         except TimeoutError:
             self._cancel_later(key, job.id)
-            raise HttpError(504, "timeout_error", f"no news of job {job.id} for {self.config.upstream_timeout_s}s",
-                            code="upstream_timeout", headers=headers) from None
+            raise HttpError(504, "timeout_error", f"no gateway said anything of job {job.id} for "
+                            f"{self.config.upstream_timeout_s}s", code="upstream_timeout", headers=headers) from None
         except ServingError as e:
             err = errors.from_serving_error(e, prompt_param)
             err.headers |= headers
@@ -174,7 +175,7 @@ class FrontDoor:
 
     async def _stream(self, request: Request, key: str, job, reply: Reply, headers: dict[str, str],
                       include_usage: bool) -> Response:
-        chunks = job.stream(timeout=self.config.upstream_timeout_s)
+        chunks = job.stream()  # as job.result() above: only a gateway's silence ends it early
         # The first chunk (or the job's end) decides the status line.
         first = await self._until_disconnect(request, anext(chunks, None))
         if first is None:

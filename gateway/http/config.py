@@ -28,8 +28,11 @@ class HttpConfig:
     served_model_name: str = ""
     # An API key of any tenant: /health asks a gateway with it whether workers are registered.
     health_api_key: str = ""
-    # Seconds without any frame from the gateway for one call or stream before the request fails (504).
-    upstream_timeout_s: float = 600.0
+    # Seconds without any frame from a gateway (an answer, a token or a keepalive: a gateway sends one every
+    # keepalive_interval_s, 2 s, to a stream it serves) after which the door takes it for dead and goes on
+    # through the next gateway (a stream from the next token index); 504 once none answers. It bounds
+    # silence, not a job's wait: a queued job keeps its request open as long as its tier's queue timeout allows.
+    upstream_timeout_s: float = 15.0
     # Largest max_tokens a request may leave unset and get: the default when the body gives none.
     default_max_tokens: int = 256
     # Largest request body accepted, in bytes.
