@@ -24,14 +24,14 @@ import msgpack
 from common.client_messages import (MAX_REQUEST_ID_LEN, CancelReply, CancelRequest, ErrorReply, InfoReply,
                                     InfoRequest, JobDone, StatusReply, StatusRequest, StreamRequest, SubmitReply,
                                     SubmitRequest, TokenChunk)
-from common.worker_messages import (CancelJob, DispatchJob, GatewayWelcome, JobFinished, JobTokens, WorkerHello,
-                                    WorkerLoad)
+from common.worker_messages import (HELLO_FIRST, CancelJob, DispatchJob, GatewayWelcome, JobFinished, JobFinishedAck,
+                                    JobTokens, WorkerHello, WorkerLoad)
 
-__all__ = ["MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_LEN", "MESSAGES",
-           "SCHEMA_VERSION", "CancelJob", "CancelReply", "CancelRequest", "DispatchJob", "ErrorReply", "GatewayWelcome",
-           "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobTokens", "ProtocolError", "StatusReply",
-           "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest", "TokenChunk", "Unauthenticated",
-           "WorkerHello", "WorkerLoad", "decode", "encode", "mistyped"]
+__all__ = ["HELLO_FIRST", "MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_LEN",
+           "MESSAGES", "SCHEMA_VERSION", "CancelJob", "CancelReply", "CancelRequest", "DispatchJob", "ErrorReply",
+           "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobFinishedAck", "JobTokens",
+           "ProtocolError", "StatusReply", "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest",
+           "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "mistyped"]
 
 SCHEMA_VERSION = 1
 # Bounded so a hostile or buggy peer cannot make a process allocate without limit.
@@ -56,7 +56,7 @@ class Unauthenticated(ProtocolError):
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     SubmitRequest, SubmitReply, StreamRequest, TokenChunk, JobDone, StatusRequest, StatusReply, CancelRequest,
     CancelReply, InfoRequest, InfoReply, ErrorReply, WorkerHello, GatewayWelcome, WorkerLoad, DispatchJob, CancelJob,
-    JobTokens, JobFinished)}
+    JobTokens, JobFinished, JobFinishedAck)}
 
 
 def encode(msg: Any) -> bytes:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The ErrorReply code of a gateway that does not know the worker a frame came from (it restarted, or the worker
+# timed out there): the worker says hello on that socket at once, rather than at its next periodic hello.
+HELLO_FIRST = "hello_first"
+
 
 @dataclass(frozen=True)
 class WorkerHello:
@@ -115,3 +119,12 @@ class JobFinished:
     token_ids: list[int] | None = None
     prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
     prefill_start_age_s: float | None = None  # as in JobTokens
+
+
+@dataclass(frozen=True)
+class JobFinishedAck:
+    """Reply to JobFinished: the gateway is done with it (stored, or not needed: the lease had moved on), so the
+    worker may stop sending it again (worker/completions.py)."""
+
+    job_id: str
+    attempt: int

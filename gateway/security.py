@@ -13,6 +13,7 @@ import logging
 
 import zmq
 
+from common import protocol as P
 from common.errors import InvalidRequest
 from common.keys import KeyFileError
 from common.settings import ConfigError
@@ -20,6 +21,8 @@ from common.sockets import (CLIENTS_DOMAIN, WORKERS_DOMAIN, Authenticator, Socke
                             is_loopback_endpoint)
 
 log = logging.getLogger("gateway.security")
+HELLO_ASK_EVERY_S = 1.0
+HELLO_ASK_MEMORY = 1024  # peers remembered as asked: a stranger's made-up identities cannot grow it further
 
 
 def check_config(config) -> None:
@@ -88,7 +91,9 @@ class HelloPolicy:
 
 
 def from_registered_worker(gw, ident: bytes) -> bool:
-    """True if ``ident`` is a worker that completed hello; anything else is dropped and counted."""
+    """True if ``ident`` is a worker that completed hello; anything else is dropped and counted, and the peer
+    asked (at most once a second) to say hello: a worker this gateway forgot, by a restart or a worker timeout,
+    would otherwise wait for its next periodic hello while its frames and its jobs' leases went unheard."""
     w = gw.workers.workers.get(ident.decode(errors="replace"))
     if w is not None and w.identity == ident:
         return True
@@ -96,6 +101,14 @@ def from_registered_worker(gw, ident: bytes) -> bool:
     if gw.counters["dropped_no_hello"] in (1, 10, 100, 1000) or gw.counters["dropped_no_hello"] % 10_000 == 0:
         log.warning("dropped %d frame(s) from worker-socket peers that never said hello",
                     gw.counters["dropped_no_hello"])
+    now = gw.clock()
+    if now - gw._hello_asked.get(ident, float("-inf")) >= HELLO_ASK_EVERY_S:
+        gw._hello_asked[ident] = now
+        gw._hello_asked.move_to_end(ident)
+        while len(gw._hello_asked) > HELLO_ASK_MEMORY:
+            gw._hello_asked.popitem(last=False)
+        gw._send(gw.worker_sock, ident, P.ErrorReply(P.HELLO_FIRST, "this gateway does not know you (it restarted, "
+                                                                  "or you timed out): say hello"))
     return False
 
 

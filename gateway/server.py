@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import msgpack
@@ -86,6 +86,9 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._dirty = True  # something may be dispatchable
         self._urgent_sent: set[str] = set()  # P0/P1 jobs dispatched by this gateway, not yet finished
         self._last_maintenance = 0.0
+        self._last_maintenance_pass = float("-inf")  # when maintenance() last ran (its loop may stand still)
+        self._listening_since = self.clock()  # when this gateway last began to hear workers (maintenance.py)
+        self._hello_asked: OrderedDict[bytes, float] = OrderedDict()  # worker peers asked to say hello, and when
         self._measured_rates: dict[Tier, float] = {}  # measured jobs/s per tier, refreshed by maintenance()
         self.token_log = TokenLog(queue.client, queue.keys)
         self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds

@@ -4,7 +4,9 @@ Fencing: a JobTokens / JobFinished frame counts only if it comes from the worker
 job's current lease, for the current attempt (known from this gateway's own claims, else read
 from Redis once). Anything else is dropped and counted as ``stale_frames``. A completion is
 stored as done only with every token (``JobFinished.token_ids``, counted against num_tokens);
-one that Redis cannot take right now is kept and retried, never dropped.
+one that Redis cannot take right now is kept and retried, never dropped. Every completion this gateway is
+done with (stored, or stale) is confirmed to its worker with JobFinishedAck; until then the worker sends it
+again (worker/completions.py), so one lost to a restart of this gateway costs a second, not a lease and a rerun.
 
 A mixin of gateway.server.Gateway.
 """
@@ -42,6 +44,8 @@ class WorkerLink:
 
     def on_load(self, ident: bytes, msg: P.WorkerLoad) -> None:
         now = self.clock()
+        if not security.from_registered_worker(self, ident):
+            return
         if ident != msg.worker_id.encode() or not self.workers.load(msg, now):
             return
         self._dirty = True
@@ -109,10 +113,13 @@ class WorkerLink:
             self._send(self.worker_sock, ident, P.ErrorReply("protocol", f"JobFinished.state {msg.state!r} is not "
                                                              "done or failed", field="state"))
             return
+        if any(m.job_id == msg.job_id and m.attempt == msg.attempt for _, m in self._unstored):
+            return  # a copy sent again while Redis is down: the first one is kept, and confirmed once stored
         if not self._holds_lease(ident, msg.job_id, msg.attempt):
-            self._stale(msg)
-            return
-        self._store_finished(ident.decode(), msg)
+            self._stale(msg)  # including a second copy of one already stored: it needs nothing more
+        else:
+            self._store_finished(ident.decode(), msg)
+        self._send(self.worker_sock, ident, P.JobFinishedAck(msg.job_id, msg.attempt))
 
     def _store_finished(self, worker: str, msg: P.JobFinished) -> None:
         s = self.streams.streams.get(msg.job_id)
@@ -161,6 +168,7 @@ class WorkerLink:
         while self._unstored:
             worker, msg = self._unstored.pop(0)
             self._store_finished(worker, msg)
+            self._send(self.worker_sock, worker.encode(), P.JobFinishedAck(msg.job_id, msg.attempt))
 
 
 def new_stale_memory() -> OrderedDict:

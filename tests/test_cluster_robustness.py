@@ -530,7 +530,10 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
 
             def drain_fake_gw() -> None:
                 while fake_gw.poll(0):
-                    from_worker.append(P.decode(fake_gw.recv_multipart()[-1]))
+                    frames = fake_gw.recv_multipart()
+                    from_worker.append(m := P.decode(frames[-1]))
+                    if isinstance(m, P.JobFinished):  # as a gateway does: else the worker holds it to send again
+                        fake_gw.send_multipart([frames[0], P.encode(P.JobFinishedAck(m.job_id, m.attempt))])
 
             def dispatch(job_id, attempt=1, **kw):
                 d = dict(job_id=job_id, attempt=attempt, tier="P3", tenant="lab-co", prompt_token_ids=[5, 6, 7],

@@ -150,3 +150,31 @@ def test_an_http_stream_survives_kill_9_of_its_gateway(tmp_path, tiny_model_dir,
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want and r.json()["usage"]["completion_tokens"] == spec[1]
         assert log.read_text().count("trying tcp://") == 2
+
+
+@pytest.mark.parametrize("lease_s", [15.0, 2.0], ids=["restart-within-the-lease", "restart-past-the-lease"])
+def test_a_job_that_finishes_while_its_gateway_restarts_is_not_run_again(
+        tmp_path, tiny_model_dir, reference, lease_s):  # noqa: F811
+    """kill -9 the only gateway, which dispatched a running job; the job finishes before the restarted gateway has
+    heard the worker's hello again, and it dropped every frame of a worker it does not know, the JobFinished
+    included. The worker keeps the completion until a gateway confirms it and sends it again after a hello (at
+    once when the gateway asks for one): the job is stored from its first attempt, not run again once its lease
+    expired (as it was: attempt 2, a lease's wait later). With a lease shorter than the restart (2-5 s here),
+    the restarted gateway must also not take the lease that ran out while nobody listened for a dead worker."""
+    spec = ([9, 8, 7], 1200, 0.0, 21)
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, gateways=1, lease_s=lease_s) as state:
+        old = state_pids(state)
+        with GatewayClient(state["gateway"], state["tenants"]["lab-co"]["api_key"], timeout_s=10,
+                           retries=20) as cl:
+            job = cl.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[3], ignore_eos=True)
+            stream = job.stream(timeout=60)
+            first = next(stream)  # it runs: kill its gateway now, while it generates
+            os.kill(old["gw-0"], signal.SIGKILL)
+            wait_for(lambda: state_pids(state)["gw-0"] != old["gw-0"], 60, "up.py to restart gw-0")
+            result = job.result(timeout=120)
+        assert first.index == 0
+        assert result.token_ids == reference([spec])[0]
+        h = job_hash(state, job.id)
+        assert h["state"] == "done" and h["attempt"] == "1", h
+        # The case this tests did happen: the restarted gateway dropped frames of a worker that had not said hello.
+        assert "never said hello" in (Path(state["logs"]) / "gateway-0.log").read_text()

@@ -4,7 +4,8 @@ One loop: read every waiting frame (dispatches, cancels), run one engine step, s
 job's new tokens to the gateway that dispatched it. Load reports (which extend leases) go out
 from a separate thread (worker/heartbeat.py), so a long step never loses a lease. A frame that
 cannot be decoded is counted and dropped. JobFinished carries every output token, and one that
-cannot be sent (the gateway's queue is full) is kept and retried, its job still reported as held.
+cannot be sent (the gateway's queue is full) is kept and retried, its job still reported as held;
+one that was sent is kept until the gateway confirms it, and sent again (worker/completions.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from common import protocol as P
 from common.errors import InvalidRequest
 from common.sockets import make_socket
 from worker import load_report, metrics
+from worker.completions import Unconfirmed
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
 from worker.linger import Linger, offers_room
@@ -57,6 +59,7 @@ class WorkerService:
         self._lock = threading.Lock()  # every socket use, from the step loop and the heartbeat thread
         # Completions the gateway could not take yet, with when they were first tried.
         self._unsent: list[tuple[zmq.Socket, P.JobFinished, float]] = []
+        self.unconfirmed = Unconfirmed()  # completions sent and not yet confirmed by their gateway
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
         self._sent: P.WorkerLoad | None = None  # the last report that went out: what the gateways know
         self._snapshot_at = float("-inf")
@@ -79,6 +82,8 @@ class WorkerService:
     def close(self) -> None:
         log.info("dispatch linger: %d reports offered room, waited on %d, answered in time %d",
                  self.linger.offers, self.linger.waits, self.linger.answers)
+        log.info("completions sent again for want of a confirmation: %d; left to their lease: %d",
+                 self.unconfirmed.resent, self.unconfirmed.given_up)
         self._heartbeat.stop()
         with self._lock:
             for s in self.sockets:
@@ -92,12 +97,12 @@ class WorkerService:
             self.counters["send_dropped"] += 1  # gateway gone or slow; leases will sort it out
             return False
 
-    def _hello(self) -> None:
+    def _hello(self, sockets: list[zmq.Socket] | None = None) -> None:
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
                               e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
                               e.config.max_num_batched_tokens)
-        for s in self.sockets:
+        for s in self.sockets if sockets is None else sockets:
             self._send(s, hello)
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -113,6 +118,7 @@ class WorkerService:
                 for sock, _ in poller.poll(timeout=self.linger.poll_ms(self.clock()) if busy else 20):
                     self._drain(sock)
                 self._retry_unsent()
+                self._resend_unconfirmed()
             if busy and self.linger.poll_ms(self.clock()):
                 continue  # a frame came, not the dispatch the last report offered room for: wait on
             # Before the step too: the heartbeat thread sends only what was last published, and a job
@@ -158,8 +164,12 @@ class WorkerService:
                 self._dispatch(sock, msg)
             elif isinstance(msg, P.CancelJob):
                 self._cancel(msg.job_id, msg.attempt)
+            elif isinstance(msg, P.JobFinishedAck):
+                self.unconfirmed.confirmed(msg.job_id, msg.attempt)
             elif isinstance(msg, P.GatewayWelcome):
                 self.by_gateway[msg.gateway_id] = sock
+            elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
+                self._hello([sock])  # the gateway restarted, or forgot this worker: its frames go unheard till then
             elif isinstance(msg, P.ErrorReply):
                 self.counters["gateway_errors"] += 1
                 log.warning("gateway says: %s %s", msg.code, msg.message)
@@ -198,13 +208,22 @@ class WorkerService:
         late = msg
         if first_tried is not None and msg.prefill_start_age_s is not None:  # the age runs until the frame leaves
             late = replace(msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_tried))
-        if not self._send(sock, late):
+        if self._send(sock, late):
+            self.unconfirmed.sent(sock, msg, now, first_tried)
+        else:
             self._unsent.append((sock, msg, now if first_tried is None else first_tried))
 
     def _retry_unsent(self) -> None:
         pending, self._unsent = self._unsent, []
         for sock, msg, first_tried in pending:
             self._finish(sock, msg, first_tried)
+
+    def _resend_unconfirmed(self) -> None:
+        due = self.unconfirmed.due(self.clock())
+        # A hello first: a gateway restarted since drops the frames of a worker it has not heard one from.
+        self._hello(list({id(sock): sock for sock, _, _ in due}.values()))
+        for sock, msg, first_sent in due:
+            self._finish(sock, msg, first_sent)
 
     def _step(self) -> None:
         self.rates.before_step()
@@ -269,5 +288,5 @@ class WorkerService:
         """The load report the heartbeat thread sends until the next refresh (built here: engine state
         is only read on the step loop's thread)."""
         self._snapshot_at = now
-        held = list(self.jobs) + [m.job_id for _, m, _ in self._unsent]
+        held = list(dict.fromkeys([*self.jobs, *(m.job_id for _, m, _ in self._unsent), *self.unconfirmed.job_ids()]))
         self._snapshot = load_report.build(self.config.worker_id, self.engine, self.rates, held)

@@ -1,0 +1,64 @@
+"""Completions no gateway has confirmed yet, sent again until one does.
+
+A JobFinished can be lost: the gateway it went to was killed, and the one restarted in its place drops every
+frame of a worker until that worker says hello again (the heartbeat re-announces it every few seconds). Lost,
+the job waited out its lease and ran again from the start. So the worker keeps each JobFinished until the
+gateway answers JobFinishedAck (stored, or not needed: its lease had moved on), reports the job as still held
+meanwhile (its lease stays extended), and every ``resend_s`` sends it again on the same socket after a hello, so
+that a gateway which does not know the worker learns it first (a socket keeps its frames in order). The gateway
+takes a second copy of a completion it already stored as stale, so sending one twice is harmless. After
+``give_up_s`` the lease decides, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common import protocol as P
+
+
+@dataclass
+class _Pending:
+    sock: Any  # the socket of the gateway that dispatched the attempt
+    msg: P.JobFinished
+    first_sent: float
+    last_sent: float
+
+
+class Unconfirmed:
+    def __init__(self, resend_s: float = 1.0, give_up_s: float = 60.0) -> None:
+        self.resend_s, self.give_up_s = resend_s, give_up_s
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self.resent = 0  # copies sent again
+        self.given_up = 0  # completions left to their lease
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def sent(self, sock: Any, msg: P.JobFinished, now: float, first_tried: float | None = None) -> None:
+        """``msg`` went out on ``sock`` at ``now``; ``first_tried``: when it was first tried, if before."""
+        key = (msg.job_id, msg.attempt)
+        first = self._pending[key].first_sent if key in self._pending else (
+            now if first_tried is None else first_tried)
+        self._pending[key] = _Pending(sock, msg, first, now)
+
+    def confirmed(self, job_id: str, attempt: int) -> None:
+        self._pending.pop((job_id, attempt), None)
+
+    def job_ids(self) -> list[str]:
+        return [job_id for job_id, _ in self._pending]
+
+    def due(self, now: float) -> list[tuple[Any, P.JobFinished, float]]:
+        """(socket, completion, when it was first sent) for every completion unconfirmed for ``resend_s`` since it
+        was last sent; the caller sends each again (after a hello on its socket) and calls ``sent``. Those past
+        ``give_up_s`` are forgotten."""
+        out = []
+        for key, p in list(self._pending.items()):
+            if now - p.first_sent >= self.give_up_s:
+                del self._pending[key]
+                self.given_up += 1
+            elif now - p.last_sent >= self.resend_s:
+                out.append((p.sock, p.msg, p.first_sent))
+        self.resent += len(out)
+        return out
