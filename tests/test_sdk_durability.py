@@ -7,6 +7,7 @@ Every test runs real redis-server, gateway and worker processes (scripts/up.py v
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -288,3 +289,42 @@ def test_one_async_client_serves_200_concurrent_submits_and_results(two_gateways
         h = job_hash(c, job_id)
         assert int(h["num_tokens"]) == lengths[i]
         assert msgpack.unpackb(r.hget(f"{c['key_prefix']}:{{c}}:job:{job_id}", "token_ids")) == result.token_ids
+
+
+def test_one_sync_client_shared_by_16_threads(two_gateways):
+    """A web server's threads share one client, as they share one openai.OpenAI: every call and stream gets its own
+    answer (each thread has its own connection; a ZeroMQ socket must not be used from two threads), and a call
+    never steals another thread's reply, which left the threads timing out one another."""
+    c = two_gateways
+    n_threads, per_thread = 16, 4
+    client = GatewayClient(c["gateway"], c["tenants"]["lab-co"]["api_key"], timeout_s=30, retries=0)
+    out: dict[tuple[int, int], tuple[str, list[int], list[int]]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(n_threads)
+
+    def work(t: int) -> None:
+        try:
+            start.wait()
+            for k in range(per_thread):
+                i = t * per_thread + k
+                job = client.submit(prompt_token_ids=[t + 1, k + 1, 3], max_tokens=1 + i % 5, ignore_eos=True, seed=i)
+                streamed = [tok for ch in job.stream() for tok in ch.token_ids] if k % 2 else None
+                assert client.status(job.id).job_id == job.id
+                out[(t, k)] = (job.id, job.result(timeout=120).token_ids, streamed)
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(180)
+    gc.collect()
+    assert not client._open, "a thread that ended left its connections open"
+    client.close()
+    assert not errors, errors[:3]
+    assert len(out) == n_threads * per_thread and len({job_id for job_id, _, _ in out.values()}) == len(out)
+    for (t, k), (job_id, tokens, streamed) in out.items():
+        i = t * per_thread + k
+        assert len(tokens) == 1 + i % 5 and (streamed is None or streamed == tokens), (t, k)
+        assert int(job_hash(c, job_id)["num_tokens"]) == len(tokens)

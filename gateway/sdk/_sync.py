@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 import zmq
@@ -47,12 +49,22 @@ class Job(JobBase):
         return self._client.cancel(self.id)
 
 
+class _ThreadSockets(dict):
+    """One thread's call sockets, closed when the thread ends and its threading.local lets go of them: a server
+    that starts a thread per request must not keep a connection per thread it ever ran."""
+
+    def __del__(self) -> None:
+        for sock in self.values():
+            sock.close(linger=0)
+
+
 class GatewayClient:
     """A blocking client of one cluster. ``endpoint``: one gateway, or a list of the cluster's gateways to fail
     over between. A call that gets no answer within ``timeout_s`` is retried up to ``retries`` times in a row,
     each on the next gateway; one answered ``Unavailable`` is retried with backoff for up to ``timeout_s``. A
-    submission keeps its idempotency key across its retries, so it is admitted at most once. Not thread-safe:
-    use one client per thread."""
+    submission keeps its idempotency key across its retries, so it is admitted at most once. Threads may share
+    a client: each has its own connections (a ZeroMQ socket must not be used from two threads, and one thread's
+    call must not read another's answer)."""
 
     def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
                  tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2,
@@ -66,7 +78,17 @@ class GatewayClient:
         self._current = 0
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.Context.instance()
-        self._socks: dict[str, zmq.Socket] = {}  # one per gateway, for calls; each stream has its own
+        self._local = threading.local()  # each thread's sockets for calls, one per gateway; each stream has its own
+        self._open: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()  # every thread's, for close()
+        self._open_lock = threading.Lock()
+
+    @property
+    def _socks(self) -> dict[str, zmq.Socket]:
+        """This thread's call sockets, by gateway (a thread that ends takes its own with it)."""
+        socks = getattr(self._local, "socks", None)
+        if socks is None:
+            socks = self._local.socks = _ThreadSockets()
+        return socks
 
     @property
     def endpoint(self) -> str:
@@ -81,6 +103,8 @@ class GatewayClient:
         if self.server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
             curve_client(sock, self.server_public_key)
         sock.connect(endpoint)
+        with self._open_lock:
+            self._open.add(sock)
         return sock
 
     def _fail_over(self, why: Exception) -> None:
@@ -199,9 +223,12 @@ class GatewayClient:
         return self._call(P.InfoRequest(self.api_key))
 
     def close(self) -> None:
-        for sock in self._socks.values():
+        """Close every thread's sockets: call it once the threads using this client are done with it."""
+        with self._open_lock:
+            socks, self._open = list(self._open), weakref.WeakSet()
+        for sock in socks:
             sock.close(linger=0)
-        self._socks.clear()
+        self._local = threading.local()
 
     def __enter__(self) -> GatewayClient:
         return self
