@@ -328,3 +328,43 @@ def test_one_sync_client_shared_by_16_threads(two_gateways):
         i = t * per_thread + k
         assert len(tokens) == 1 + i % 5 and (streamed is None or streamed == tokens), (t, k)
         assert int(job_hash(c, job_id)["num_tokens"]) == len(tokens)
+
+
+def test_an_async_client_outlives_its_event_loop(two_gateways):
+    """asyncio.run() twice with one client (a script's steps, a notebook, a framework running a loop per call):
+    the second loop got a TimeoutError blaming a gateway that had answered, its reader task having died with the
+    first loop. Connections now follow the running loop; a client used by two running loops at once is refused
+    with a clear error instead."""
+    c = two_gateways
+    client = AsyncGatewayClient(c["gateway"], c["tenants"]["lab-co"]["api_key"], timeout_s=5, retries=0)
+
+    async def one(seed: int) -> list[int]:
+        job = await client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True, seed=seed)
+        streamed = [t async for ch in job.stream() for t in ch.token_ids]
+        assert (await job.result()).token_ids == streamed
+        return streamed
+
+    first = asyncio.run(one(1))
+    assert asyncio.run(one(1)) == first and len(first) == 3
+    assert len(asyncio.run(one(2))) == 3
+
+    # Two loops at once: the one that did not make the connections is told so, not timed out.
+    holding, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        await client.info()
+        holding.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+    other = threading.Thread(target=lambda: asyncio.run(hold()))
+    other.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(RuntimeError, match="another event loop"):
+            asyncio.run(client.info())
+    finally:
+        release.set()
+        other.join(30)
+    assert asyncio.run(client.info()).gateway_id  # that loop has ended: this one takes the client over
+    client.close()

@@ -49,7 +49,8 @@ class _Connection:
         self.sock.connect(endpoint)
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.dropped = 0  # frames for no waiting request (late answers) or unreadable
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.loop = asyncio.get_running_loop()  # its reader runs there, and ends with it
+        self._reader = self.loop.create_task(self._read())
 
     async def _read(self) -> None:
         while True:
@@ -111,7 +112,8 @@ class AsyncJob(JobBase):
 
 class AsyncGatewayClient:
     """GatewayClient for asyncio: the same surface with ``await``; any number of concurrent calls and streams
-    from any number of coroutines share one connection per gateway."""
+    from any number of coroutines share one connection per gateway. It serves one running event loop at a time;
+    once that loop has ended, the next one to use it gets new connections."""
 
     def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
                  tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2,
@@ -130,6 +132,14 @@ class AsyncGatewayClient:
         return self.endpoints[self._current]
 
     def _conn(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        made_on = next((c.loop for c in self._conns.values()), loop)
+        if made_on is not loop:
+            if made_on.is_running():
+                raise RuntimeError("this AsyncGatewayClient's connections belong to another event loop, which is "
+                                   "still running: use one client per event loop")
+            # That loop has ended (asyncio.run again, say), and the connections' readers with it: start afresh.
+            self.close()
         conn = self._conns.get(self.endpoint)
         if conn is None:
             conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint, self.server_public_key)
