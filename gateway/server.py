@@ -58,7 +58,10 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     """The poll loop and the sockets; the handlers live in the mixins, one module per concern."""
 
     def __init__(self, config: GatewayConfig, queue: RedisQueue, tenants: TenantDirectory,
-                 tokenizer=None, clock: Callable[[], float] = time.time) -> None:
+                 tokenizer=None, clock: Callable[[], float] = time.monotonic) -> None:
+        # ``clock`` times intervals (keepalives, maintenance, worker timeouts, waits), so it must not step: a wall
+        # clock set back an hour stopped them all for an hour. What must agree across processes (scores, leases,
+        # quotas, deadlines, span times) uses Redis's TIME instead.
         promises.check(config.promise_factor, config.promise_lead_s)
         self.promise_tiers = promises.tiers(config.promise_tiers)
         if config.wait_futures < 0:

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 class DurableCluster:
     def __init__(self, tmp: Path, model_dir: Path, *, gateways: int = 2, workers: int = 2, max_running: int = 2,
                  lease_s: float = 10.0, aging_interval_s: float = 60.0, gateway_env: dict | None = None,
-                 clock_skew_s: dict[str, float] | None = None) -> None:
+                 clock_skew_s: dict[str, float] | None = None,
+                 clock_jump: dict[str, tuple[Path, float]] | None = None) -> None:
         self.tmp, self.model_dir = tmp, model_dir
         self.redis_port, self.redis_dir = free_port(), tmp / "redis"
         self.redis_dir.mkdir()
@@ -40,6 +41,8 @@ class DurableCluster:
         self.worker_ids = [f"wk-{i}" for i in range(workers)]
         self.max_running = max_running
         self.clock_skew_s = clock_skew_s or {}
+        # gateway -> (flag file, seconds): its wall clock steps by that much once the test creates the file
+        self.clock_jump = clock_jump or {}
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_LEASE_S=str(lease_s),
                         TS_GATEWAY_AGING_INTERVAL_S=str(aging_interval_s), TS_GATEWAY_TOKENIZER=str(model_dir),
                         TS_WORKER_TORCH_THREADS="1", OTEL_TRACES_EXPORTER="none",
@@ -71,9 +74,11 @@ class DurableCluster:
             client_ep, worker_ep = self.gateways[name]
             args = ["--client-bind", client_ep, "--worker-bind", worker_ep, "--redis-url", self.redis_url,
                     "--tenants-file", str(self.tmp / "tenants.toml"), "--gateway-id", name]
-            skew = self.clock_skew_s.get(name)
-            if skew:  # this gateway's wall clock runs `skew` seconds off; everything else is real
-                code = (f"import sys, time, runpy; _t = time.time; time.time = lambda: _t() + {skew!r}; "
+            skew = self.clock_skew_s.get(name, 0.0)
+            flag, jump = self.clock_jump.get(name, (None, 0.0))
+            if skew or jump:  # this gateway's wall clock runs `skew` seconds off (and steps); everything else is real
+                step = f" + ({jump!r} if os.path.exists({str(flag)!r}) else 0.0)" if jump else ""
+                code = (f"import os, sys, time, runpy; _t = time.time; time.time = lambda: _t() + {skew!r}{step}; "
                         f"sys.argv = ['gateway'] + sys.argv[1:]; runpy.run_module('gateway', run_name='__main__')")
                 return [sys.executable, "-c", code, *args]
             return [sys.executable, "-m", "gateway", *args]

@@ -21,6 +21,7 @@ import zmq
 
 from common import protocol as P
 from common.sockets import make_socket
+from gateway.sdk import GatewayClient
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster, settle, wait_states
 
@@ -260,6 +261,41 @@ def test_6_a_gateway_with_a_fast_clock_requeues_no_healthy_job(tmp_path, tiny_mo
         for j, w in zip(jobs, want):
             assert j.result(timeout=300).token_ids == w
             assert c.job(j.id)["attempt"] == b"1", c.job(j.id)  # never requeued
+        lab.close()
+
+
+def test_6_a_gateway_whose_wall_clock_steps_back_an_hour_keeps_its_timers(tmp_path, tiny_model_dir):
+    """An NTP correction or a VM resumed from a snapshot steps a host's wall clock back. The gateway timed its
+    keepalives and its maintenance (aging, lease recovery, queue timeouts) on it: stepped back an hour, it sent no
+    keepalive and ran no maintenance for an hour, so every waiting client failed over or timed out and no job aged.
+    They are intervals, and now run on a monotonic clock."""
+    flag = tmp_path / "step-back"
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, aging_interval_s=2.0,
+                        clock_jump={"gw-0": (flag, -3600.0)}) as c:
+        # No worker: the job waits in its queue, heard of only through keepalives, and ages every 2 s.
+        lab = c.client("lab-co", timeout_s=4.0)
+        job = lab.submit(prompt_token_ids=[5, 6], max_tokens=2)
+        failure: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                for _ in GatewayClient(c.endpoint(), c.key("lab-co"), timeout_s=4.0, retries=0).job(job.id).stream():
+                    pass
+            except BaseException as e:  # reported by the test thread
+                failure.append(e)
+
+        watcher = threading.Thread(target=stream, daemon=True)
+        watcher.start()
+        time.sleep(1.0)
+        flag.touch()
+        # Aging goes on (P3 -> P2 -> P1, 2 s each, from when the step came)...
+        wait_for(lambda: lab.status(job.id).tier == "P1" or failure, 30, "the job to age up to P1")
+        # ...and the stream of the queued job still hears its keepalives: silence over 4 s would have failed it.
+        time.sleep(5.0)
+        assert not failure, failure
+        assert watcher.is_alive()
+        assert lab.status(job.id).tier == "P1" and lab.cancel(job.id)
+        watcher.join(30)
         lab.close()
 
 
