@@ -247,6 +247,27 @@ def test_5_a_requeue_cancels_the_previous_holder(tmp_path, tiny_model_dir):
         cut_off.close()
 
 
+def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_path, tiny_model_dir,
+                                                                             reference):  # noqa: F811
+    """The gateway that dispatched a running job dies and is not restarted (scaled down, its host lost). The worker
+    sends the unconfirmed completion to every gateway; the survivor stores it, since the lease in Redis says whose
+    it is. Before, it went to the dead one only: the job was run again after its lease (attempt 2)."""
+    spec = ([4, 5, 6], 2000, 41)
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, lease_s=10.0) as c:
+        lab = c.client("lab-co", "gw-0", timeout_s=10.0)
+        job = lab.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[2], ignore_eos=True)
+        wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to run")
+        victim = c.job(job.id)["gateway"].decode()
+        c.kill(victim)
+        assert c.state(job.id) == "dispatched", "the job ended before its gateway died: nothing was tested"
+        survivor = next(g for g in c.gateways if g != victim)
+        with c.client("lab-co", survivor, timeout_s=10.0) as other:
+            result = other.job(job.id).result(timeout=120)
+        assert result.token_ids == reference([(spec[0], spec[1], 0.0, spec[2])])[0]
+        assert c.job(job.id)["attempt"] == b"1", c.job(job.id)
+        lab.close()
+
+
 # -- 6. one clock -----------------------------------------------------------------------------------------------------
 
 

@@ -4,10 +4,10 @@ A JobFinished can be lost: the gateway it went to was killed, and the one restar
 frame of a worker until that worker says hello again (the heartbeat re-announces it every few seconds). Lost,
 the job waited out its lease and ran again from the start. So the worker keeps each JobFinished until the
 gateway answers JobFinishedAck (stored, or not needed: its lease had moved on), reports the job as still held
-meanwhile (its lease stays extended), and every ``resend_s`` sends it again on the same socket after a hello, so
-that a gateway which does not know the worker learns it first (a socket keeps its frames in order). The gateway
-takes a second copy of a completion it already stored as stale, so sending one twice is harmless. After
-``give_up_s`` the lease decides, as before.
+meanwhile (its lease stays extended), and every ``resend_s`` sends it again to every gateway after a hello, so
+that a gateway which does not know the worker learns it first (a socket keeps its frames in order), and one
+that is gone for good does not hold it: any gateway can store it. A gateway takes a second copy of a completion
+already stored as stale, so sending one twice is harmless. After ``give_up_s`` the lease decides, as before.
 """
 
 from __future__ import annotations

@@ -220,10 +220,19 @@ class WorkerService:
 
     def _resend_unconfirmed(self) -> None:
         due = self.unconfirmed.due(self.clock())
-        # A hello first: a gateway restarted since drops the frames of a worker it has not heard one from.
-        self._hello(list({id(sock): sock for sock, _, _ in due}.values()))
+        if not due:
+            return
+        # To every gateway: the one that dispatched it may be restarting, or gone for good, and any gateway can
+        # store a completion (the lease in Redis says whose it is); the others take their copy as stale. A hello
+        # first: a gateway restarted since drops the frames of a worker it has not heard one from.
+        self._hello()
+        now = self.clock()
         for sock, msg, first_sent in due:
-            self._finish(sock, msg, first_sent)
+            late = msg if msg.prefill_start_age_s is None else replace(
+                msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_sent))
+            for s in self.sockets:
+                self._send(s, late)
+            self.unconfirmed.sent(sock, msg, now)
 
     def _step(self) -> None:
         self.rates.before_step()
