@@ -16,10 +16,12 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import zmq
 
 from common import protocol as P
+from common.ports import free_port
 from common.sockets import make_socket
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import wait_for
@@ -253,7 +255,9 @@ def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_
     sends the unconfirmed completion to every gateway; the survivor stores it, since the lease in Redis says whose
     it is. Before, it went to the dead one only: the job was run again after its lease (attempt 2)."""
     spec = ([4, 5, 6], 2000, 41)
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, lease_s=10.0) as c:
+    metrics = f"127.0.0.1:{free_port()}"  # the one worker's
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, lease_s=10.0,
+                        gateway_env={"TS_WORKER_METRICS_BIND": metrics}) as c:
         lab = c.client("lab-co", "gw-0", timeout_s=10.0)
         job = lab.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[2], ignore_eos=True)
         wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to run")
@@ -265,6 +269,10 @@ def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_
             result = other.job(job.id).result(timeout=120)
         assert result.token_ids == reference([(spec[0], spec[1], 0.0, spec[2])])[0]
         assert c.job(job.id)["attempt"] == b"1", c.job(job.id)
+        # The worker says, for an operator, that it had to send a completion again.
+        resent = [float(line.split()[-1]) for line in httpx.get(f"http://{metrics}/metrics").text.splitlines()
+                  if line.startswith('ts_unconfirmed_completions_total{event="resent"}')]
+        assert resent and resent[0] >= 1, resent
         lab.close()
 
 

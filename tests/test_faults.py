@@ -155,12 +155,11 @@ def test_an_http_stream_survives_kill_9_of_its_gateway(tmp_path, tiny_model_dir,
 @pytest.mark.parametrize("lease_s", [15.0, 2.0], ids=["restart-within-the-lease", "restart-past-the-lease"])
 def test_a_job_that_finishes_while_its_gateway_restarts_is_not_run_again(
         tmp_path, tiny_model_dir, reference, lease_s):  # noqa: F811
-    """kill -9 the only gateway, which dispatched a running job; the job finishes before the restarted gateway has
-    heard the worker's hello again, and it dropped every frame of a worker it does not know, the JobFinished
-    included. The worker keeps the completion until a gateway confirms it and sends it again after a hello (at
-    once when the gateway asks for one): the job is stored from its first attempt, not run again once its lease
-    expired (as it was: attempt 2, a lease's wait later). With a lease shorter than the restart (2-5 s here),
-    the restarted gateway must also not take the lease that ran out while nobody listened for a dead worker."""
+    """kill -9 the only gateway while a job it dispatched runs. What the worker sends meanwhile (tokens, load
+    reports, perhaps the completion) reaches a restarted gateway that does not know it and drops it; the job used
+    to wait out its lease unheard and run again (attempt 2). Now the gateway asks the worker to say hello at once,
+    a completion no gateway confirmed is sent again, and with a lease shorter than the restart (2-5 s here) the
+    restarted gateway does not judge the lease that ran out while nobody listened: stored from attempt 1."""
     spec = ([9, 8, 7], 1200, 0.0, 21)
     with local_cluster(tmp_path, tiny_model_dir, workers=1, gateways=1, lease_s=lease_s) as state:
         old = state_pids(state)

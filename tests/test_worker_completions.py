@@ -36,8 +36,10 @@ def test_an_attempt_is_its_own_completion():
 
 
 def test_given_up_after_give_up_s_and_first_tried_counts():
-    u = Unconfirmed(resend_s=1.0, give_up_s=5.0)
+    seen = []
+    u = Unconfirmed(resend_s=1.0, give_up_s=5.0, observe=lambda event, n: seen.append((event, n)))
     u.sent("s", _finished("a"), now=4.0, first_tried=0.0)  # it waited in the send queue from 0 s
     u.sent("s", _finished("b"), now=4.0)
     assert [m.job_id for _, m, _ in u.due(5.0)] == ["b"]
     assert u.job_ids() == ["b"] and u.given_up == 1
+    assert seen == [("resent", 1), ("given_up", 1)]

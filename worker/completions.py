@@ -12,6 +12,7 @@ already stored as stale, so sending one twice is harmless. After ``give_up_s`` t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,11 @@ class _Pending:
 
 
 class Unconfirmed:
-    def __init__(self, resend_s: float = 1.0, give_up_s: float = 60.0) -> None:
+    def __init__(self, resend_s: float = 1.0, give_up_s: float = 60.0,
+                 observe: Callable[[str, int], None] | None = None) -> None:
+        """``observe(event, n)``: told of each round's completions sent again ("resent") and given up."""
         self.resend_s, self.give_up_s = resend_s, give_up_s
+        self.observe = observe
         self._pending: dict[tuple[str, int], _Pending] = {}
         self.resent = 0  # copies sent again
         self.given_up = 0  # completions left to their lease
@@ -53,12 +57,17 @@ class Unconfirmed:
         """(socket, completion, when it was first sent) for every completion unconfirmed for ``resend_s`` since it
         was last sent; the caller sends each again (after a hello on its socket) and calls ``sent``. Those past
         ``give_up_s`` are forgotten."""
-        out = []
+        out, given_up = [], 0
         for key, p in list(self._pending.items()):
             if now - p.first_sent >= self.give_up_s:
                 del self._pending[key]
-                self.given_up += 1
+                given_up += 1
             elif now - p.last_sent >= self.resend_s:
                 out.append((p.sock, p.msg, p.first_sent))
         self.resent += len(out)
+        self.given_up += given_up
+        if self.observe is not None:
+            for event, n in (("resent", len(out)), ("given_up", given_up)):
+                if n:
+                    self.observe(event, n)
         return out

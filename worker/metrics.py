@@ -38,11 +38,16 @@ LINGER_OFFERS = Counter("ts_dispatch_linger_total", "Load reports offering a gat
 LINGER_SECONDS = Counter("ts_dispatch_linger_seconds", "Seconds the step loop waited for dispatches answering its "
                          "reports, summed (every running job waited them too)")
 LINGER_OUTCOMES = linger.OUTCOMES
+UNCONFIRMED = Counter("ts_unconfirmed_completions_total", "Completions no gateway had confirmed in time (a gateway "
+                      "restarting or gone): sent again to every gateway (resent), or left to their lease after a "
+                      "minute (given_up)", ["event"])
 
 for _t in TIER_VALUES:
     PREEMPT_WAIT.labels(_t)
 for _o in LINGER_OUTCOMES:
     LINGER_OFFERS.labels(_o)
+for _e in ("resent", "given_up"):
+    UNCONFIRMED.labels(_e)
 
 # request id -> its suspended_total_s when last seen resuming, so each resume observes only its own gap.
 _suspended_before: dict[str, float] = {}
@@ -59,6 +64,11 @@ def dispatch_linger(outcome: str, waited_s: float) -> None:
     """An offering report's wait ended (worker/linger.py)."""
     LINGER_OFFERS.labels(outcome).inc()
     LINGER_SECONDS.inc(waited_s)
+
+
+def unconfirmed_completions(event: str, n: int) -> None:
+    """``n`` completions were sent again, or given up (worker/completions.py)."""
+    UNCONFIRMED.labels(event).inc(n)
 
 
 def step_finished(out: SchedulerOutput) -> None:

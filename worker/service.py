@@ -59,7 +59,8 @@ class WorkerService:
         self._lock = threading.Lock()  # every socket use, from the step loop and the heartbeat thread
         # Completions the gateway could not take yet, with when they were first tried.
         self._unsent: list[tuple[zmq.Socket, P.JobFinished, float]] = []
-        self.unconfirmed = Unconfirmed()  # completions sent and not yet confirmed by their gateway
+        # Completions sent and not yet confirmed by a gateway.
+        self.unconfirmed = Unconfirmed(observe=metrics.unconfirmed_completions)
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
         self._sent: P.WorkerLoad | None = None  # the last report that went out: what the gateways know
         self._snapshot_at = float("-inf")
