@@ -14,6 +14,7 @@ A mixin of gateway.server.Gateway.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 
 import msgpack
@@ -37,7 +38,9 @@ class WorkerLink:
             self.counters["hello_refused"] += 1
             log.warning("refused hello from %s: %s", msg.worker_id, why)
             self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
+            self._hello_asked[ident] = math.inf  # asking it for another would only repeat the refusal
             return
+        self._hello_asked.pop(ident, None)
         self.workers.hello(msg, ident, self.clock())
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
         self._dirty = True

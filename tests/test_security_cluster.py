@@ -125,6 +125,43 @@ def test_a_peer_that_never_said_hello_cannot_inject_tokens(cluster):
         intruder.close()
 
 
+def test_a_worker_the_gateway_does_not_know_is_asked_to_say_hello_at_most_once_a_second(cluster, tiny_model_dir):
+    """A restarted gateway (or one the worker timed out at) drops the worker's frames until it says hello; it asks
+    for one at once (ErrorReply hello_first) rather than leave the worker's reports and completions unheard until
+    its periodic hello. Asked at most once a second however many frames come, and never a peer whose hello it
+    refused: that would only repeat the refusal."""
+    listed = cluster["keys"]["worker_secrets"]["wk-0"]
+    peer = _worker_peer(cluster, b"wk-new", secret_file=listed)
+    refused = _worker_peer(cluster, b"wk-refused", secret_file=listed)
+    load = P.WorkerLoad("wk-new", 0, 512, {}, {}, [], 0.0)  # no free slot: it must be sent no job
+    try:
+        for _ in range(20):
+            peer.send(P.encode(load))
+        (asked,) = _frames(peer, 5_000)
+        assert isinstance(asked, P.ErrorReply) and asked.code == P.HELLO_FIRST, asked
+        time.sleep(1.1)
+        peer.send(P.encode(load))
+        (again,) = _frames(peer, 5_000)
+        assert again.code == P.HELLO_FIRST
+        peer.send(P.encode(_hello("wk-new", model=str(tiny_model_dir))))
+        (welcome,) = _frames(peer, 5_000)
+        assert isinstance(welcome, P.GatewayWelcome), welcome
+        peer.send(P.encode(load))
+        assert _frames(peer, 1_500) == []  # known now: its report is taken, nothing to say
+        refused.send(P.encode(_hello("wk-refused", model="another-model")))
+        (no,) = _frames(refused, 5_000)
+        assert no.code == "forbidden"
+        time.sleep(1.1)
+        refused.send(P.encode(P.WorkerLoad("wk-refused", 4, 512, {}, {}, [], 0.0)))
+        assert _frames(refused, 1_500) == []
+    finally:
+        peer.close()
+        refused.close()
+        # Gone quiet, wk-new times out here (worker_timeout_s) before any later test's job could be sent to it.
+        with _client(cluster, "lab-co") as client:
+            wait_for(lambda: client.info().workers == ["wk-0"], 30, "the gateway to forget wk-new")
+
+
 def test_a_hello_cannot_change_what_admission_accepts(cluster, tiny_model_dir):
     listed = cluster["keys"]["worker_secrets"]["wk-0"]
     small = _worker_peer(cluster, b"wk-small", secret_file=listed)
