@@ -32,6 +32,7 @@ class HttpConfig:
     # keepalive_interval_s, 2 s, to a stream it serves) after which the door takes it for dead and goes on
     # through the next gateway (a stream from the next token index); 504 once none answers. It bounds
     # silence, not a job's wait: a queued job keeps its request open as long as its tier's queue timeout allows.
+    # Keep it several times the gateways' keepalive_interval_s.
     upstream_timeout_s: float = 15.0
     # Largest max_tokens a request may leave unset and get: the default when the body gives none.
     default_max_tokens: int = 256
