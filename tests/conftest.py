@@ -22,6 +22,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bench_model_dir(tmp_path_factory) -> Path:
+    """models/configs/bench-llama-32m.json: big enough that the forward pass, not Python, sets a step's length
+    (about 60 tokens/s per sequence on a 2-core machine)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return build(CONFIGS / "bench-llama-32m.json", tmp_path_factory.mktemp("models") / "bench-llama-32m")
+
+
+@pytest.fixture(scope="session")
 def hf_reference(tiny_model_dir):
     """The same weights through plain transformers (sdpa attention, DynamicCache): the ground truth."""
     from transformers import AutoModelForCausalLM

@@ -134,14 +134,18 @@ def test_a_completion_sent_late_says_how_long_ago_its_prefill_started(tiny_model
         done = P.JobFinished("j", 1, "done", "length", 2, 0.1, 0.5, 0, None, [7, 8], prefill_start_s=0.01,
                              prefill_start_age_s=0.4)
         service._finish(service.sockets[0], done)
-        assert [m.job_id for _, m, _ in service._unsent] == ["j"]  # kept, not lost
+        assert service.unconfirmed.job_ids() == ["j"]  # kept, not lost
         now[0] += 3.0
-        service._retry_unsent()
-        assert gateway.poll(10_000)
-        _, frame = gateway.recv_multipart()
-        late = P.decode(frame)
+        service._resend_unconfirmed()  # a hello first, then the completion
+        frames = []
+        while gateway.poll(10_000):
+            frames.append(P.decode(gateway.recv_multipart()[1]))
+            if isinstance(frames[-1], P.JobFinished):
+                break
+        assert [type(f).__name__ for f in frames] == ["WorkerHello", "JobFinished"]
+        late = frames[-1]
         assert late.prefill_start_age_s == pytest.approx(0.4 + 3.0) and late.token_ids == [7, 8]
-        assert not service._unsent
+        assert service.unconfirmed.job_ids() == ["j"]  # until a gateway confirms it
     finally:
         service.close()
         gateway.close(linger=0)

@@ -260,8 +260,11 @@ def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_
                         gateway_env={"TS_WORKER_METRICS_BIND": metrics}) as c:
         lab = c.client("lab-co", "gw-0", timeout_s=10.0)
         job = lab.submit(prompt_token_ids=spec[0], max_tokens=spec[1], seed=spec[2], ignore_eos=True)
-        wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to run")
+        wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to be dispatched")
         victim = c.job(job.id)["gateway"].decode()
+        # Running, not only claimed: killed before it sent the dispatch, the gateway would leave nothing running.
+        with c.client("lab-co", victim, timeout_s=10.0) as via_victim:
+            next(via_victim.job(job.id).stream(timeout=60))
         c.kill(victim)
         assert c.state(job.id) == "dispatched", "the job ended before its gateway died: nothing was tested"
         survivor = next(g for g in c.gateways if g != victim)

@@ -177,3 +177,26 @@ def test_a_job_that_finishes_while_its_gateway_restarts_is_not_run_again(
         assert h["state"] == "done" and h["attempt"] == "1", h
         # The case this tests did happen: the restarted gateway dropped frames of a worker that had not said hello.
         assert "never said hello" in (Path(state["logs"]) / "gateway-0.log").read_text()
+
+
+def test_a_stream_goes_on_token_by_token_after_its_gateway_restarts(tmp_path, bench_model_dir):
+    """kill -9 the only gateway while a long job streams through it. The restarted gateway lacks the tokens sent
+    while it was down (and those it had not yet written to Redis): a gap, which held the job's stream until the
+    completion filled it at the job's end, so the rest of a long answer came in one piece. The gateway asks the
+    worker to say hello, and the worker sends every token so far again: the stream goes on as tokens are made."""
+    with local_cluster(tmp_path, bench_model_dir, workers=1, gateways=1, lease_s=15.0) as state:
+        # A short liveness, so the client is back on the restarted gateway well before the job (~20 s) ends.
+        with GatewayClient(state["gateway"], state["tenants"]["lab-co"]["api_key"], timeout_s=4,
+                           retries=20) as cl:
+            job = cl.submit(prompt_token_ids=[5, 6, 7], max_tokens=1200, seed=3, ignore_eos=True)
+            stream = job.stream(timeout=120)
+            chunks = [next(stream)]
+            old = state_pids(state)
+            os.kill(old["gw-0"], signal.SIGKILL)
+            chunks += list(stream)
+            result = job.result(timeout=60)
+        assert [t for c in chunks for t in c.token_ids] == result.token_ids and len(result.token_ids) == 1200
+        assert [c.index for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+        # The last chunk is a live one, not the rest of the job at once (the job ran ~20 s; the restart takes 2-5 s).
+        assert len(chunks[-1].token_ids) < 200, [len(c.token_ids) for c in chunks[-5:]]
+        assert state_pids(state)["gw-0"] != old["gw-0"] and job_hash(state, job.id)["attempt"] == "1"

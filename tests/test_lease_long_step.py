@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.ports import free_port
-from scripts.make_tiny_model import build
 from tests.durable_cluster import DurableCluster
 
 pytestmark = pytest.mark.faults  # a real cluster and a multi-second step: `make test-faults` runs it
@@ -28,17 +26,6 @@ pytestmark = pytest.mark.faults  # a real cluster and a multi-second step: `make
 LEASE_S = 1.0
 PROMPT_TOKENS = 3584  # one unchunked prefill step of 3-12 s on one core of the 2-core dev machine
 MAX_TOKENS = 8
-CONFIG = Path(__file__).resolve().parent.parent / "models" / "configs" / "bench-llama-32m.json"
-
-
-@pytest.fixture(scope="module")
-def bench_model_dir(tmp_path_factory) -> Path:
-    """Big enough that the forward pass, not Python, sets a step's length."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    return build(CONFIG, tmp_path_factory.mktemp("models") / "bench-llama-32m")
-
 
 def test_a_step_longer_than_the_lease_keeps_the_lease(tmp_path, bench_model_dir):
     env = {  # DurableCluster gives every process this environment: these keys are the workers'

@@ -35,11 +35,13 @@ def test_an_attempt_is_its_own_completion():
     assert len(u) == 1 and [m.attempt for _, m, _ in u.due(1.0)] == [2]
 
 
-def test_given_up_after_give_up_s_and_first_tried_counts():
+def test_one_the_socket_refused_is_due_at_once_and_all_are_given_up_in_time():
     seen = []
     u = Unconfirmed(resend_s=1.0, give_up_s=5.0, observe=lambda event, n: seen.append((event, n)))
-    u.sent("s", _finished("a"), now=4.0, first_tried=0.0)  # it waited in the send queue from 0 s
+    u.sent("s", _finished("a"), now=0.0, delivered=False)  # a full queue: not sent at all
+    assert [m.job_id for _, m, _ in u.due(0.0)] == ["a"]
+    u.sent("s", _finished("a"), now=0.0)
     u.sent("s", _finished("b"), now=4.0)
-    assert [m.job_id for _, m, _ in u.due(5.0)] == ["b"]
+    assert [m.job_id for _, m, _ in u.due(5.0)] == ["b"]  # a, first handed over at 0 s, is left to its lease
     assert u.job_ids() == ["b"] and u.given_up == 1
-    assert seen == [("resent", 1), ("given_up", 1)]
+    assert seen == [("resent", 1), ("resent", 1), ("given_up", 1)]

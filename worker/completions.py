@@ -12,6 +12,7 @@ already stored as stale, so sending one twice is harmless. After ``give_up_s`` t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,12 @@ class Unconfirmed:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def sent(self, sock: Any, msg: P.JobFinished, now: float, first_tried: float | None = None) -> None:
-        """``msg`` went out on ``sock`` at ``now``; ``first_tried``: when it was first tried, if before."""
+    def sent(self, sock: Any, msg: P.JobFinished, now: float, delivered: bool = True) -> None:
+        """``msg`` was handed to ``sock`` at ``now``; not ``delivered``: the socket refused it (a full queue), so it
+        is due again at once."""
         key = (msg.job_id, msg.attempt)
-        first = self._pending[key].first_sent if key in self._pending else (
-            now if first_tried is None else first_tried)
-        self._pending[key] = _Pending(sock, msg, first, now)
+        first = self._pending[key].first_sent if key in self._pending else now
+        self._pending[key] = _Pending(sock, msg, first, now if delivered else -math.inf)
 
     def confirmed(self, job_id: str, attempt: int) -> None:
         self._pending.pop((job_id, attempt), None)

@@ -3,9 +3,9 @@
 One loop: read every waiting frame (dispatches, cancels), run one engine step, send each
 job's new tokens to the gateway that dispatched it. Load reports (which extend leases) go out
 from a separate thread (worker/heartbeat.py), so a long step never loses a lease. A frame that
-cannot be decoded is counted and dropped. JobFinished carries every output token, and one that
-cannot be sent (the gateway's queue is full) is kept and retried, its job still reported as held;
-one that was sent is kept until the gateway confirms it, and sent again (worker/completions.py).
+cannot be decoded is counted and dropped. JobFinished carries every output token, and is kept,
+its job still reported as held, until a gateway confirms it: sent again to every gateway every
+second meanwhile (worker/completions.py), also when it could not be sent at all (a full queue).
 """
 
 from __future__ import annotations
@@ -57,9 +57,7 @@ class WorkerService:
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
         self._lock = threading.Lock()  # every socket use, from the step loop and the heartbeat thread
-        # Completions the gateway could not take yet, with when they were first tried.
-        self._unsent: list[tuple[zmq.Socket, P.JobFinished, float]] = []
-        # Completions sent and not yet confirmed by a gateway.
+        # Completions no gateway has confirmed yet (sent, or not even that: a full queue).
         self.unconfirmed = Unconfirmed(observe=metrics.unconfirmed_completions)
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
         self._sent: P.WorkerLoad | None = None  # the last report that went out: what the gateways know
@@ -114,11 +112,10 @@ class WorkerService:
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
         while not should_stop():
-            busy = self.engine.has_unfinished() or self._unsent
+            busy = self.engine.has_unfinished()
             with self._lock:
                 for sock, _ in poller.poll(timeout=self.linger.poll_ms(self.clock()) if busy else 20):
                     self._drain(sock)
-                self._retry_unsent()
                 self._resend_unconfirmed()
             if busy and self.linger.poll_ms(self.clock()):
                 continue  # a frame came, not the dispatch the last report offered room for: wait on
@@ -170,7 +167,9 @@ class WorkerService:
             elif isinstance(msg, P.GatewayWelcome):
                 self.by_gateway[msg.gateway_id] = sock
             elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
-                self._hello([sock])  # the gateway restarted, or forgot this worker: its frames go unheard till then
+                # The gateway restarted, or forgot this worker: what was sent to it meanwhile is lost.
+                self._hello([sock])
+                self._replay_tokens(sock)
             elif isinstance(msg, P.ErrorReply):
                 self.counters["gateway_errors"] += 1
                 log.warning("gateway says: %s %s", msg.code, msg.message)
@@ -204,20 +203,18 @@ class WorkerService:
             self.jobs.pop(job_id, None)
             self.rates.forget(job_id)
 
-    def _finish(self, sock: zmq.Socket, msg: P.JobFinished, first_tried: float | None = None) -> None:
-        now = self.clock()
-        late = msg
-        if first_tried is not None and msg.prefill_start_age_s is not None:  # the age runs until the frame leaves
-            late = replace(msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_tried))
-        if self._send(sock, late):
-            self.unconfirmed.sent(sock, msg, now, first_tried)
-        else:
-            self._unsent.append((sock, msg, now if first_tried is None else first_tried))
+    def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
+        # Kept either way: one the gateway's full queue refused is due again at once, and goes to every gateway
+        # (before, it was retried on that gateway's socket alone, which never drains if the gateway is gone).
+        self.unconfirmed.sent(sock, msg, self.clock(), delivered=self._send(sock, msg))
 
-    def _retry_unsent(self) -> None:
-        pending, self._unsent = self._unsent, []
-        for sock, msg, first_tried in pending:
-            self._finish(sock, msg, first_tried)
+    def _replay_tokens(self, sock: zmq.Socket) -> None:
+        """Every token so far of the jobs streamed through ``sock``, once more: the token frames its gateway dropped
+        left a gap in its stream, which would hold every client of the job until its completion filled it. The
+        gateway takes the tokens it has already seen as seen (a frame counts from the first index it lacks)."""
+        for job in self.jobs.values():
+            if job.reply is sock and job.tokens:
+                self._send(sock, P.JobTokens(job.job_id, job.attempt, 0, list(job.tokens)))
 
     def _resend_unconfirmed(self) -> None:
         due = self.unconfirmed.due(self.clock())
@@ -298,5 +295,5 @@ class WorkerService:
         """The load report the heartbeat thread sends until the next refresh (built here: engine state
         is only read on the step loop's thread)."""
         self._snapshot_at = now
-        held = list(dict.fromkeys([*self.jobs, *(m.job_id for _, m, _ in self._unsent), *self.unconfirmed.job_ids()]))
+        held = list(dict.fromkeys([*self.jobs, *self.unconfirmed.job_ids()]))
         self._snapshot = load_report.build(self.config.worker_id, self.engine, self.rates, held)
