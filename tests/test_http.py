@@ -281,6 +281,8 @@ UNHONOURED = [
     ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ]
 
 

@@ -85,6 +85,9 @@ COMPLETION: Unhonoured = {
     "best_of": (lambda v: _number(v, 1), "1"),
     "add_special_tokens": (_is(True), "true"),
 }
+STREAM_OPTIONS: Unhonoured = {
+    "continuous_usage_stats": (_is(False), "false"),  # vLLM: usage in every chunk
+}
 MESSAGE: Unhonoured = {
     "tool_calls": (_empty, "[]"),
     "function_call": (_is(None), "null"),
@@ -111,8 +114,7 @@ class _Body(BaseModel):
         return data
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
@@ -164,6 +166,9 @@ class _Sampling(_Body):
 
     def unhonoured(self) -> tuple[str, str] | None:
         """(param, message) for the first field asking for what this server cannot do; None: none does."""
+        if self.stream_options is not None and (
+                found := first_unhonoured(self.stream_options.model_extra, STREAM_OPTIONS, "stream_options.")):
+            return found
         return first_unhonoured(self.model_extra, self.UNHONOURED)
 
 
