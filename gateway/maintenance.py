@@ -18,16 +18,16 @@ ADMISSION_MEMORY_S = 3600.0  # admission times kept for TTFT; a job finished by 
 class Maintenance:
     """The maintenance pass, run every ``maintenance_interval_s``."""
 
-    def maintenance(self, now: float) -> None:
+    def maintenance(self, now: float, previous: float = float("-inf")) -> None:
+        """``previous``: when the last pass ran."""
         for wid in self.workers.expire(now):
             log.warning("worker %s timed out; its leases will expire", wid)
         # A lease says its worker was heard from lately. While this gateway heard nothing (before it started,
         # while its loop or Redis stood still), a lease that ran out says nothing of the worker: a sole gateway
         # restarted after lease_s would re-run every job in flight, though their workers went on. So it judges
         # leases only once it has listened a whole lease (other gateways judge meanwhile, if there are any).
-        if now - self._last_maintenance_pass > self.config.lease_s / 2:
+        if now - previous > self.config.lease_s / 2:
             self._listening_since = now
-        self._last_maintenance_pass = now
         now_ms = self.queue.server_ms()
         for settled in (self.queue.requeue_expired(now_ms, self.config.max_attempts)
                         if now - self._listening_since >= self.config.lease_s else ()):

@@ -89,7 +89,6 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._dirty = True  # something may be dispatchable
         self._urgent_sent: set[str] = set()  # P0/P1 jobs dispatched by this gateway, not yet finished
         self._last_maintenance = 0.0
-        self._last_maintenance_pass = float("-inf")  # when maintenance() last ran (its loop may stand still)
         self._listening_since = self.clock()  # when this gateway last began to hear workers (maintenance.py)
         self._hello_asked: OrderedDict[bytes, float] = OrderedDict()  # worker peers asked to say hello, and when
         self._measured_rates: dict[Tier, float] = {}  # measured jobs/s per tier, refreshed by maintenance()
@@ -158,8 +157,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             self.flush_token_log()
             self.follow_token_log(now)
         if now - self._last_maintenance >= self.config.maintenance_interval_s:
-            self._last_maintenance = now
-            self.maintenance(now)
+            previous, self._last_maintenance = self._last_maintenance, now
+            self.maintenance(now, previous)
         if self._dirty:
             self._dirty = False
             self.dispatch(now)

@@ -15,14 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from common import protocol as P
 
 
 @dataclass
 class _Pending:
-    sock: Any  # the socket of the gateway that dispatched the attempt
     msg: P.JobFinished
     first_sent: float
     last_sent: float
@@ -41,12 +39,12 @@ class Unconfirmed:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def sent(self, sock: Any, msg: P.JobFinished, now: float, delivered: bool = True) -> None:
-        """``msg`` was handed to ``sock`` at ``now``; not ``delivered``: the socket refused it (a full queue), so it
-        is due again at once."""
+    def sent(self, msg: P.JobFinished, now: float, delivered: bool = True) -> None:
+        """``msg`` was sent at ``now``; not ``delivered``: the socket refused it (a full queue), so it is due again
+        at once."""
         key = (msg.job_id, msg.attempt)
         first = self._pending[key].first_sent if key in self._pending else now
-        self._pending[key] = _Pending(sock, msg, first, now if delivered else -math.inf)
+        self._pending[key] = _Pending(msg, first, now if delivered else -math.inf)
 
     def confirmed(self, job_id: str, attempt: int) -> None:
         self._pending.pop((job_id, attempt), None)
@@ -54,17 +52,17 @@ class Unconfirmed:
     def job_ids(self) -> list[str]:
         return [job_id for job_id, _ in self._pending]
 
-    def due(self, now: float) -> list[tuple[Any, P.JobFinished, float]]:
-        """(socket, completion, when it was first sent) for every completion unconfirmed for ``resend_s`` since it
-        was last sent; the caller sends each again (after a hello on its socket) and calls ``sent``. Those past
-        ``give_up_s`` are forgotten."""
+    def due(self, now: float) -> list[tuple[P.JobFinished, float]]:
+        """(completion, when it was first sent) for every completion unconfirmed for ``resend_s`` since it was last
+        sent; the caller sends each again (after a hello) and calls ``sent``. Those past ``give_up_s`` are
+        forgotten."""
         out, given_up = [], 0
         for key, p in list(self._pending.items()):
             if now - p.first_sent >= self.give_up_s:
                 del self._pending[key]
                 given_up += 1
             elif now - p.last_sent >= self.resend_s:
-                out.append((p.sock, p.msg, p.first_sent))
+                out.append((p.msg, p.first_sent))
         self.resent += len(out)
         self.given_up += given_up
         if self.observe is not None:

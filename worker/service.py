@@ -206,7 +206,7 @@ class WorkerService:
     def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
         # Kept either way: one the gateway's full queue refused is due again at once, and goes to every gateway
         # (before, it was retried on that gateway's socket alone, which never drains if the gateway is gone).
-        self.unconfirmed.sent(sock, msg, self.clock(), delivered=self._send(sock, msg))
+        self.unconfirmed.sent(msg, self.clock(), delivered=self._send(sock, msg))
 
     def _replay_tokens(self, sock: zmq.Socket) -> None:
         """Every token so far of the jobs streamed through ``sock``, once more: the token frames its gateway dropped
@@ -225,12 +225,12 @@ class WorkerService:
         # first: a gateway restarted since drops the frames of a worker it has not heard one from.
         self._hello()
         now = self.clock()
-        for sock, msg, first_sent in due:
+        for msg, first_sent in due:
             late = msg if msg.prefill_start_age_s is None else replace(
                 msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_sent))
-            for s in self.sockets:
-                self._send(s, late)
-            self.unconfirmed.sent(sock, msg, now)
+            for sock in self.sockets:
+                self._send(sock, late)
+            self.unconfirmed.sent(msg, now)
 
     def _step(self) -> None:
         self.rates.before_step()

@@ -22,8 +22,8 @@ from common.tiers import ALL_TIERS
 Priority = Annotated[int, Field(ge=0, le=len(ALL_TIERS) - 1)]
 
 
-def _number(value: Any, neutral: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
+def _number(neutral: float) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
 
 
 def _is(neutral: Any) -> Callable[[Any], bool]:
@@ -41,15 +41,15 @@ def _text_format(value: Any) -> bool:
 # name: (whether a value asks for nothing, that value as the refusal names it). null always asks for nothing.
 Unhonoured = dict[str, tuple[Callable[[Any], bool], str]]
 SHARED: Unhonoured = {
-    "presence_penalty": (lambda v: _number(v, 0), "0"),
-    "frequency_penalty": (lambda v: _number(v, 0), "0"),
+    "presence_penalty": (_number(0), "0"),
+    "frequency_penalty": (_number(0), "0"),
     "logit_bias": (_empty, "{}"),
     "stop": (_empty, "[]"),
     "echo": (_is(False), "false"),
     # vLLM's extra sampling parameters.
-    "min_tokens": (lambda v: _number(v, 0), "0"),
-    "repetition_penalty": (lambda v: _number(v, 1), "1"),
-    "min_p": (lambda v: _number(v, 0), "0"),
+    "min_tokens": (_number(0), "0"),
+    "repetition_penalty": (_number(1), "1"),
+    "min_p": (_number(0), "0"),
     "stop_token_ids": (_empty, "[]"),
     "bad_words": (_empty, "[]"),
     "use_beam_search": (_is(False), "false"),
@@ -64,7 +64,7 @@ SHARED: Unhonoured = {
 CHAT: Unhonoured = {
     **SHARED,
     "logprobs": (_is(False), "false"),
-    "top_logprobs": (lambda v: _number(v, 0), "0"),
+    "top_logprobs": (_number(0), "0"),
     "tools": (_empty, "[]"),
     "functions": (_empty, "[]"),
     "tool_choice": (lambda v: v in ("none", "auto"), '"none"'),
@@ -80,9 +80,9 @@ CHAT: Unhonoured = {
 COMPLETION: Unhonoured = {
     **SHARED,
     # An integer here: 0 still asks for the chosen tokens' log probabilities.
-    "logprobs": (_is(False), "null"),
+    "logprobs": (_is(False), "false"),
     "suffix": (lambda v: v == "", '""'),
-    "best_of": (lambda v: _number(v, 1), "1"),
+    "best_of": (_number(1), "1"),
     "add_special_tokens": (_is(True), "true"),
 }
 STREAM_OPTIONS: Unhonoured = {

@@ -13,8 +13,8 @@ number of coroutines share one client and its one connection per gateway. Refusa
 (``.estimated_wait_s``), ``NotFound``; ``Unavailable`` (the cluster's Redis is unreachable) and
 ``TimeoutError`` (no gateway answered) once the client's retries are spent. A job that ends without a
 result raises ``JobFailed`` or ``JobExpired`` from ``result()``, and at the end of ``stream()``: a stream
-never ends quietly short of its tokens. A ``GatewayClient`` is not thread-safe:
-use one per thread.
+never ends quietly short of its tokens. Threads may share a ``GatewayClient`` (each gets its own
+connections); an ``AsyncGatewayClient`` serves one running event loop at a time.
 
 Liveness: while a job is queued the gateway sends a keepalive every few seconds, so ``timeout_s`` (the
 longest silence accepted from a gateway, and the wait for an answer to one call) must exceed the gateway's
