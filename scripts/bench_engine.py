@@ -4,7 +4,15 @@ Runs the same greedy requests (random prompt tokens, fixed seed) through:
 this engine; transformers' static-batch ``generate``; transformers' continuous
 batching ``generate_batch``. Prints a table and writes JSON with
 ``engine_tok_s``, ``hf_generate_tok_s``, ``hf_generate_batch_tok_s`` and
-``outputs_match`` (engine vs ``generate``, token for token).
+``outputs_match`` (engine vs ``generate``, token for token). One untimed round of each runner at
+full size comes first (the first round on a GPU pays for kernel selection and memory growth).
+
+Where greedy outputs differ (expected in bf16: two correct implementations round differently, and a
+random-weight model's best two logits are often a rounding apart), ``divergence`` says whether the
+difference is rounding or a defect: at the first differing token, transformers' own forward over
+the prompt and the engine's tokens so far ranks the engine's token (0: its best) and gives the
+logit gap to its best. Rounding gives rank 0 or 1 and a gap near bf16's resolution; a defect
+gives high ranks.
 """
 
 from __future__ import annotations
@@ -82,7 +90,24 @@ def hf_generate_runner(model_dir, prompts, new_tokens, device, dtype) -> Callabl
     def run() -> list[list[int]]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
         return out[:, ids.shape[1]:].tolist()
+    run.model = model  # for divergence()
     return run
+
+
+def divergence(model, prompts, engine_out, reference_out, device: str) -> list[dict]:
+    """For each request whose outputs differ: the first differing index, and the reference model's rank of and
+    logit gap to the engine's token there, given the engine's own tokens before it."""
+    rows = []
+    for i, (prompt, mine, ref) in enumerate(zip(prompts, engine_out, reference_out)):
+        at = next((j for j, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        if at is None:
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + mine[:at]], device=device)).logits[0, -1].float()
+        chosen = logits[mine[at]]
+        rows.append({"request": i, "index": at, "engine_token_rank": int((logits > chosen).sum()),
+                     "logit_gap": float(logits.max() - chosen)})
+    return rows
 
 
 def hf_generate_batch_runner(model_dir, prompts, new_tokens, device, dtype) -> Callable[[], list[list[int]]]:
@@ -116,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds; the runners take turns each round and the median is reported")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed full-size rounds first")
     ap.add_argument("--skip-generate-batch", action="store_true", help="skip transformers' generate_batch")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                     help="the engine's share of GPU memory (CUDA only; leave room for the transformers runners)")
@@ -142,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     runners.update({k: f(args.model, prompts, args.new_tokens, args.device, args.dtype) for k, f in factories.items()})
     times: dict[str, list[float]] = {k: [] for k in runners}
     outputs: dict[str, list[list[int]]] = {}
+    for _ in range(args.warmup_rounds):
+        for fn in runners.values():
+            fn()
     # Take turns each round so machine noise hits every runner alike.
     for _ in tqdm(range(args.repeats), desc="rounds", file=sys.stderr):
         for k, fn in runners.items():
@@ -156,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     for k, (sec, _) in runs.items():
         print(f"{k:<22}{sec:>10.2f}{tok_s[k]:>12.1f}{tok_s['engine'] / tok_s[k]:>15.2f}x")
     print(f"\noutputs match generate (greedy): {matching}/{len(eng_out)} requests")
+    diverged = divergence(runners["hf_generate"].model, prompts, eng_out, gen_out, args.device)
+    if diverged:
+        ranks = [d["engine_token_rank"] for d in diverged]
+        gaps = [d["logit_gap"] for d in diverged]
+        print(f"where they differ, first at token {min(d['index'] for d in diverged)} (median "
+              f"{statistics.median(d['index'] for d in diverged):.0f}): transformers ranks the engine's token "
+              f"{max(ranks)} at worst (0: its best; {sum(r <= 1 for r in ranks)}/{len(ranks)} within its best two), "
+              f"logit gap at most {max(gaps):.3g} (median {statistics.median(gaps):.3g})")
 
     result = {
         "engine_tok_s": tok_s["engine"],
@@ -166,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                      if "hf_generate_batch" in tok_s else None),
         "outputs_match": matching == len(eng_out),
         "requests_matching": matching,
+        "divergence": diverged,
         "seconds": times,
         "settings": {**{k: v for k, v in vars(args).items() if k != "json"},
                      "torch": torch.__version__, "threads": torch.get_num_threads(),
