@@ -24,12 +24,17 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def serve_until_signalled(serve: Callable[[Callable[[], bool]], None], close: Callable[[], None]) -> int:
-    """Run ``serve(should_stop)`` until SIGTERM or SIGINT, then ``close()``; the exit status (0)."""
+def serve_until_signalled(serve: Callable[[Callable[[], bool]], None], close: Callable[[], None],
+                          drain: Callable[[], None] | None = None) -> int:
+    """Run ``serve(should_stop)`` until SIGTERM or SIGINT, then ``close()``; the exit status (0). With ``drain``, a
+    signal calls it instead, and ``serve`` decides when to return (a worker finishing its jobs: worker/drain.py)."""
     stop = {"now": False}
 
     def on_signal(signum, frame) -> None:
-        stop["now"] = True
+        if drain is None:
+            stop["now"] = True
+        else:
+            drain()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

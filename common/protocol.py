@@ -25,11 +25,12 @@ from common.client_messages import (MAX_REQUEST_ID_LEN, CancelReply, CancelReque
                                     InfoRequest, JobDone, StatusReply, StatusRequest, StreamRequest, SubmitReply,
                                     SubmitRequest, TokenChunk)
 from common.worker_messages import (HELLO_FIRST, CancelJob, DispatchJob, GatewayWelcome, JobFinished, JobFinishedAck,
-                                    JobTokens, WorkerHello, WorkerLoad)
+                                    JobReleased, JobTokens, WorkerHello, WorkerLoad)
 
 __all__ = ["HELLO_FIRST", "MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_LEN",
            "MESSAGES", "SCHEMA_VERSION", "CancelJob", "CancelReply", "CancelRequest", "DispatchJob", "ErrorReply",
-           "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobFinishedAck", "JobTokens",
+           "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobFinishedAck", "JobReleased",
+           "JobTokens",
            "ProtocolError", "StatusReply", "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest",
            "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "mistyped"]
 
@@ -56,7 +57,7 @@ class Unauthenticated(ProtocolError):
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     SubmitRequest, SubmitReply, StreamRequest, TokenChunk, JobDone, StatusRequest, StatusReply, CancelRequest,
     CancelReply, InfoRequest, InfoReply, ErrorReply, WorkerHello, GatewayWelcome, WorkerLoad, DispatchJob, CancelJob,
-    JobTokens, JobFinished, JobFinishedAck)}
+    JobTokens, JobFinished, JobFinishedAck, JobReleased)}
 
 
 def encode(msg: Any) -> bytes:

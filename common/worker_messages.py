@@ -128,3 +128,14 @@ class JobFinishedAck:
 
     job_id: str
     attempt: int
+
+
+@dataclass(frozen=True)
+class JobReleased:
+    """A worker hands back a job it will not finish (it is shutting down: worker/drain.py). The gateway requeues it
+    now, not when its lease runs out, and the release does not count against the job's max_attempts (a lost lease
+    does). Fenced like a completion: it counts only from the worker holding that attempt's lease."""
+
+    job_id: str
+    attempt: int
+    reason: str = "draining"

@@ -29,17 +29,8 @@ class Maintenance:
         if now - previous > self.config.lease_s / 2:
             self._listening_since = now
         now_ms = self.queue.server_ms()
-        for settled in (self.queue.requeue_expired(now_ms, self.config.max_attempts)
-                        if now - self._listening_since >= self.config.lease_s else ()):
-            self._dirty = True
-            self.leases.pop(settled.job_id, None)
-            # The lost attempt may still be running (a worker cut off, not dead): stop it, so it cannot
-            # stitch its output into the next attempt's.
-            w = self.workers.workers.get(settled.worker)
-            if w is not None:
-                self._send(self.worker_sock, w.identity, P.CancelJob(settled.job_id, settled.attempt))
-            if settled.state == "dead":
-                self._finish_stream(settled.job_id, "dead", None, "lease expired too many times")
+        if now - self._listening_since >= self.config.lease_s:
+            self.settle_leases(self.queue.requeue_expired(now_ms, self.config.max_attempts))
         if self.queue.age(now_ms, int(self.config.aging_interval_s * 1000)):
             self._dirty = True
         for _, left in self.queue.promote(now_ms):
@@ -51,3 +42,16 @@ class Maintenance:
         for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:
             del self.enqueued_at[job_id]
         self._dirty = True  # jobs admitted by other gateways, or capacity reported meanwhile
+
+    def settle_leases(self, settled: list) -> None:
+        """After leases were settled (requeued or dead): forget them here, and stop the attempts that lost them."""
+        for one in settled:
+            self._dirty = True
+            self.leases.pop(one.job_id, None)
+            # The lost attempt may still be running (a worker cut off, not dead): stop it, so it cannot
+            # stitch its output into the next attempt's.
+            w = self.workers.workers.get(one.worker)
+            if w is not None:
+                self._send(self.worker_sock, w.identity, P.CancelJob(one.job_id, one.attempt))
+            if one.state == "dead":
+                self._finish_stream(one.job_id, "dead", None, "lease expired too many times")

@@ -27,7 +27,7 @@ class JobState(str, enum.Enum):
 # a JobRecord field too, but complete() may set it (why a job failed).
 _QUEUE_FIELDS = frozenset(
     "id tenant tier tier_requested tier_granted state payload enqueued_at_ms tier_since_ms attempt "
-    "estimate_s deadline_ms worker gateway dispatched_at_ms finished_at_ms".split()
+    "estimate_s deadline_ms worker gateway dispatched_at_ms finished_at_ms releases released_attempt".split()
 )
 _CORE_FIELDS = _QUEUE_FIELDS | {"reason"}  # everything else in the hash is a result field
 

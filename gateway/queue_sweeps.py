@@ -24,7 +24,11 @@ class QueueSweeps:
         """Settle expired leases: back to the queue (original score) or, after max_attempts, dead."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        ids = self._due(self.keys.inflight, now_ms, limit)
+        return self.requeue(self._due(self.keys.inflight, now_ms, limit), now_ms, max_attempts)
+
+    def requeue(self, ids: list[str], now_ms: int, max_attempts: int) -> list[Settled]:
+        """Settle those of ``ids`` whose lease is due by ``now_ms`` (requeue.lua re-verifies each), as
+        requeue_expired does: a released job's (release()) is due at once."""
         if not ids:
             return []
         keys = [*self.keys.queues(), self.keys.inflight, self.keys.dead, self.keys.aging, self.keys.deadlines,

@@ -209,6 +209,13 @@ class RedisQueue(QueueSweeps):
         keys = [self.keys.inflight, *(self.keys.job(i) for i in ids)]
         return int(self._scripts["extend"](keys=keys, args=[worker, _now(now_ms), str(lease_ms), *ids]))
 
+    def release(self, job_id: str, attempt: int, worker: str) -> bool:
+        """A worker hands back ``attempt`` of ``job_id`` unfinished (release.lua): its lease falls due now and the
+        attempt will not count against max_attempts. False (nothing changed) unless ``worker`` holds that lease.
+        requeue([job_id], ...) then puts it back in its queue."""
+        keys = [self.keys.inflight, self.keys.job(job_id)]
+        return bool(self._scripts["release"](keys=keys, args=[job_id, str(attempt), worker]))
+
     def complete(
         self, job_id: str, *, attempt: int, state: str, fields: Mapping[str, str | int | float | bytes],
         worker: str, now_ms: int | None = None,

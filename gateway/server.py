@@ -110,7 +110,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         }
         self._worker_handlers = {
             P.WorkerHello: self.on_hello, P.WorkerLoad: self.on_load,
-            P.JobTokens: self.on_tokens, P.JobFinished: self.on_finished,
+            P.JobTokens: self.on_tokens, P.JobFinished: self.on_finished, P.JobReleased: self.on_released,
         }
 
     # -- plumbing -------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Worker frames: hello, load reports (which extend leases), token frames and job completions.
+"""Worker frames: hello, load reports (which extend leases), token frames, job completions and hand-backs.
 
 Fencing: a JobTokens / JobFinished frame counts only if it comes from the worker holding the
 job's current lease, for the current attempt (known from this gateway's own claims, else read
@@ -28,7 +28,7 @@ STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a 
 
 
 class WorkerLink:
-    """Handlers of WorkerHello, WorkerLoad, JobTokens and JobFinished."""
+    """Handlers of WorkerHello, WorkerLoad, JobTokens, JobFinished and JobReleased."""
 
     def on_hello(self, ident: bytes, msg: P.WorkerHello) -> None:
         if ident != msg.worker_id.encode():
@@ -123,6 +123,19 @@ class WorkerLink:
         else:
             self._store_finished(ident.decode(), msg)
         self._send(self.worker_sock, ident, P.JobFinishedAck(msg.job_id, msg.attempt))
+
+    def on_released(self, ident: bytes, msg: P.JobReleased) -> None:
+        """A worker shutting down hands a job back: back in its queue now, not a lease later (release.lua)."""
+        if not security.from_registered_worker(self, ident):
+            return
+        if not self._holds_lease(ident, msg.job_id, msg.attempt):
+            self._stale(msg)  # including the copies sent to the other gateways, once one has requeued it
+            return
+        worker = ident.decode()
+        if self.queue.release(msg.job_id, msg.attempt, worker):
+            self.counters["released"] += 1
+            log.info("worker %s handed back job %s attempt %d (%s)", worker, msg.job_id, msg.attempt, msg.reason)
+            self.settle_leases(self.queue.requeue([msg.job_id], self.queue.server_ms(), self.config.max_attempts))
 
     def _store_finished(self, worker: str, msg: P.JobFinished) -> None:
         s = self.streams.streams.get(msg.job_id)

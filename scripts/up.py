@@ -139,6 +139,7 @@ class Cluster:
                 cmd += ["--gateway", g["worker_endpoint"]]
             if a.kv_blocks:
                 cmd += ["--num-kv-blocks", str(a.kv_blocks)]
+            cmd += ["--drain-timeout-s", str(a.drain_s)]
             self._spawn(f"wk-{i}", cmd, env | self._metrics_env("TS_WORKER_")
                         | {"TS_WORKER_CURVE_SECRET_KEY_FILE": str(key_paths[f"worker:wk-{i}"])},
                         self.tmp / f"worker-{i}.log")
@@ -330,6 +331,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--aging-interval", type=_number(float, 0, above=True), default=60.0,
                     help="seconds before a waiting job ages a tier")
     ap.add_argument("--ready-timeout", type=_number(float, 0, above=True), default=120.0)
+    ap.add_argument("--drain-s", type=_number(float, 0), default=0.0,
+                    help="a worker sent SIGTERM lets its running jobs finish this long, then hands the rest back "
+                         "(worker/drain.py); 0, as suits a local cluster stopped whole: it hands them back at once")
     ap.add_argument("--policy", choices=["priority", "fifo"], default="priority",
                     help="the workers' scheduling policy (fifo: no tiers, no preemption; for comparisons)")
     ap.add_argument("--logs-dir", type=Path, help="where every process's log (and the spans, unless --spans-file) go;"

@@ -31,7 +31,7 @@ class DurableCluster:
     def __init__(self, tmp: Path, model_dir: Path, *, gateways: int = 2, workers: int = 2, max_running: int = 2,
                  lease_s: float = 10.0, aging_interval_s: float = 60.0, gateway_env: dict | None = None,
                  clock_skew_s: dict[str, float] | None = None,
-                 clock_jump: dict[str, tuple[Path, float]] | None = None) -> None:
+                 clock_jump: dict[str, tuple[Path, float]] | None = None, worker_env: dict | None = None) -> None:
         self.tmp, self.model_dir = tmp, model_dir
         self.redis_port, self.redis_dir = free_port(), tmp / "redis"
         self.redis_dir.mkdir()
@@ -47,7 +47,11 @@ class DurableCluster:
                         TS_GATEWAY_AGING_INTERVAL_S=str(aging_interval_s), TS_GATEWAY_TOKENIZER=str(model_dir),
                         TS_WORKER_TORCH_THREADS="1", OTEL_TRACES_EXPORTER="none",
                         # Durability, not authentication, is under test here: loopback workers without CURVE keys.
-                        TS_GATEWAY_INSECURE_WORKERS="true", **(gateway_env or {}))
+                        TS_GATEWAY_INSECURE_WORKERS="true",
+                        # A stopped worker hands its jobs back at once (worker/drain.py): the teardown does not
+                        # wait for jobs a test left running. The drain tests set their own.
+                        TS_WORKER_DRAIN_TIMEOUT_S="0")
+        self.env.update({**(gateway_env or {}), **(worker_env or {})})
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis = redis.Redis(port=self.redis_port, socket_timeout=5)
 

@@ -137,7 +137,7 @@ def test_keyspace_shares_one_slot_and_validates():
 def test_lua_scripts_have_headers_and_load_once(client):
     scripts = load_scripts(client)
     assert set(scripts) == {"admit", "peek", "claim", "extend", "complete", "requeue", "age", "expire", "cancel",
-                            "promote"}
+                            "promote", "release"}
     assert load_scripts(client) is scripts
     for path in LUA_DIR.glob("*.lua"):
         header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("--"))
@@ -436,6 +436,31 @@ def test_requeue_keeps_the_original_score_then_dead_letters(queue, client, keys)
     assert client.zscore(keys.dead, "a") == T0 + 3000
     assert client.zscore(keys.inflight, "a") is None and queue.peek(ALL, 10) == ["b"]
     assert queue.get("held").state is JobState.DISPATCHED
+
+
+def test_a_released_attempt_is_requeued_at_once_and_does_not_count_against_max_attempts(queue, client, keys):
+    admit(queue, "a", P3, now_ms=T0)
+    queue.claim(["a"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=60_000)
+    # Only the worker holding that attempt's lease may hand it back: anything else changes nothing.
+    before = snapshot(client, keys)
+    assert not queue.release("a", 1, "other-worker")
+    assert not queue.release("a", 2, "w")  # an attempt that is not the current one
+    assert not queue.release("nope", 1, "w")
+    assert snapshot(client, keys) == before
+    assert queue.release("a", 1, "w")
+    assert not queue.release("a", 1, "w")  # once
+    # A report the worker sent before the release, read after it, must not extend the lease again.
+    assert queue.extend_leases("w", ["a"], T0 + 20, 60_000) == 0
+    assert queue.requeue(["a"], T0 + 20, max_attempts=1) == [Settled("a", "queued", "w", 1)]
+    job = queue.get("a")
+    assert (job.state, job.attempt, job.worker) == (JobState.QUEUED, 1, None)
+    assert client.zscore(keys.queue(P3), "a") == T0 and client.zscore(keys.inflight, "a") is None
+    # max_attempts 1, and attempt 2 is its first that counts: lost to its lease, it is dead only then.
+    queue.claim(["a"], worker="w2", gateway="g", now_ms=T0 + 30, lease_ms=1000)
+    assert queue.extend_leases("w2", ["a"], T0 + 40, 1000) == 1  # a new attempt's lease extends as ever
+    assert queue.requeue_expired(T0 + 2000, max_attempts=1) == [Settled("a", "dead", "w2", 2)]
+    assert queue.get("a").reason == "lease expired 1 times"
+    assert "releases" not in queue.get("a").result  # queue bookkeeping, not a result field
 
 
 def test_aging_moves_up_one_tier_ahead_of_newer_jobs_never_into_p0(queue, client, keys):

@@ -38,6 +38,7 @@ def start_worker(state: dict, model_dir: Path, worker_id: str, log: Path) -> sub
     keys = state["keys"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT), TS_WORKER_TORCH_THREADS="1",
+                                     TS_WORKER_DRAIN_TIMEOUT_S="0",
                                      TS_WORKER_CURVE_SECRET_KEY_FILE=keys["worker_secrets"]["wk-0"],
                                      TS_WORKER_GATEWAY_PUBLIC_KEY=keys["gateway_public"]))
 

@@ -18,6 +18,7 @@ from common.metrics import MetricsBindError
 from common.sockets import check_worker_keys, secure_worker_sockets
 from common.tracing import setup_tracing
 from worker import metrics
+from worker.drain import Drain
 from worker.linger import Linger
 from worker.service_config import ENV_PREFIX, WorkerConfig
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         if not config.model:
             raise settings.ConfigError("no model: set --model, TS_WORKER_MODEL or model in the config file")
         check_worker_keys(config.curve_secret_key_file, config.gateway_public_key)
-        Linger(config.dispatch_linger_s)  # a bad value refused before the model loads
+        Linger(config.dispatch_linger_s)  # bad values refused before the model loads
+        Drain(config.drain_timeout_s)
         service = build(config)
     except (settings.ConfigError, ValueError) as e:
         print(f"worker: {e}", file=sys.stderr)
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     service.connect()
     logging.getLogger("worker").info("worker %s serving %s on %s, gateways %s", config.worker_id, config.model,
                                      config.engine.device, json.dumps(config.gateways))
-    return process.serve_until_signalled(service.serve, service.close)
+    return process.serve_until_signalled(service.serve, service.close, service.drain.request)
 
 
 def build(config: WorkerConfig):

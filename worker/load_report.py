@@ -15,9 +15,10 @@ from worker.calibration import RateTracker
 from worker.request import RequestStatus
 
 
-def build(worker_id: str, e, rates: RateTracker, held: Iterable[str]) -> P.WorkerLoad:
+def build(worker_id: str, e, rates: RateTracker, held: Iterable[str], offer: bool = True) -> P.WorkerLoad:
     """The report of worker ``worker_id`` running engine ``e``, holding the jobs ``held`` (those running or waiting
-    there, and those finished whose completion is not yet sent)."""
+    there, and those finished whose completion is not yet sent). ``offer`` False (a worker draining): no free slot
+    and no victim, so no gateway sends it work."""
     running = {t.value: 0 for t in ALL_TIERS}
     waiting = {t.value: 0 for t in ALL_TIERS}
     for r in e.scheduler.running:
@@ -48,6 +49,8 @@ def build(worker_id: str, e, rates: RateTracker, held: Iterable[str]) -> P.Worke
                                    for r in e.scheduler.running)
                             + sum(may_preempt(t, r.tier) for r in starting) - claimed) for t in ALL_TIERS}
     victims[Tier.P0.value] += any_free - free_slots
+    if not offer:
+        free_slots, cost, victims = 0, 1e6, {t.value: 0 for t in ALL_TIERS}
     base_s, token_s, pair_s = rates.step_cost()
     return P.WorkerLoad(worker_id, free_slots, e.blocks.num_free, running, waiting, list(held), cost, victims,
                         *rates.rates(), rates.work(), step_base_s=base_s, step_token_s=token_s, step_pair_s=pair_s)

@@ -26,6 +26,7 @@ from worker import load_report, metrics
 from worker.completions import Unconfirmed
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
+from worker.drain import Drain, Draining
 from worker.linger import Linger, offers_room
 from worker.request import SamplingParams
 from worker.service_config import WorkerConfig
@@ -45,7 +46,7 @@ class RunningJob:
     first_token: float | None = None
 
 
-class WorkerService:
+class WorkerService(Draining):
     def __init__(self, config: WorkerConfig, engine, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.engine = engine
@@ -56,7 +57,9 @@ class WorkerService:
         self.by_gateway: dict[str, zmq.Socket] = {}
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
-        self._lock = threading.Lock()  # every socket use, from the step loop and the heartbeat thread
+        # Every socket use, from the step loop and the heartbeat thread; reentrant: a dispatch read under it may be
+        # handed back at once (worker/drain.py), which sends under it too.
+        self._lock = threading.RLock()
         # Completions no gateway has confirmed yet (sent, or not even that: a full queue).
         self.unconfirmed = Unconfirmed(observe=metrics.unconfirmed_completions)
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
@@ -67,6 +70,7 @@ class WorkerService:
         self.rates = RateTracker(engine, clock)
         # The wait for the answer to a report offering room (worker/linger.py).
         self.linger = Linger(config.dispatch_linger_s, observe=metrics.dispatch_linger)
+        self.drain = Drain(config.drain_timeout_s)  # the shutdown: worker/drain.py
 
     def connect(self) -> None:
         for sock, endpoint in zip(self.sockets, self.config.gateways):
@@ -112,6 +116,8 @@ class WorkerService:
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
         while not should_stop():
+            if self._draining_done():
+                return
             busy = self.engine.has_unfinished()
             with self._lock:
                 for sock, _ in poller.poll(timeout=self.linger.poll_ms(self.clock()) if busy else 20):
@@ -184,6 +190,9 @@ class WorkerService:
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
         self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
+        if self.drain.active:  # sent before the gateway read the report offering nothing
+            self._release([msg.job_id], "draining: not started", {msg.job_id: msg.attempt})
+            return
         try:
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
                                     trace_context=msg.trace_context)
@@ -296,4 +305,5 @@ class WorkerService:
         is only read on the step loop's thread)."""
         self._snapshot_at = now
         held = list(dict.fromkeys([*self.jobs, *self.unconfirmed.job_ids()]))
-        self._snapshot = load_report.build(self.config.worker_id, self.engine, self.rates, held)
+        self._snapshot = load_report.build(self.config.worker_id, self.engine, self.rates, held,
+                                           offer=not self.drain.active)

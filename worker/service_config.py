@@ -43,6 +43,10 @@ class WorkerConfig:
     # step) for the gateway's dispatch before its next step, while such reports are answered (worker/linger.py);
     # 0: never.
     dispatch_linger_s: float = 0.01
+    # On SIGTERM/SIGINT: seconds the running jobs get to finish before the rest are handed back to the gateways
+    # (worker/drain.py); 0 hands everything back at once. Keep it under the orchestrator's grace period (compose:
+    # stop_grace_period; Kubernetes: terminationGracePeriodSeconds, 30 s by default).
+    drain_timeout_s: float = 20.0
     # This worker's CURVE key pair (a .key_secret file from `python -m common.keys`); its public half must
     # be on the gateways' allow-list. "" connects without CURVE (only an --insecure-workers gateway accepts).
     curve_secret_key_file: str = ""

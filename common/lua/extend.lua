@@ -1,5 +1,6 @@
 -- extend.lua: move the lease expiry of a worker's dispatched jobs to now + ARGV[3].
--- Jobs dispatched to another worker (or no longer dispatched) are left alone.
+-- Jobs dispatched to another worker (or no longer dispatched), and an attempt the worker released (release.lua),
+-- are left alone.
 --
 -- KEYS[1]     inflight zset
 -- KEYS[2..]   job hashes
@@ -14,8 +15,8 @@ local worker, expiry = ARGV[1], clock_ms(ARGV[2]) + tonumber(ARGV[3])
 local extended = 0
 for i = 2, #KEYS do
     local job_id = ARGV[i + 2]
-    local fields = redis.call('HMGET', KEYS[i], 'state', 'worker')
-    if fields[1] == 'dispatched' and fields[2] == worker
+    local fields = redis.call('HMGET', KEYS[i], 'state', 'worker', 'attempt', 'released_attempt')
+    if fields[1] == 'dispatched' and fields[2] == worker and fields[3] ~= fields[4]
         and redis.call('ZSCORE', KEYS[1], job_id) then
         redis.call('ZADD', KEYS[1], 'XX', expiry, job_id)
         extended = extended + 1

@@ -2,7 +2,7 @@
 -- the expired ids from inflight; this re-verifies each (still in inflight, expiry <= now,
 -- still dispatched). A job tried fewer than max_attempts times goes back to the queue of
 -- its current tier with its original enqueue score (attempt kept; the next claim adds 1);
--- otherwise it is dead-lettered.
+-- otherwise it is dead-lettered. Attempts its workers handed back (release.lua) do not count.
 --
 -- KEYS[1..4]  queue zsets of P0..P3
 -- KEYS[5]     inflight zset
@@ -27,11 +27,11 @@ for i = 9, #KEYS do
     local expiry = tonumber(redis.call('ZSCORE', KEYS[5], job_id))
     if expiry and expiry <= now then
         local f = redis.call('HMGET', job_key, 'state', 'attempt', 'tier', 'enqueued_at_ms',
-            'tier_since_ms', 'deadline_ms', 'worker')
+            'tier_since_ms', 'deadline_ms', 'worker', 'releases')
         redis.call('ZREM', KEYS[5], job_id)
         -- A non-dispatched job cannot hold a lease; such an entry is only dropped.
         if f[1] == 'dispatched' then
-            local attempt = tonumber(f[2])
+            local attempt = tonumber(f[2]) - tonumber(f[8] or 0)
             if attempt >= max_attempts then
                 redis.call('HSET', job_key, 'state', 'dead', 'finished_at_ms', now,
                     'reason', 'lease expired ' .. attempt .. ' times')

@@ -1,0 +1,159 @@
+"""worker/drain.py: a worker told to stop takes no new work, finishes what runs, and hands back the rest.
+
+The timing rules alone, then a real WorkerService (bench model, real ZeroMQ) facing a gateway socket the test
+drives: what it hands back and when, what its reports offer while it drains, and that it ends holding nothing.
+The same against a real cluster, SIGTERM included, is in tests/test_worker_drain_cluster.py.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from common import protocol as P
+from worker.drain import CONFIRM_GRACE_S, Drain
+
+
+def test_the_drain_starts_once_and_hands_back_at_its_deadline_or_a_second_signal():
+    d = Drain(5.0)
+    assert not d.begin(0.0) and not d.active and not d.due(100.0)  # no signal yet: nothing
+    d.request()
+    assert d.begin(10.0) and d.active and not d.begin(11.0)
+    assert not d.due(14.9) and d.due(15.0)
+    assert not d.finished(12.0, holding=True, unconfirmed=False)
+    assert d.finished(12.0, holding=False, unconfirmed=False)
+    assert not d.finished(15.0 + CONFIRM_GRACE_S - 0.1, holding=False, unconfirmed=True)
+    assert d.finished(15.0 + CONFIRM_GRACE_S, holding=False, unconfirmed=True)
+    d.request()  # a second signal: everything at once
+    assert d.due(11.0) and d.finished(11.0, holding=False, unconfirmed=True)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "10"])
+def test_a_bad_timeout_is_refused(bad):
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        Drain(bad)
+
+
+class FakeGateway:
+    """A ROUTER socket the worker connects to, as a gateway's; frames read and kept in order."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.ident: bytes | None = None
+        self.seen: list = []
+
+    def receive(self, match, timeout_s: float = 60.0):
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.sock.poll(100):
+                self.ident, frame = self.sock.recv_multipart()
+                msg = P.decode(frame)
+                self.seen.append((time.monotonic(), msg))
+                if match(msg):
+                    return msg
+        raise AssertionError("the worker did not send what was expected; seen: "
+                             f"{[type(m).__name__ for _, m in self.seen][-20:]}")
+
+    def dispatch(self, job_id: str, max_tokens: int, tier: str = "P2") -> None:
+        prompt = [random.Random(job_id).randrange(3, 500) for _ in range(12)]
+        self.sock.send_multipart([self.ident, P.encode(P.DispatchJob(
+            job_id, 1, tier, "t", prompt, max_tokens, 0.0, 1.0, None, 1, "gw", ignore_eos=True))])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def is_(kind, job_id: str | None = None):
+    return lambda m: isinstance(m, kind) and (job_id is None or m.job_id == job_id)
+
+
+@pytest.fixture
+def draining_worker(bench_model_dir):
+    """A worker service serving on a thread (max 2 running), its fake gateway, and a function that starts the
+    drain as the signal handler would."""
+    from worker import Engine, EngineConfig
+    from worker.service import WorkerService
+    from worker.service_config import WorkerConfig
+
+    gateway = FakeGateway()
+    engine = Engine.from_pretrained(str(bench_model_dir), EngineConfig(max_num_seqs=2, p0_reserve_slots=0))
+    service = WorkerService(WorkerConfig(worker_id="wk-drain", gateways=[f"tcp://127.0.0.1:{gateway.port}"],
+                                         model="bench", drain_timeout_s=2.0), engine)
+    service.connect()
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+    gateway.receive(is_(P.WorkerHello))
+    try:
+        yield service, gateway, thread
+    finally:
+        stop.set()
+        thread.join(30)
+        service.close()
+        gateway.close()
+
+
+def test_a_draining_worker_hands_back_what_has_not_started_then_what_runs_out_of_time(draining_worker):
+    service, gateway, thread = draining_worker
+    gateway.dispatch("long-a", 600)  # about 10 s each here: longer than the drain's 2 s
+    gateway.dispatch("long-b", 600)
+    gateway.dispatch("queued", 5)  # no slot left: it waits, never started
+    gateway.receive(is_(P.JobTokens, "long-a"))
+    gateway.receive(is_(P.JobTokens, "long-b"))
+    begun = time.monotonic()
+    service.drain.request()
+
+    released = gateway.receive(is_(P.JobReleased, "queued"), timeout_s=5)
+    assert (released.attempt, released.reason) == (1, "draining: not started")
+    report = gateway.receive(lambda m: isinstance(m, P.WorkerLoad) and "queued" not in m.job_ids)
+    assert report.free_slots == 0 and not any(report.victims.values()) and report.preemption_cost_s >= 1e6
+    assert sorted(report.job_ids) == ["long-a", "long-b"]  # still held, and their leases still extended
+
+    gateway.dispatch("late", 5, tier="P0")  # sent before this gateway read the report offering nothing
+    assert gateway.receive(is_(P.JobReleased, "late"), timeout_s=5).reason == "draining: not started"
+
+    out_of_time = [gateway.receive(is_(P.JobReleased, j), timeout_s=10) for j in ("long-a", "long-b")]
+    assert all(m.reason == "draining: out of time" for m in out_of_time)
+    assert time.monotonic() - begun >= 2.0 - 0.1
+    thread.join(10)
+    assert not thread.is_alive(), "serve() did not return once it held nothing"
+    assert not service.jobs and not service.engine.has_unfinished()
+    assert service.engine.kv_usage().num_used == 0  # every block the aborted jobs held is free
+    # No report after a release lists the job it released: that would extend the lease the release ended.
+    for j in ("queued", "late", "long-a", "long-b"):
+        at = next(t for t, m in gateway.seen if is_(P.JobReleased, j)(m))
+        assert not [m for t, m in gateway.seen if t > at and isinstance(m, P.WorkerLoad) and j in m.job_ids]
+    assert not [m for _, m in gateway.seen if isinstance(m, P.JobFinished)]
+
+
+def test_a_job_that_finishes_in_time_is_not_handed_back_and_the_worker_waits_for_its_confirmation(
+        draining_worker):
+    service, gateway, thread = draining_worker
+    gateway.dispatch("short", 30)
+    gateway.receive(is_(P.JobTokens, "short"))
+    service.drain.request()
+    done = gateway.receive(is_(P.JobFinished, "short"), timeout_s=10)
+    assert done.state == "done" and done.num_tokens == 30
+    time.sleep(0.3)
+    assert thread.is_alive(), "it left before its completion was confirmed"
+    gateway.sock.send_multipart([gateway.ident, P.encode(P.JobFinishedAck("short", 1))])
+    thread.join(5)
+    assert not thread.is_alive()
+    assert not [m for _, m in gateway.seen if isinstance(m, P.JobReleased)]
+
+
+def test_a_second_signal_hands_back_everything_at_once(draining_worker):
+    service, gateway, thread = draining_worker
+    gateway.dispatch("long", 600)
+    gateway.receive(is_(P.JobTokens, "long"))
+    service.drain.request()
+    service.drain.request()
+    assert gateway.receive(is_(P.JobReleased, "long"), timeout_s=1.5).reason == "draining: out of time"
+    thread.join(5)
+    assert not thread.is_alive()

@@ -1,0 +1,78 @@
+"""A worker stopped with SIGTERM in a real cluster (a compose redeploy, a scale-down): it finishes what can finish
+within its drain_timeout_s, hands back the rest, and the gateway requeues that at once (worker/drain.py).
+
+Before, it exited on the spot: every job it ran waited out its lease (here 60 s) and ran again from the start.
+Real redis-server, gateway and worker processes; the bench model, so that jobs last seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.cluster_helpers import wait_for
+from tests.durable_cluster import DurableCluster
+
+pytestmark = pytest.mark.faults
+
+LEASE_S = 60.0
+DRAIN_S = 6.0
+
+
+def test_sigterm_finishes_the_short_job_hands_back_the_long_one_and_takes_no_new_work(tmp_path, bench_model_dir):
+    with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, max_running=2, lease_s=LEASE_S,
+                        worker_env={"TS_WORKER_DRAIN_TIMEOUT_S": str(DRAIN_S)}) as c:
+        lab = c.client("lab-co", timeout_s=30.0)
+        long = lab.submit(prompt_token_ids=[4, 5, 6], max_tokens=1200, seed=41, ignore_eos=True)  # ~20 s
+        short = lab.submit(prompt_token_ids=[7, 8], max_tokens=120, seed=42, ignore_eos=True)  # ~2 s
+        streamed: list[int] = []
+        failures: list[BaseException] = []
+
+        def follow() -> None:  # a client reading the long job's stream across the hand-back
+            try:
+                with c.client("lab-co", timeout_s=30.0) as reader:
+                    for chunk in reader.job(long.id).stream(timeout=240):
+                        streamed.extend(chunk.token_ids)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        with c.client("lab-co", timeout_s=30.0) as peek:
+            for job in (long, short):
+                next(peek.job(job.id).stream(timeout=120))  # both running on wk-0, the only worker
+        drained = c.procs["wk-0"]
+        os.kill(drained.pid, signal.SIGTERM)
+        stopped = time.monotonic()
+        assert c.state(short.id) == "dispatched", "the short job ended before the signal: nothing was tested"
+        # The worker that takes over starts now (a redeploy's new container), loading its model during the drain.
+        c.worker_ids.append("wk-1")
+        c.start_process("wk-1")
+        late = lab.submit(prompt_token_ids=[9, 10], max_tokens=20, seed=43, ignore_eos=True)
+
+        # The long job is handed back at the drain's deadline and requeued at once, not a lease later.
+        wait_for(lambda: c.job(long.id).get("worker") == b"wk-1", 40, "the long job to move to wk-1")
+        moved = time.monotonic() - stopped
+        assert DRAIN_S - 1 <= moved < 40 < LEASE_S, moved
+        assert drained.wait(timeout=20) == 0  # it exits by itself once it holds nothing
+
+        short_result = short.result(timeout=60)
+        assert len(short_result.token_ids) == 120  # result() raises unless done
+        assert c.job(short.id)["attempt"] == b"1" and c.job(short.id)["worker"] == b"wk-0"  # finished, not rerun
+
+        assert len(late.result(timeout=60).token_ids) == 20
+        assert c.job(late.id)["worker"] == b"wk-1"  # the draining worker took no new work (or handed it back)
+
+        result = long.result(timeout=240)
+        reader.join(60)
+        assert not failures, failures
+        assert len(result.token_ids) == 1200
+        assert streamed == result.token_ids  # every token once, across the hand-back
+        job = c.job(long.id)
+        assert job["attempt"] == b"2" and job["releases"] == b"1", job
+        assert job["state"] == b"done"
+        lab.close()

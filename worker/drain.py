@@ -1,0 +1,102 @@
+"""A worker's shutdown (SIGTERM or SIGINT): take no new work, finish what runs, hand back the rest.
+
+Before, a stopped worker exited at once and its jobs waited out their leases (``lease_s``) and ran again from
+the start elsewhere: a rolling redeploy cost every running job a lease and its tokens. Now, on the first signal:
+
+- its load reports offer nothing (no free slot, no victim), so the gateways send it no more work; a dispatch
+  already on its way is handed back at once (``JobReleased``), and so is every job it holds that has not started;
+- running and suspended jobs go on until they finish or ``drain_timeout_s`` has passed; then the rest are handed
+  back, and the gateway requeues them at once (that attempt does not count against ``max_attempts``);
+- it exits once it holds no job and every completion is confirmed, or ``CONFIRM_GRACE_S`` after the deadline.
+
+A second signal ends the drain: everything is handed back and the worker exits. A worker that dies (kill -9, a
+crash) still loses its jobs to their leases: the drain needs the worker alive to say what it gives up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from common import protocol as P
+
+log = logging.getLogger("worker")
+
+CONFIRM_GRACE_S = 2.0  # after the deadline, how long the last completions may wait for their confirmations
+
+
+class Drain:
+    def __init__(self, timeout_s: float) -> None:
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.signals = 0  # set from a signal handler: the step loop reads it
+        self.deadline: float | None = None
+
+    def request(self) -> None:
+        """A stop signal came (called from the signal handler: it only counts)."""
+        self.signals += 1
+
+    @property
+    def active(self) -> bool:
+        return self.deadline is not None
+
+    def begin(self, now: float) -> bool:
+        """True once, when the first signal is seen: the drain starts now."""
+        if not self.signals or self.deadline is not None:
+            return False
+        self.deadline = now + self.timeout_s
+        return True
+
+    def due(self, now: float) -> bool:
+        """The jobs still held are to be handed back: the deadline passed, or a second signal came."""
+        return self.deadline is not None and (now >= self.deadline or self.signals > 1)
+
+    def finished(self, now: float, holding: bool, unconfirmed: bool) -> bool:
+        """Nothing left to do here: no job held, and no completion waiting for a confirmation (or no more time)."""
+        if self.deadline is None or holding:
+            return False
+        return not unconfirmed or self.signals > 1 or now >= self.deadline + CONFIRM_GRACE_S
+
+
+class Draining:
+    """The worker service's side of the drain (a mixin of worker.service.WorkerService, on its step loop's thread):
+    needs its ``drain``, ``jobs``, ``engine``, ``rates``, ``unconfirmed``, ``sockets``, ``_lock``, ``clock``,
+    ``_send``, ``_beat_soon`` and ``_refresh_snapshot``."""
+
+    def _draining_done(self) -> bool:
+        """Drive the shutdown (worker/drain.py); True once the loop may end."""
+        now = self.clock()
+        if self.drain.begin(now):
+            log.info("draining: no new work; running jobs have %.0f s to finish, the rest is handed back",
+                     self.drain.timeout_s)
+            unstarted = [j for j in self.jobs if (r := self.engine.get_request(j)) is None
+                         or (r.num_computed_tokens == 0 and not r.output_token_ids)]
+            self._release(unstarted, "draining: not started")
+            self._beat_soon()  # the report offering nothing, now
+        if self.drain.due(now) and self.jobs:
+            log.warning("drain: handing back %d unfinished jobs", len(self.jobs))
+            self._release(list(self.jobs), "draining: out of time")
+        done = self.drain.finished(now, bool(self.jobs), bool(self.unconfirmed.job_ids()))
+        if done:
+            log.info("drained")
+        return done
+
+    def _release(self, job_ids: list[str], reason: str, attempts: dict[str, int] | None = None) -> None:
+        """Hand ``job_ids`` back to the gateways (JobReleased), after dropping them here and from the report the
+        heartbeat thread sends (a report listing one would extend the lease the release ends)."""
+        released = []
+        for job_id in job_ids:
+            job = self.jobs.pop(job_id, None)
+            self.engine.abort(job_id)
+            self.rates.forget(job_id)
+            attempt = job.attempt if job is not None else (attempts or {}).get(job_id)
+            if attempt is not None:
+                released.append(P.JobReleased(job_id, attempt, reason))
+        if not released:
+            return
+        self._refresh_snapshot(self.clock())
+        with self._lock:
+            for msg in released:
+                for sock in self.sockets:  # any gateway can requeue it; the others take their copy as stale
+                    self._send(sock, msg)
