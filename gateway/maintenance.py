@@ -30,7 +30,7 @@ class Maintenance:
             self._listening_since = now
         now_ms = self.queue.server_ms()
         if now - self._listening_since >= self.config.lease_s:
-            self.settle_leases(self.queue.requeue_expired(now_ms, self.config.max_attempts))
+            self.settle_leases(self.queue.requeue_expired(now_ms, self.config.max_attempts), "lease_expired")
         if self.queue.age(now_ms, int(self.config.aging_interval_s * 1000)):
             self._dirty = True
         for _, left in self.queue.promote(now_ms):
@@ -43,10 +43,12 @@ class Maintenance:
             del self.enqueued_at[job_id]
         self._dirty = True  # jobs admitted by other gateways, or capacity reported meanwhile
 
-    def settle_leases(self, settled: list) -> None:
-        """After leases were settled (requeued or dead): forget them here, and stop the attempts that lost them."""
+    def settle_leases(self, settled: list, cause: str) -> None:
+        """After leases were settled (requeued or dead): forget them here, and stop the attempts that lost them.
+        ``cause``: lease_expired or released (ts_requeues_total)."""
         for one in settled:
             self._dirty = True
+            metrics.requeued(cause, one.state)
             self.leases.pop(one.job_id, None)
             # The lost attempt may still be running (a worker cut off, not dead): stop it, so it cannot
             # stitch its output into the next attempt's.

@@ -39,6 +39,12 @@ FINISHED = Counter("ts_jobs_finished_total", "Jobs this gateway admitted that en
 PROMOTIONS = Counter("ts_promotions_total", "Queued P2/P3 jobs this gateway moved up one tier when their promised "
                      "start fell due (gateway/promises.py), by the tier they left: each is a job that arrivals beyond "
                      "the forecast would have kept waiting past its estimate", ["tier"])
+REQUEUES = Counter("ts_requeues_total", "Dispatched jobs this gateway put back in their queue (outcome queued) or "
+                   "dead-lettered (dead), by cause: lease_expired (its worker went silent: the attempt's work is "
+                   "lost) or released (a draining worker handed it back, worker/drain.py)", ["cause", "outcome"])
+
+for _cause in ("lease_expired", "released"):
+    REQUEUES.labels(_cause, "queued")
 
 for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() sees the first event
     ADMISSIONS.labels(_t)
@@ -70,6 +76,10 @@ def handed_off(worker: str, seconds: float, busy: bool) -> None:
 
 def promoted(tier: str) -> None:
     PROMOTIONS.labels(tier).inc()
+
+
+def requeued(cause: str, outcome: str) -> None:
+    REQUEUES.labels(cause, outcome).inc()
 
 
 def dispatched(tier: str, waited_s: float) -> None:

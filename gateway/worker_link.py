@@ -135,7 +135,8 @@ class WorkerLink:
         if self.queue.release(msg.job_id, msg.attempt, worker):
             self.counters["released"] += 1
             log.info("worker %s handed back job %s attempt %d (%s)", worker, msg.job_id, msg.attempt, msg.reason)
-            self.settle_leases(self.queue.requeue([msg.job_id], self.queue.server_ms(), self.config.max_attempts))
+            self.settle_leases(self.queue.requeue([msg.job_id], self.queue.server_ms(), self.config.max_attempts),
+                               "released")
 
     def _store_finished(self, worker: str, msg: P.JobFinished) -> None:
         s = self.streams.streams.get(msg.job_id)

@@ -12,8 +12,10 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 
+from common.ports import free_port
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 
@@ -24,7 +26,9 @@ DRAIN_S = 6.0
 
 
 def test_sigterm_finishes_the_short_job_hands_back_the_long_one_and_takes_no_new_work(tmp_path, bench_model_dir):
+    metrics = f"127.0.0.1:{free_port()}"  # the gateway's
     with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, max_running=2, lease_s=LEASE_S,
+                        gateway_env={"TS_GATEWAY_METRICS_BIND": metrics},
                         worker_env={"TS_WORKER_DRAIN_TIMEOUT_S": str(DRAIN_S)}) as c:
         lab = c.client("lab-co", timeout_s=30.0)
         long = lab.submit(prompt_token_ids=[4, 5, 6], max_tokens=1200, seed=41, ignore_eos=True)  # ~20 s
@@ -75,4 +79,8 @@ def test_sigterm_finishes_the_short_job_hands_back_the_long_one_and_takes_no_new
         job = c.job(long.id)
         assert job["attempt"] == b"2" and job["releases"] == b"1", job
         assert job["state"] == b"done"
+        requeues = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
+                    httpx.get(f"http://{metrics}/metrics").text.splitlines() if line.startswith("ts_requeues_total{")}
+        assert requeues == {'ts_requeues_total{cause="lease_expired",outcome="queued"}': 0.0,
+                            'ts_requeues_total{cause="released",outcome="queued"}': 1.0}, requeues
         lab.close()
