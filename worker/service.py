@@ -29,6 +29,7 @@ from worker.calibration import RateTracker, calibrate
 from worker.drain import Drain, Draining
 from worker.linger import Linger, offers_room
 from worker.request import SamplingParams
+from worker.routes import GatewayRoutes
 from worker.service_config import WorkerConfig
 
 log = logging.getLogger("worker")
@@ -54,6 +55,7 @@ class WorkerService(Draining):
         self.ctx = zmq.Context.instance()
         ident = config.worker_id.encode()
         self.sockets = [make_socket(self.ctx, zmq.DEALER, identity=ident) for _ in config.gateways]
+        self.routes = GatewayRoutes(self.sockets)  # which gateways are connected (worker/routes.py)
         self.by_gateway: dict[str, zmq.Socket] = {}
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
@@ -89,6 +91,7 @@ class WorkerService(Draining):
                  self.unconfirmed.resent, self.unconfirmed.given_up)
         self._heartbeat.stop()
         with self._lock:
+            self.routes.close()
             for s in self.sockets:
                 s.close(linger=0)
 
@@ -112,6 +115,7 @@ class WorkerService(Draining):
         poller = zmq.Poller()
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
+        self.routes.register(poller)
         self._refresh_snapshot(self.clock())
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
@@ -121,7 +125,11 @@ class WorkerService(Draining):
             busy = self.engine.has_unfinished()
             with self._lock:
                 for sock, _ in poller.poll(timeout=self.linger.poll_ms(self.clock()) if busy else 20):
-                    self._drain(sock)
+                    if sock in self.routes.monitors:
+                        for gone in self.routes.read(sock):
+                            self._reroute(gone)
+                    else:
+                        self._drain(sock)
                 self._resend_unconfirmed()
             if busy and self.linger.poll_ms(self.clock()):
                 continue  # a frame came, not the dispatch the last report offered room for: wait on
@@ -216,6 +224,19 @@ class WorkerService(Draining):
         # Kept either way: one the gateway's full queue refused is due again at once, and goes to every gateway
         # (before, it was retried on that gateway's socket alone, which never drains if the gateway is gone).
         self.unconfirmed.sent(msg, self.clock(), delivered=self._send(sock, msg))
+
+    def _reroute(self, gone: zmq.Socket) -> None:
+        """The connection to a gateway was lost: its jobs' tokens go to a connected one, every token so far first
+        (worker/routes.py)."""
+        other = self.routes.other_than(gone)
+        moved = [job for job in self.jobs.values() if job.reply is gone] if other is not None else []
+        for job in moved:
+            job.reply = other
+            if job.tokens:
+                self._send(other, P.JobTokens(job.job_id, job.attempt, 0, list(job.tokens)))
+        if moved:
+            self.counters["rerouted"] += len(moved)
+            log.warning("lost the connection to a gateway: %d jobs now stream through another", len(moved))
 
     def _replay_tokens(self, sock: zmq.Socket) -> None:
         """Every token so far of the jobs streamed through ``sock``, once more: the token frames its gateway dropped
