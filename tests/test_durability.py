@@ -257,8 +257,9 @@ def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_
     it went to the dispatching gateway only: the job was run again after its lease (attempt 2).
     - killed: the worker sees the connection drop and streams the job through the survivor from then on, the
       completion included (worker/routes.py);
-    - frozen: nothing says the gateway is gone, so the completion waits for a confirmation that never comes, and
-      the worker sends it again to every gateway (worker/completions.py)."""
+    - frozen: its connection stays open, so the job streams to it until ZeroMQ's heartbeats time out (5 s) and the
+      worker streams through the survivor; a completion sent to it before then waits for a confirmation that
+      never comes, and the worker sends it again to every gateway (worker/completions.py)."""
     spec = ([4, 5, 6], 2000, 41)
     metrics = f"127.0.0.1:{free_port()}"  # the one worker's
     with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, lease_s=10.0,
@@ -281,7 +282,9 @@ def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_
                 result = other.job(job.id).result(timeout=120)
             assert result.token_ids == reference([(spec[0], spec[1], 0.0, spec[2])])[0]
             assert c.job(job.id)["attempt"] == b"1", c.job(job.id)
-            if how == "frozen":  # the worker says, for an operator, that it had to send a completion again
+            if how == "frozen":
+                # Here the job (2000 tokens, about 2 s) ends before the heartbeats give up on the frozen gateway:
+                # its completion is sent again, and the worker says so, for an operator.
                 resent = [float(line.split()[-1]) for line in httpx.get(f"http://{metrics}/metrics").text.splitlines()
                           if line.startswith('ts_unconfirmed_completions_total{event="resent"}')]
                 assert resent and resent[0] >= 1, resent
@@ -397,14 +400,16 @@ def test_8_an_aged_job_preempts_by_its_admitted_tier(tmp_path, tiny_model_dir):
         lab.close()
 
 
-def test_5_a_stream_goes_on_through_another_gateway_when_its_gateway_dies_for_good(tmp_path, bench_model_dir):
-    """The gateway that dispatched a running job is killed and not restarted. A client reading the job's stream
-    through the other gateway saw it stall: the worker sent the tokens to the dead gateway only, so nobody wrote
-    them to the job's Redis stream, until the completion (sent to every gateway) brought them all at once. The
-    worker now sees the connection drop (ZeroMQ's events) and streams through a gateway it is connected to."""
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_5_a_stream_goes_on_through_another_gateway_when_its_gateway_dies_for_good(tmp_path, bench_model_dir, how):
+    """The gateway that dispatched a running job is killed (or hangs: SIGSTOP, its connections stay open) and does
+    not come back. A client reading the job's stream through the other gateway saw it stall: the worker sent the
+    tokens to the lost gateway only, so nobody wrote them to the job's Redis stream, until the completion (sent to
+    every gateway) brought them all at once. The worker now sees the connection drop (ZeroMQ's events; for the
+    frozen one, its heartbeats time out after 5 s) and streams through a gateway it is connected to."""
     with DurableCluster(tmp_path, bench_model_dir, gateways=2, workers=1, lease_s=30.0) as c:
         lab = c.client("lab-co", "gw-0", timeout_s=10.0)
-        job = lab.submit(prompt_token_ids=[4, 5, 6], max_tokens=700, seed=41, ignore_eos=True)  # ~12 s here
+        job = lab.submit(prompt_token_ids=[4, 5, 6], max_tokens=1100, seed=41, ignore_eos=True)  # ~18 s here
         wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to be dispatched")
         victim = c.job(job.id)["gateway"].decode()
         survivor = next(g for g in c.gateways if g != victim)
@@ -428,18 +433,25 @@ def test_5_a_stream_goes_on_through_another_gateway_when_its_gateway_dies_for_go
         reader = threading.Thread(target=follow, daemon=True)
         reader.start()
         assert first.wait(60), "no token reached the survivor's client"
-        c.kill(victim)
+        if how == "killed":
+            c.kill(victim)
+        else:
+            os.kill(c.procs[victim].pid, signal.SIGSTOP)
         killed = time.monotonic()
-        with c.client("lab-co", survivor, timeout_s=10.0) as other:
-            result = other.job(job.id).result(timeout=120)
-        reader.join(30)
+        try:
+            with c.client("lab-co", survivor, timeout_s=10.0) as other:
+                result = other.job(job.id).result(timeout=120)
+            reader.join(30)
+        finally:
+            if how == "frozen":
+                c.kill(victim)  # a stopped process takes no SIGTERM
         assert not failures, failures
         ended = max(t for t, _ in arrivals)
         after = [(t - killed, n) for t, n in arrivals if t > killed]
-        assert streamed == result.token_ids and len(streamed) == 700
+        assert streamed == result.token_ids and len(streamed) == 1100
         # Tokens kept coming while the job ran, not all at its end: half the run after the kill saw new ones.
         assert ended - killed > 4.0, "the job ended too soon after the kill to tell"
         midway = [n for dt, n in after if dt < (ended - killed) / 2]
-        assert midway and midway[-1] < 700, (after[:5], after[-3:])
+        assert midway and midway[-1] < 1100, (after[:5], after[-3:])
         assert c.job(job.id)["attempt"] == b"1"  # not re-run
         lab.close()

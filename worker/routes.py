@@ -8,6 +8,11 @@ socket is closed by its kernel), so the worker moves the streams of that gateway
 to, sending every token so far first; that gateway holds no lease record of its own, reads the lease from Redis,
 finds this worker's, and from then on streams and logs the tokens. A gateway that restarts gets its streams back
 only for jobs dispatched after; any gateway streams any job.
+
+A gateway that hangs (its process stopped) or whose host is lost keeps its TCP connection open for hours. ZeroMQ's
+own heartbeats (ZMTP PING, answered by the peer's I/O thread, so a gateway busy in Python still answers) close
+such a connection after HEARTBEAT_TIMEOUT_MS; it counts as up again only once a handshake completes (a stopped
+process accepts the TCP connection through its kernel, and never greets).
 """
 
 from __future__ import annotations
@@ -15,12 +20,18 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-_UP = (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_UP = (zmq.EVENT_HANDSHAKE_SUCCEEDED,)
 _DOWN = (zmq.EVENT_DISCONNECTED,)
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class GatewayRoutes:
     def __init__(self, sockets: list[zmq.Socket]) -> None:
+        """Before the sockets connect: the heartbeats are set, and the first handshakes seen."""
+        for sock in sockets:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         events = 0
         for e in (*_UP, *_DOWN):
             events |= e
