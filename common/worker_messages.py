@@ -23,6 +23,8 @@ class WorkerHello:
     # Most tokens one engine step runs (max_num_batched_tokens): a longer prompt is prefilled in chunks of it, so
     # a job sent during a long prefill waits a chunk, not the prompt (wait estimates); None from older workers.
     max_num_batched_tokens: int | None = None
+    # Takes DispatchJob.resume_token_ids (False from older workers: they are never sent any).
+    resumes: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,11 @@ class DispatchJob:
     reply_to: str  # gateway that dispatched this attempt: it receives the tokens and writes them to Redis
     trace_context: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = False
+    # A re-dispatched job's output so far (what its earlier attempts streamed, from the job's token log): the
+    # worker prefills it with the prompt and goes on from there, rather than decoding it all again. Sampling is
+    # seeded by (seed, token index), so the rest is what a run from the start would draw. Sent only to workers
+    # whose hello says ``resumes``.
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

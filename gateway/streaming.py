@@ -71,14 +71,18 @@ class Streaming:
                                                              rec.attempt, None, rec.reason))
 
     def _open_stream(self, job_id: str, tenant: str) -> JobStream:
-        """A buffer for a job whose tokens may already be in Redis (written by whichever gateway held it)."""
+        """A buffer for a job whose tokens may already be in Redis (written by whichever gateway held it), with
+        them in it. Tokens it held already that the log lacks (this gateway held the job, and its lease moved on
+        before they were flushed) stay to be flushed."""
         s = self.streams.get_or_create(job_id)
         s.tenant = tenant
         s.touched = self.clock()
+        logged = 0
         for entry_id, index, tokens in self.token_log.read({job_id: "0-0"}).get(job_id, []):
             self.streams.add_tokens(job_id, index, tokens, s.touched)
             s.redis_pos = entry_id
-        s.flushed = len(s.tokens)
+            logged = max(logged, index + len(tokens))
+        s.flushed = min(len(s.tokens), max(s.flushed, logged))
         return s
 
     def flush_token_log(self) -> None:

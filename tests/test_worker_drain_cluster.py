@@ -78,6 +78,10 @@ def test_sigterm_finishes_the_short_job_hands_back_the_long_one_and_takes_no_new
         assert streamed == result.token_ids  # every token once, across the hand-back
         job = c.job(long.id)
         assert job["attempt"] == b"2" and job["releases"] == b"1", job
+        # wk-1 went on from the tokens wk-0 had streamed (DispatchJob.resume_token_ids): it did not decode them again.
+        resumed = [int(line.rsplit(" ", 2)[-2]) for line in c.log_tail("wk-1", 100_000).splitlines()
+                   if f"job {long.id} attempt 2 resumes after" in line]
+        assert resumed and 50 <= resumed[0] < 1200, resumed
         assert job["state"] == b"done"
         requeues = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
                     httpx.get(f"http://{metrics}/metrics").text.splitlines() if line.startswith("ts_requeues_total{")}

@@ -70,8 +70,10 @@ class Draining:
         if self.drain.begin(now):
             log.info("draining: no new work; running jobs have %.0f s to finish, the rest is handed back",
                      self.drain.timeout_s)
+            # Nothing computed here (never started, or preempted by recompute): another worker loses nothing, and
+            # output it already has comes back to it with the re-dispatch (DispatchJob.resume_token_ids).
             unstarted = [j for j in self.jobs if (r := self.engine.get_request(j)) is None
-                         or (r.num_computed_tokens == 0 and not r.output_token_ids)]
+                         or r.num_computed_tokens == 0]
             self._release(unstarted, "draining: not started")
             self._beat_soon()  # the report offering nothing, now
         if self.drain.due(now) and self.jobs:

@@ -67,10 +67,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams | None = None, tier: str = "P3", tenant: str | None = None,
-                    trace_context: dict[str, str] | None = None) -> None:
+                    trace_context: dict[str, str] | None = None, output_token_ids: Sequence[int] = ()) -> None:
         """Queue a request; raises InvalidRequest (and changes nothing) if it can never be served.
 
         ``trace_context``: W3C headers of the trace this request belongs to (its spans join it).
+        ``output_token_ids``: output an earlier run of this request already produced (a re-dispatched job): it is
+        prefilled with the prompt and generation goes on after it. Cut before its first EOS (unless ignore_eos)
+        and to max_tokens - 1, so the request always generates, and ends, here.
         """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -92,16 +95,21 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise InvalidRequest(f"request needs {need} KV blocks but the pool holds only "
                                  f"{self.blocks.num_blocks}", field="max_tokens")
+        resumed = self._validate_prompt(output_token_ids, "output_token_ids") if len(output_token_ids) else []
+        if not params.ignore_eos:
+            eos = self.scheduler.config.eos_token_ids
+            resumed = resumed[:next((i for i, t in enumerate(resumed) if t in eos), len(resumed))]
+        resumed = resumed[:params.max_tokens - 1]
         self.scheduler.check_fits(tier_, len(prompt), params.max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self._arrivals += 1
         req = Request(request_id, prompt, params, tier_, self._arrivals, seed, tenant=tenant,
-                      arrival_time=time.monotonic())
+                      arrival_time=time.monotonic(), output_token_ids=resumed, resume_output_tokens=len(resumed))
         self._requests[request_id] = req
         self.scheduler.add(req)
         self.tracer.request_added(req, tracing.context_from(trace_context) if trace_context else None)
 
-    def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def _validate_prompt(self, prompt_token_ids: Sequence[int], name: str = "prompt_token_ids") -> list[int]:
         try:
             if isinstance(prompt_token_ids, (str, bytes)):
                 raise TypeError("text, not token ids")
@@ -111,14 +119,12 @@ class Engine:
             # operator.index takes ints (and numpy ints) but refuses floats and strings.
             prompt = [operator.index(t) for t in items]
         except (TypeError, ValueError):
-            raise InvalidRequest("prompt_token_ids must be a sequence of integers",
-                                 field="prompt_token_ids") from None
+            raise InvalidRequest(f"{name} must be a sequence of integers", field=name) from None
         if not prompt:
-            raise InvalidRequest("prompt_token_ids is empty", field="prompt_token_ids")
+            raise InvalidRequest(f"{name} is empty", field=name)
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                 field="prompt_token_ids")
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", field=name)
         return prompt
 
     def abort(self, request_id: str) -> bool:

@@ -107,7 +107,7 @@ class WorkerService(Draining):
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
                               e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
-                              e.config.max_num_batched_tokens)
+                              e.config.max_num_batched_tokens, resumes=True)
         for s in self.sockets if sockets is None else sockets:
             self._send(s, hello)
 
@@ -203,11 +203,15 @@ class WorkerService(Draining):
             return
         try:
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
-                                    trace_context=msg.trace_context)
+                                    trace_context=msg.trace_context, output_token_ids=msg.resume_token_ids)
         except InvalidRequest as e:
             self._finish(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
-        self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock())
+        # Resumed: its output so far (as the engine kept it) is the start of what it streams and returns.
+        resumed = list(self.engine.get_request(msg.job_id).output_token_ids)
+        if resumed:
+            log.info("job %s attempt %d resumes after %d tokens", msg.job_id, msg.attempt, len(resumed))
+        self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock(), resumed)
         self.rates.added(msg.job_id)
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
 
@@ -277,9 +281,9 @@ class WorkerService(Draining):
                 job = self.jobs.get(out.request_id)
                 if job is None:
                     continue
-                if job.first_token is None:
+                first = job.first_token is None  # only the first tokens' frame says when the prefill started
+                if first:
                     job.first_token = now
-                first = not job.tokens  # only the first tokens' frame says when the prefill started
                 started = self.rates.prefill_start_s(job.job_id) if first else None
                 age = self.rates.prefill_start_age_s(job.job_id, now) if first else None
                 self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids, started,

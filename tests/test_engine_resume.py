@@ -1,0 +1,63 @@
+"""A request resumed from the output an earlier run produced (a re-dispatched job: DispatchJob.resume_token_ids).
+
+The engine prefills prompt + that output and samples on from its index; sampling is seeded by (seed, index), so
+the rest equals what the request draws when run from the start, greedy or sampled, and whatever else shares its
+batch. Bad resumed output is refused like a bad prompt; output past an EOS, or that would leave nothing to
+generate, is cut so the request still generates and ends here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import InvalidRequest
+from worker import Engine, EngineConfig, SamplingParams
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams, list[int]]]) -> dict[str, list[int]]:
+    for rid, (prompt, params, resumed) in requests.items():
+        engine.add_request(rid, prompt, params, output_token_ids=resumed)
+    out = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("cut", [1, 17, 47])
+def test_resumed_output_goes_on_as_the_run_from_the_start(engine, temperature, cut):
+    prompt = [5, 9, 300, 41, 7, 77, 12]
+    params = dict(max_tokens=48, temperature=temperature, top_p=0.95, seed=1234, ignore_eos=True)
+    whole = run(engine, {"full": (prompt, SamplingParams(**params), [])})["full"]
+    # Resumed beside another request, so the batch differs from the first run's.
+    rest = run(engine, {"resumed": (prompt, SamplingParams(**params), whole[:cut]),
+                        "other": ([8, 8, 8], SamplingParams(max_tokens=30, ignore_eos=True), [])})["resumed"]
+    assert whole[:cut] + rest == whole and len(rest) == 48 - cut
+    assert engine.kv_usage().num_used == 0
+
+
+def test_resumed_output_is_cut_before_an_eos_and_leaves_a_token_to_generate(engine):
+    eos = engine.scheduler.config.eos_token_ids[0]
+    prompt = [5, 6, 7]
+    engine.add_request("eos", prompt, SamplingParams(max_tokens=10), output_token_ids=[11, 12, eos, 13])
+    assert engine.get_request("eos").output_token_ids == [11, 12]  # the earlier run had ended at the EOS
+    engine.add_request("full", prompt, SamplingParams(max_tokens=3, ignore_eos=True), output_token_ids=[11, 12, 13])
+    assert engine.get_request("full").output_token_ids == [11, 12]  # it generates its last token here
+    for rid in ("eos", "full"):
+        engine.abort(rid)
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [1, 10**9], [1.5], "abc", [True]])
+def test_bad_resumed_output_is_refused_and_changes_nothing(engine, bad):
+    before = engine.kv_usage().num_used
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=5), output_token_ids=bad)
+    assert e.value.field == "output_token_ids"
+    assert engine.get_request("bad") is None and not engine.has_unfinished()
+    assert engine.kv_usage().num_used == before
