@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             n += 1
             arrivals.append(time.time() - t0)
             if sig is None and n == 30:
-                wid = next(r.hget(k, "worker") for k in r.scan_iter(match="ts:*:job:*") if r.hget(k, "state") == b"dispatched")
+                wid = next(r.hget(k, "worker") for k in r.scan_iter(match="ts:*:job:*")
+                           if r.hget(k, "state") == b"dispatched")
                 os.kill(next(w["pid"] for w in s["workers"] if w["id"] == wid.decode()), signal.SIGTERM)
                 sig = time.time() - t0
         after = [a for a in arrivals if a >= sig]
