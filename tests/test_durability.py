@@ -455,3 +455,35 @@ def test_5_a_stream_goes_on_through_another_gateway_when_its_gateway_dies_for_go
         assert midway and midway[-1] < 1100, (after[:5], after[-3:])
         assert c.job(job.id)["attempt"] == b"1"  # not re-run
         lab.close()
+
+
+def test_5_a_job_whose_worker_is_killed_goes_on_from_its_streamed_tokens(tmp_path, bench_model_dir):
+    """kill -9 the worker running a job: its lease runs out and it is dispatched again. The next worker goes on from
+    the tokens the first one streamed (DispatchJob.resume_token_ids, from the job's token log), rather than decoding
+    them all again, and the client's stream has every token once."""
+    with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, lease_s=3.0) as c:
+        lab = c.client("lab-co", timeout_s=10.0)
+        job = lab.submit(prompt_token_ids=[4, 5, 6], max_tokens=500, seed=41, temperature=0.8, ignore_eos=True)
+        streamed: list[int] = []
+        with c.client("lab-co", timeout_s=10.0) as reader:
+            chunks = reader.job(job.id).stream(timeout=120)
+            for chunk in chunks:
+                assert chunk.index == len(streamed)
+                streamed.extend(chunk.token_ids)
+                if len(streamed) >= 120:
+                    break
+            c.kill("wk-0")
+            c.worker_ids.append("wk-1")
+            c.start_process("wk-1")
+            for chunk in chunks:  # the same stream, across the lease's end and the re-dispatch
+                assert chunk.index == len(streamed), (chunk.index, len(streamed))  # no gap, no repeat
+                streamed.extend(chunk.token_ids)
+        result = lab.job(job.id).result(timeout=120)
+        assert streamed == result.token_ids and len(streamed) == 500
+        # Attempt 2 may go to the dead worker too, before the gateway times it out: then attempt 3 is wk-1's.
+        attempt = int(c.job(job.id)["attempt"])
+        assert attempt >= 2 and c.job(job.id)["worker"] == b"wk-1"
+        resumed = [int(line.rsplit(" ", 2)[-2]) for line in c.log_tail("wk-1", 100_000).splitlines()
+                   if f"job {job.id} attempt {attempt} resumes after" in line]
+        assert resumed and 100 <= resumed[0] <= len(streamed), resumed
+        lab.close()
