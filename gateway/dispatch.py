@@ -45,13 +45,13 @@ class Dispatcher:
                 # Its tokens come back here (reply_to): this gateway holds the lease and writes the token log.
                 # A re-dispatch goes on from what earlier attempts streamed (the token log, read into this gateway's
                 # buffer), so the stream here has no gap and the worker does not decode it all again.
-                stream = (self._open_stream(rec.id, rec.tenant) if rec.attempt > 1 and w.hello.resumes
-                          else self.streams.get_or_create(rec.id))
+                resume = rec.attempt > 1 and w.hello.resumes
+                stream = self._open_stream(rec.id, rec.tenant) if resume else self.streams.get_or_create(rec.id)
                 self._send(self.worker_sock, w.identity, P.DispatchJob(
                     rec.id, rec.attempt, rec.tier_granted.value, rec.tenant, body["prompt_token_ids"],
                     body["max_tokens"], body["temperature"], body["top_p"], body["top_k"], body["seed"],
                     self.config.gateway_id, ctx, bool(body.get("ignore_eos", False)),
-                    resume_token_ids=list(stream.tokens) if rec.attempt > 1 and w.hello.resumes else []))
+                    resume_token_ids=list(stream.tokens) if resume else []))
                 self.leases[rec.id] = (wid, rec.attempt)
                 stream.tenant = rec.tenant
                 stream.touched = now

@@ -66,6 +66,8 @@ class Draining:
 
     def _draining_done(self) -> bool:
         """Drive the shutdown (worker/drain.py); True once the loop may end."""
+        if not self.drain.signals:
+            return False  # the step loop's every pass: nothing to do until a signal
         now = self.clock()
         if self.drain.begin(now):
             log.info("draining: no new work; running jobs have %.0f s to finish, the rest is handed back",
@@ -79,7 +81,7 @@ class Draining:
         if self.drain.due(now) and self.jobs:
             log.warning("drain: handing back %d unfinished jobs", len(self.jobs))
             self._release(list(self.jobs), "draining: out of time")
-        done = self.drain.finished(now, bool(self.jobs), bool(self.unconfirmed.job_ids()))
+        done = self.drain.finished(now, bool(self.jobs), len(self.unconfirmed) > 0)
         if done:
             log.info("drained")
         return done

@@ -183,7 +183,7 @@ class WorkerService(Draining):
             elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
                 # The gateway restarted, or forgot this worker: what was sent to it meanwhile is lost.
                 self._hello([sock])
-                self._replay_tokens(sock)
+                self._replay_tokens(sock, [job for job in self.jobs.values() if job.reply is sock])
             elif isinstance(msg, P.ErrorReply):
                 self.counters["gateway_errors"] += 1
                 log.warning("gateway says: %s %s", msg.code, msg.message)
@@ -236,18 +236,18 @@ class WorkerService(Draining):
         moved = [job for job in self.jobs.values() if job.reply is gone] if other is not None else []
         for job in moved:
             job.reply = other
-            if job.tokens:
-                self._send(other, P.JobTokens(job.job_id, job.attempt, 0, list(job.tokens)))
+        self._replay_tokens(other, moved)
         if moved:
             self.counters["rerouted"] += len(moved)
             log.warning("lost the connection to a gateway: %d jobs now stream through another", len(moved))
 
-    def _replay_tokens(self, sock: zmq.Socket) -> None:
-        """Every token so far of the jobs streamed through ``sock``, once more: the token frames its gateway dropped
-        left a gap in its stream, which would hold every client of the job until its completion filled it. The
-        gateway takes the tokens it has already seen as seen (a frame counts from the first index it lacks)."""
-        for job in self.jobs.values():
-            if job.reply is sock and job.tokens:
+    def _replay_tokens(self, sock: zmq.Socket, jobs: list[RunningJob]) -> None:
+        """Every token so far of ``jobs``, through ``sock``: a gateway that dropped their token frames (it restarted)
+        or that takes over their streams has a gap that would hold every client of the job until its completion
+        filled it. The gateway takes the tokens it has already seen as seen (a frame counts from the first index it
+        lacks)."""
+        for job in jobs:
+            if job.tokens:
                 self._send(sock, P.JobTokens(job.job_id, job.attempt, 0, list(job.tokens)))
 
     def _resend_unconfirmed(self) -> None:
