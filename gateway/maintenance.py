@@ -54,6 +54,7 @@ class Maintenance:
             # stitch its output into the next attempt's.
             w = self.workers.workers.get(one.worker)
             if w is not None:
+                w.lost_lease = w.lost_lease or cause == "lease_expired"  # a release is a live worker's word
                 self._send(self.worker_sock, w.identity, P.CancelJob(one.job_id, one.attempt))
             if one.state == "dead":
                 self._finish_stream(one.job_id, "dead", None, "lease expired too many times")

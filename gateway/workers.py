@@ -68,9 +68,15 @@ class WorkerState:
     # Jobs sent but not yet listed in a load report: they use credit the report does not know about.
     pending: set[str] = field(default_factory=set)
     load_at: float = 0.0  # when the latest load report came (this gateway's clock)
+    # A lease it held ran out since its last report: it may be dead (killed after that report, and not yet timed
+    # out when lease_s < worker_timeout_s). It gets no job until it reports again; before, the requeued job went
+    # back to it by that report's credit, and lost another lease and another of its max_attempts.
+    lost_lease: bool = False
 
     @property
     def credit(self) -> int:
+        if self.lost_lease:
+            return 0
         free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
         return max(0, free - len(self.pending))
 
@@ -89,7 +95,7 @@ class WorkerState:
         Left out, an urgent job admitted while a job just sent here ran its first step waited in the queue for the
         report at that step's end, and its dispatch then came just after the worker had begun the next step: it
         waited two steps, a second or two beside a long prompt's chunks, where the wait model told it one."""
-        if self.load is None:
+        if self.load is None or self.lost_lease:
             return {}
         unreported = len(self.pending & urgent_sent)
         sent = [t for t in map(tier_of, self.pending - urgent_sent) if t is not None]
@@ -132,13 +138,14 @@ class WorkerRegistry:
         # A worker re-announces every few seconds: its latest report stays as it was, with when it came (its age
         # advances the running work it lists, gateway/wait_estimator.report_age_s).
         self.workers[msg.worker_id] = WorkerState(msg, identity, now, old.load if old else None,
-                                                  old.pending if old else set(), old.load_at if old else 0.0)
+                                                  old.pending if old else set(), old.load_at if old else 0.0,
+                                                  old.lost_lease if old else False)
 
     def load(self, msg: WorkerLoad, now: float) -> bool:
         w = self.workers.get(msg.worker_id)
         if w is None:
             return False  # unknown: it must say hello first
-        w.load, w.last_seen, w.load_at = msg, now, now
+        w.load, w.last_seen, w.load_at, w.lost_lease = msg, now, now, False
         w.pending -= set(msg.job_ids)
         return True
 

@@ -249,6 +249,33 @@ def test_5_a_requeue_cancels_the_previous_holder(tmp_path, tiny_model_dir):
         cut_off.close()
 
 
+def test_5_a_lost_lease_sends_its_job_elsewhere_not_back_to_the_silent_worker(tmp_path, tiny_model_dir):
+    """A worker that went silent with a slot free (killed -9 after its last report) loses its job's lease before
+    the gateway times it out when lease_s < worker_timeout_s. The re-dispatch went by that last report's credit,
+    to the dead worker again: one more lease lost and one more attempt spent of max_attempts (three by default), so
+    a second fault could dead-letter a job whose worker alone had died. A worker whose lease ran out gets nothing
+    more until it reports again: the job goes to the live worker, at attempt 2."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=1.5) as c:
+        silent = Adversary(c.gateways["gw-0"][1], "wk-silent", slots=2)
+        lab = c.client("lab-co")
+        job = lab.submit(prompt_token_ids=[1, 2], max_tokens=4, ignore_eos=True)
+        d = silent.recv(P.DispatchJob, beat=[])
+        silent.send(P.WorkerLoad("wk-silent", 1, 1024, {"P2": 1}, {}, [d.job_id], 0.0))  # its last word: one free
+        live = Adversary(c.gateways["gw-0"][1], "wk-live", slots=1)  # joins after: the silent one comes first
+        again = live.recv(P.DispatchJob, timeout_s=30, beat=[])
+        assert (again.job_id, again.attempt) == (d.job_id, 2)
+        assert not silent.sock.poll(0) or not isinstance(P.decode(silent.sock.recv()), P.DispatchJob)
+        live.send(P.JobFinished(d.job_id, 2, "done", "length", 4, 0.0, 0.1, 0, None, [4, 3, 2, 1]))
+        assert job.result(timeout=30).token_ids == [4, 3, 2, 1]
+        # Heard from again, it gets work again.
+        silent.load([], free=2)
+        second = lab.submit(prompt_token_ids=[3], max_tokens=2, ignore_eos=True)
+        assert silent.recv(P.DispatchJob, timeout_s=30, beat=[]).job_id == second.id
+        lab.close()
+        live.close()
+        silent.close()
+
+
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_path, tiny_model_dir,
                                                                              reference, how):  # noqa: F811
@@ -480,9 +507,9 @@ def test_5_a_job_whose_worker_is_killed_goes_on_from_its_streamed_tokens(tmp_pat
                 streamed.extend(chunk.token_ids)
         result = lab.job(job.id).result(timeout=120)
         assert streamed == result.token_ids and len(streamed) == 500
-        # Attempt 2 may go to the dead worker too, before the gateway times it out: then attempt 3 is wk-1's.
+        # Not attempt 3: the dead worker, not yet timed out, gets nothing once its lease ran out (WorkerState.lost_lease).
         attempt = int(c.job(job.id)["attempt"])
-        assert attempt >= 2 and c.job(job.id)["worker"] == b"wk-1"
+        assert attempt == 2 and c.job(job.id)["worker"] == b"wk-1"
         resumed = [int(line.rsplit(" ", 2)[-2]) for line in c.log_tail("wk-1", 100_000).splitlines()
                    if f"job {job.id} attempt {attempt} resumes after" in line]
         assert resumed and 100 <= resumed[0] <= len(streamed), resumed
