@@ -25,6 +25,9 @@ class WorkerHello:
     max_num_batched_tokens: int | None = None
     # Takes DispatchJob.resume_token_ids (False from older workers: they are never sent any).
     resumes: bool = False
+    # Told to stop (worker/drain.py): it takes no new job. Also in its reports (WorkerLoad.draining); said here
+    # for a gateway that hears this hello before any report (one that restarted during the drain).
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class WorkerLoad:
     step_base_s: float = 0.0
     step_token_s: float = 0.0
     step_pair_s: float = 0.0
+    # Told to stop (worker/drain.py): no job is sent here, and its slots are no capacity for queued work in wait
+    # estimates (it hands back what it has not started); False from older workers.
+    draining: bool = False
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,13 @@ class WorkerState:
     lost_lease: bool = False
 
     @property
+    def draining(self) -> bool:
+        """Told to stop (worker/drain.py), as its hello or its latest report says: a worker never stops draining."""
+        return self.hello.draining is True or (self.load is not None and self.load.draining is True)
+
+    @property
     def credit(self) -> int:
-        if self.lost_lease:
+        if self.lost_lease or self.draining:
             return 0
         free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
         return max(0, free - len(self.pending))
@@ -95,7 +100,7 @@ class WorkerState:
         Left out, an urgent job admitted while a job just sent here ran its first step waited in the queue for the
         report at that step's end, and its dispatch then came just after the worker had begun the next step: it
         waited two steps, a second or two beside a long prompt's chunks, where the wait model told it one."""
-        if self.load is None or self.lost_lease:
+        if self.load is None or self.lost_lease or self.draining:
             return {}
         unreported = len(self.pending & urgent_sent)
         sent = [t for t in map(tier_of, self.pending - urgent_sent) if t is not None]

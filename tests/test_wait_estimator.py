@@ -111,6 +111,27 @@ def test_a_reports_age_advances_its_running_work_and_a_bad_age_is_bounded():
     assert report_age_s(SimpleNamespace(age_s=0.0), 10.0, 9.0) == 0.0  # a clock step back: no negative age
 
 
+def test_a_draining_worker_is_no_capacity_for_queued_work_and_gets_none(server):
+    """A worker told to stop (worker/drain.py) takes no new job, and hands back what it has not started: its slots
+    are not capacity the queue drains into. Counted, a drain halved the P3 queue's estimate on two workers."""
+    queue, est = cluster(server, slots=2)
+    fill(queue, [Tier.P3] * 40, prompt=100, max_tokens=50)  # 1.1 s each
+    workers = est.workers
+    workers.hello(P.WorkerHello("wk-1", "m", 512, 4096, 2, 1000), b"wk-1", NOW)
+    workers.load(P.WorkerLoad("wk-1", 2, 1000, {}, {}, [], 0.0, {}, RATES.prefill_tps, RATES.decode_tps), NOW)
+    both = est.for_new("t", Tier.P3, NOW)
+    assert both == pytest.approx(1.1 * 40 / 4, rel=1e-3)
+    workers.load(P.WorkerLoad("wk-1", 0, 1000, {}, {}, [], 1e6, {}, RATES.prefill_tps, RATES.decode_tps,
+                              draining=True), NOW)
+    assert est.for_new("t", Tier.P3, NOW) == pytest.approx(2 * both, rel=1e-3)
+    assert workers.workers["wk-1"].credit == 0 and workers.total_credit() == 2
+    # A gateway that restarted hears its hello before any report: the hello says so too, and it gets no job.
+    fresh = WorkerRegistry(timeout_s=1e9)
+    fresh.hello(P.WorkerHello("wk-1", "m", 512, 4096, 2, 1000, draining=True), b"wk-1", NOW)
+    assert fresh.workers["wk-1"].credit == 0 and fresh.with_credit() is None
+    assert fresh.workers["wk-1"].victims_left(set()) == {}
+
+
 def test_a_workers_periodic_hello_does_not_age_its_latest_load_report(server):
     """Workers re-announce every 5 s (worker/service.HELLO_EVERY_S). The hello kept the report but not when it
     came, so for the next half second every estimate saw the report 5 s old, advanced the running work 5 s and

@@ -109,10 +109,16 @@ def test_a_draining_worker_hands_back_what_has_not_started_then_what_runs_out_of
     begun = time.monotonic()
     service.drain.request()
 
+    # Said at once, in a hello (what a gateway that restarted meanwhile hears first) and in every report: its
+    # slots are no capacity for queued work, and no gateway sends it any.
+    assert gateway.receive(is_(P.WorkerHello), timeout_s=1.5).draining
     released = gateway.receive(is_(P.JobReleased, "queued"), timeout_s=5)
     assert (released.attempt, released.reason) == (1, "draining: not started")
     report = gateway.receive(lambda m: isinstance(m, P.WorkerLoad) and "queued" not in m.job_ids)
     assert report.free_slots == 0 and not any(report.victims.values()) and report.preemption_cost_s >= 1e6
+    assert report.draining
+    assert not [m for t, m in gateway.seen if isinstance(m, (P.WorkerLoad, P.WorkerHello)) and m.draining
+                and t < begun]
     assert sorted(report.job_ids) == ["long-a", "long-b"]  # still held, and their leases still extended
 
     gateway.dispatch("late", 5, tier="P0")  # sent before this gateway read the report offering nothing

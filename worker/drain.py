@@ -62,7 +62,7 @@ class Drain:
 class Draining:
     """The worker service's side of the drain (a mixin of worker.service.WorkerService, on its step loop's thread):
     needs its ``drain``, ``jobs``, ``engine``, ``rates``, ``unconfirmed``, ``sockets``, ``_lock``, ``clock``,
-    ``_send``, ``_beat_soon`` and ``_refresh_snapshot``."""
+    ``_send``, ``_hello``, ``_beat_soon`` and ``_refresh_snapshot``."""
 
     def _draining_done(self) -> bool:
         """Drive the shutdown (worker/drain.py); True once the loop may end."""
@@ -72,6 +72,8 @@ class Draining:
         if self.drain.begin(now):
             log.info("draining: no new work; running jobs have %.0f s to finish, the rest is handed back",
                      self.drain.timeout_s)
+            with self._lock:
+                self._hello()  # says draining: every gateway stops counting its slots now, before its next report
             # Nothing computed here (never started, or preempted by recompute): another worker loses nothing, and
             # output it already has comes back to it with the re-dispatch (DispatchJob.resume_token_ids).
             unstarted = [j for j in self.jobs if (r := self.engine.get_request(j)) is None

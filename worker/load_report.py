@@ -53,4 +53,5 @@ def build(worker_id: str, e, rates: RateTracker, held: Iterable[str], offer: boo
         free_slots, cost, victims = 0, 1e6, {t.value: 0 for t in ALL_TIERS}
     base_s, token_s, pair_s = rates.step_cost()
     return P.WorkerLoad(worker_id, free_slots, e.blocks.num_free, running, waiting, list(held), cost, victims,
-                        *rates.rates(), rates.work(), step_base_s=base_s, step_token_s=token_s, step_pair_s=pair_s)
+                        *rates.rates(), rates.work(), step_base_s=base_s, step_token_s=token_s, step_pair_s=pair_s,
+                        draining=not offer)

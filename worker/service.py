@@ -107,7 +107,7 @@ class WorkerService(Draining):
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
                               e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
-                              e.config.max_num_batched_tokens, resumes=True)
+                              e.config.max_num_batched_tokens, resumes=True, draining=self.drain.active)
         for s in self.sockets if sockets is None else sockets:
             self._send(s, hello)
 
