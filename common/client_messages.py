@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 # tells the client its gateway is alive.
 
 MAX_REQUEST_ID_LEN = 64
+MAX_IDEMPOTENCY_KEY_LEN = 200  # SubmitRequest.idempotency_key, characters
 
 
 @dataclass(frozen=True)

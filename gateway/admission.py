@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import msgpack
 
 from common.errors import Forbidden, InvalidRequest, TierLimitExceeded, Unauthorized
+from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
 from common.protocol import SubmitRequest
 from common.tiers import Tier, parse_tier
 from gateway.tenants import Tenant, TenantDirectory
@@ -69,8 +70,9 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise InvalidRequest("top_k must be >= 1", field="top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidRequest("seed must be in [0, 2**63)", field="seed")
-    if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= 200:
-        raise InvalidRequest("idempotency_key must be 1..200 characters", field="idempotency_key")
+    if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= MAX_IDEMPOTENCY_KEY_LEN:
+        raise InvalidRequest(f"idempotency_key must be 1..{MAX_IDEMPOTENCY_KEY_LEN} characters",
+                             field="idempotency_key")
     return Admission(tenant, tier, list(ids))
 
 

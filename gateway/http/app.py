@@ -5,7 +5,8 @@ the door has not yet seen is checked before the body is read), its prompt tokeni
 (gateway/http/prompts.py), submitted as one job, and answered whole or as server-sent events.
 Response headers are sent only once the job's first token (or its end) is known, so a job that
 expires in the queue is a real 504, not a 200 with an error inside. A client that goes away
-cancels its job, which frees its KV blocks on the worker.
+cancels its job, which frees its KV blocks on the worker, unless it sent an `Idempotency-Key`
+(gateway/http/idempotency.py): then it is coming back for the job, which runs on.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -26,7 +27,7 @@ from starlette.routing import Route
 
 from common.errors import ServingError, Unauthorized
 from common.tiers import ALL_TIERS
-from gateway.http import errors, metrics
+from gateway.http import errors, idempotency, metrics
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.prompts import Prompts
@@ -92,6 +93,7 @@ class FrontDoor:
                 raise HttpError(401, "authentication_error", "missing 'Authorization: Bearer <api key>'",
                                 code="invalid_api_key")
             await self._authenticate(key)
+            idem = idempotency.key_of(request)
             body = schema.model_validate_json(await self._read_body(request))
             if unhonoured := body.unhonoured():
                 raise errors.invalid(unhonoured[1], unhonoured[0])
@@ -102,7 +104,7 @@ class FrontDoor:
             ids = self.prompts.chat(body.messages) if chat else (
                 self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt))
             max_tokens = body.requested_max_tokens() or self.config.default_max_tokens
-            return await self._submit_and_answer(request, key, body, chat, ids, tier, max_tokens)
+            return await self._submit_and_answer(request, key, body, chat, ids, tier, max_tokens, idem)
         except ValidationError as e:
             return _validation_error(e).response()
         except HttpError as e:
@@ -135,7 +137,7 @@ class FrontDoor:
         return b"".join(chunks)
 
     async def _submit_and_answer(self, request: Request, key: str, body, chat: bool, ids: list[int], tier,
-                                 max_tokens: int) -> Response:
+                                 max_tokens: int, idem: str | None) -> Response:
         prompt_param = "messages" if chat else "prompt"
         try:
             # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
@@ -143,29 +145,33 @@ class FrontDoor:
                 job = await up.client.submit(
                     prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
                     top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
-                    ignore_eos=body.ignore_eos)
+                    ignore_eos=body.ignore_eos, idempotency_key=idem)
         except Unauthorized as e:
             self.upstream.forget(key)
             raise errors.from_serving_error(e) from None
         except ServingError as e:
-            raise errors.from_serving_error(e, prompt_param) from None
+            raise idempotency.reused(e) or errors.from_serving_error(e, prompt_param) from None
         except TimeoutError:
             raise _no_gateway() from None
         headers = {"X-Request-Id": job.id, "X-Tier": job.tier,
                    "X-Estimated-Wait-Seconds": f"{job.estimated_wait_s:.3f}"}
+        if job.duplicate:
+            headers[idempotency.REPLAYED] = "true"
+        # A client that sent a key is coming back for its job (gateway/http/idempotency.py): it is not cancelled.
+        cancel = (lambda: None) if idem is not None else (lambda: self._cancel_later(key, job.id))
         reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
         try:
             if body.stream:
-                return await self._stream(request, key, job, reply, headers, body.include_usage())
+                return await self._stream(request, job, reply, headers, body.include_usage(), cancel)
             # No bound of its own on the wait: the job's tier bounds it (queue timeout), the SDK a gateway's silence.
             result = await self._until_disconnect(request, job.result())
             return JSONResponse(reply.whole(result), headers=headers)
         except ClientGone:
             metrics.DISCONNECTS.inc()
-            self._cancel_later(key, job.id)
+            cancel()
             raise
         except TimeoutError:
-            self._cancel_later(key, job.id)
+            cancel()
             raise HttpError(504, "timeout_error", f"no gateway said anything of job {job.id} for "
                             f"{self.config.upstream_timeout_s}s", code="upstream_timeout", headers=headers) from None
         except ServingError as e:
@@ -173,8 +179,8 @@ class FrontDoor:
             err.headers |= headers
             raise err from None
 
-    async def _stream(self, request: Request, key: str, job, reply: Reply, headers: dict[str, str],
-                      include_usage: bool) -> Response:
+    async def _stream(self, request: Request, job, reply: Reply, headers: dict[str, str], include_usage: bool,
+                      cancel: Callable[[], None]) -> Response:
         chunks = job.stream()  # as job.result() above: only a gateway's silence ends it early
         # The first chunk (or the job's end) decides the status line.
         first = await self._until_disconnect(request, anext(chunks, None))
@@ -205,7 +211,7 @@ class FrontDoor:
             finally:
                 if not done:  # the client went away (or the server is stopping): nobody wants the rest
                     metrics.DISCONNECTS.inc()
-                    self._cancel_later(key, job.id)
+                    cancel()
             yield DONE_EVENT
 
         return StreamingResponse(events(), media_type="text/event-stream",
