@@ -320,6 +320,30 @@ def test_reads_the_sdk_file_exporter_lines(spans):
     assert roots and all(s.parent_span_id is None for s in roots)
 
 
+def test_a_large_file_is_read_a_line_at_a_time_not_held_whole(spans, tmp_path):
+    """up.py's spans file grows about 2.6 KB a job, unrotated: a day of traffic is gigabytes. The reader held the
+    whole text and a list of its lines (twice the file in memory) to explain one request; it streams it now, and
+    holds the lines that name the request or its traces."""
+    import tracemalloc
+
+    path, _ = spans
+    big = tmp_path / "big.jsonl"
+    filler = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "x" * 400}]}]}]}) + "\n"
+    with big.open("w") as out:
+        out.write(filler * 40_000)  # about 18 MB ahead of the request's lines, and as much after
+        out.write(path.read_text())
+        out.write(filler * 40_000)
+    want = otlp_json.read_spans_file(path, "req-p3")
+    tracemalloc.start()
+    try:
+        got = otlp_json.read_spans_file(big, "req-p3")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sorted((s.trace_id, s.span_id) for s in got.spans) == sorted((s.trace_id, s.span_id) for s in want.spans)
+    assert peak < 8 * 2**20, f"peak {peak / 2**20:.1f} MiB reading a {big.stat().st_size / 2**20:.0f} MiB file"
+
+
 # --------------------------------------------------------------------------------------------
 # Analysis, from the OTLP-JSON file
 
