@@ -61,3 +61,19 @@ def test_bad_resumed_output_is_refused_and_changes_nothing(engine, bad):
     assert e.value.field == "output_token_ids"
     assert engine.get_request("bad") is None and not engine.has_unfinished()
     assert engine.kv_usage().num_used == before
+
+
+def test_a_resumed_requests_prompt_is_counted_once_and_its_earlier_output_not_again(engine):
+    """ts_prompt_tokens_total counts a prompt at the request's first token. A resumed request's first token here
+    is past its earlier output, so its prompt was never counted; ts_generation_tokens_total counts only the tokens
+    sampled here (the earlier ones were counted where they were drawn)."""
+    from worker import metrics
+
+    def counted() -> tuple[float, float]:
+        return metrics.PROMPT_TOKENS._value.get(), metrics.GENERATION_TOKENS._value.get()
+
+    before = counted()
+    run(engine, {"resumed": ([5, 9, 300, 41, 7], SamplingParams(max_tokens=20, ignore_eos=True), [3] * 12),
+                 "fresh": ([8, 8, 8], SamplingParams(max_tokens=6, ignore_eos=True), [])})
+    after = counted()
+    assert (after[0] - before[0], after[1] - before[1]) == (5 + 3, (20 - 12) + 6)

@@ -104,7 +104,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self._arrivals += 1
         req = Request(request_id, prompt, params, tier_, self._arrivals, seed, tenant=tenant,
-                      arrival_time=time.monotonic(), output_token_ids=resumed, resume_output_tokens=len(resumed))
+                      arrival_time=time.monotonic(), output_token_ids=resumed, resume_output_tokens=len(resumed),
+                      added_output_tokens=len(resumed))
         self._requests[request_id] = req
         self.scheduler.add(req)
         self.tracer.request_added(req, tracing.context_from(trace_context) if trace_context else None)

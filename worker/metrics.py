@@ -74,9 +74,10 @@ def unconfirmed_completions(event: str, n: int) -> None:
 def step_finished(out: SchedulerOutput) -> None:
     sampled = [c.request for c in out.chunks if c.sample]
     GENERATION_TOKENS.inc(len(sampled))
-    # A request's first token (its output now holds exactly one) completes its prompt; a recompute
-    # after preemption prefills again but produces a later token, so no prompt counts twice.
-    PROMPT_TOKENS.inc(sum(r.num_prompt_tokens for r in sampled if len(r.output_token_ids) == 1))
+    # A request's first token here (its output now holds one past what it was added with: a re-dispatch resumes
+    # from earlier attempts' tokens) completes its prompt; a recompute after preemption prefills again but
+    # produces a later token, so no prompt counts twice.
+    PROMPT_TOKENS.inc(sum(r.num_prompt_tokens for r in sampled if len(r.output_token_ids) == r.added_output_tokens + 1))
 
 
 def request_finished(req: Request) -> None:

@@ -92,6 +92,9 @@ class Request:
     # Tokens it had generated when it last resumed: its residency is counted in tokens generated since
     # (so a re-prefill, however long, is protected until the request has decoded again).
     resume_output_tokens: int = 0
+    # Output it came with (a re-dispatched job goes on from earlier attempts' tokens): its first token here is
+    # the one after them.
+    added_output_tokens: int = 0
     num_preemptions: int = 0
     # KV tokens thrown away by a recompute preemption, to be computed again on resume.
     discarded_tokens: int = 0
