@@ -22,6 +22,10 @@ class Maintenance:
         """``previous``: when the last pass ran."""
         for wid in self.workers.expire(now):
             log.warning("worker %s timed out; its leases will expire", wid)
+        # Silent for a lease, it may be dead, and its leases are running out: every gateway stops sending it work
+        # (WorkerState.lost_lease), not only the one that requeues its jobs, until it reports again.
+        for w in self.workers.workers.values():
+            w.lost_lease = w.lost_lease or now - w.last_seen > self.config.lease_s
         # A lease says its worker was heard from lately. While this gateway heard nothing (before it started,
         # while its loop or Redis stood still), a lease that ran out says nothing of the worker: a sole gateway
         # restarted after lease_s would re-run every job in flight, though their workers went on. So it judges

@@ -249,26 +249,59 @@ def test_5_a_requeue_cancels_the_previous_holder(tmp_path, tiny_model_dir):
         cut_off.close()
 
 
-def test_5_a_lost_lease_sends_its_job_elsewhere_not_back_to_the_silent_worker(tmp_path, tiny_model_dir):
+class AdversaryEverywhere:
+    """One adversary worker connected to every gateway of a cluster, as a real worker is."""
+
+    def __init__(self, cluster: DurableCluster, worker_id: str, slots: int) -> None:
+        self.peers = [Adversary(worker_ep, worker_id, slots) for _, worker_ep in cluster.gateways.values()]
+
+    def send(self, msg) -> None:
+        for p in self.peers:
+            p.send(msg)
+
+    def recv(self, kind: type, timeout_s: float = 60.0, beat: list[str] | None = None):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for p in self.peers:
+                if beat is not None:
+                    p.load(beat, free=0 if beat else 1)
+                if p.sock.poll(100):
+                    msg = P.decode(p.sock.recv())
+                    if isinstance(msg, kind):
+                        return msg
+        raise AssertionError(f"{self.peers[0].worker_id}: no {kind.__name__} within {timeout_s}s")
+
+    def dispatches(self) -> list:
+        return [m for p in self.peers for m in iter(lambda p=p: P.decode(p.sock.recv()) if p.sock.poll(0) else None,
+                                                     None) if isinstance(m, P.DispatchJob)]
+
+    def close(self) -> None:
+        for p in self.peers:
+            p.close()
+
+
+@pytest.mark.parametrize("gateways", [1, 2])
+def test_5_a_lost_lease_sends_its_job_elsewhere_not_back_to_the_silent_worker(tmp_path, tiny_model_dir, gateways):
     """A worker that went silent with a slot free (killed -9 after its last report) loses its job's lease before
-    the gateway times it out when lease_s < worker_timeout_s. The re-dispatch went by that last report's credit,
+    the gateways time it out when lease_s < worker_timeout_s. The re-dispatch went by that last report's credit,
     to the dead worker again: one more lease lost and one more attempt spent of max_attempts (three by default), so
-    a second fault could dead-letter a job whose worker alone had died. A worker whose lease ran out gets nothing
-    more until it reports again: the job goes to the live worker, at attempt 2."""
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=1.5) as c:
-        silent = Adversary(c.gateways["gw-0"][1], "wk-silent", slots=2)
+    a second fault could dead-letter a job whose worker alone had died. A worker silent for a lease, or whose lease
+    ran out, gets nothing more until it reports again, from any gateway (with two, the one that did not requeue
+    the job dispatched it to the silent worker half the time): the job goes to the live worker, at attempt 2."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=gateways, workers=0, lease_s=1.5) as c:
+        silent = AdversaryEverywhere(c, "wk-silent", slots=2)
         lab = c.client("lab-co")
         job = lab.submit(prompt_token_ids=[1, 2], max_tokens=4, ignore_eos=True)
         d = silent.recv(P.DispatchJob, beat=[])
         silent.send(P.WorkerLoad("wk-silent", 1, 1024, {"P2": 1}, {}, [d.job_id], 0.0))  # its last word: one free
-        live = Adversary(c.gateways["gw-0"][1], "wk-live", slots=1)  # joins after: the silent one comes first
+        live = AdversaryEverywhere(c, "wk-live", slots=1)  # joins after: the silent one comes first
         again = live.recv(P.DispatchJob, timeout_s=30, beat=[])
         assert (again.job_id, again.attempt) == (d.job_id, 2)
-        assert not silent.sock.poll(0) or not isinstance(P.decode(silent.sock.recv()), P.DispatchJob)
+        assert not silent.dispatches()
         live.send(P.JobFinished(d.job_id, 2, "done", "length", 4, 0.0, 0.1, 0, None, [4, 3, 2, 1]))
         assert job.result(timeout=30).token_ids == [4, 3, 2, 1]
         # Heard from again, it gets work again.
-        silent.load([], free=2)
+        silent.send(P.WorkerLoad("wk-silent", 2, 1024, {}, {}, [], 0.0))
         second = lab.submit(prompt_token_ids=[3], max_tokens=2, ignore_eos=True)
         assert silent.recv(P.DispatchJob, timeout_s=30, beat=[]).job_id == second.id
         lab.close()
