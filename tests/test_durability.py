@@ -85,18 +85,24 @@ class Adversary:
         self.send(P.WorkerLoad(self.worker_id, free, 1024, {}, {}, job_ids, 0.0))
 
     def recv(self, kind: type, timeout_s: float = 60.0, beat: list[str] | None = None):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if beat is not None:
-                self.load(beat, free=0 if beat else 1)
-            if self.sock.poll(200):
-                msg = P.decode(self.sock.recv())
-                if isinstance(msg, kind):
-                    return msg
-        raise AssertionError(f"{self.worker_id}: no {kind.__name__} within {timeout_s}s")
+        return recv_from([self], kind, timeout_s, beat)
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def recv_from(peers: list[Adversary], kind: type, timeout_s: float, beat: list[str] | None):
+    """The first ``kind`` frame any of ``peers`` receives; each reports ``beat`` (held jobs) before each look."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in peers:
+            if beat is not None:
+                p.load(beat, free=0 if beat else 1)
+            if p.sock.poll(200 // len(peers)):
+                msg = P.decode(p.sock.recv())
+                if isinstance(msg, kind):
+                    return msg
+    raise AssertionError(f"{peers[0].worker_id}: no {kind.__name__} within {timeout_s}s")
 
 
 # -- 1. a gateway restarted with the same id ------------------------------------------------------------------------
@@ -260,16 +266,7 @@ class AdversaryEverywhere:
             p.send(msg)
 
     def recv(self, kind: type, timeout_s: float = 60.0, beat: list[str] | None = None):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for p in self.peers:
-                if beat is not None:
-                    p.load(beat, free=0 if beat else 1)
-                if p.sock.poll(100):
-                    msg = P.decode(p.sock.recv())
-                    if isinstance(msg, kind):
-                        return msg
-        raise AssertionError(f"{self.peers[0].worker_id}: no {kind.__name__} within {timeout_s}s")
+        return recv_from(self.peers, kind, timeout_s, beat)
 
     def dispatches(self) -> list:
         return [m for p in self.peers for m in iter(lambda p=p: P.decode(p.sock.recv()) if p.sock.poll(0) else None,
