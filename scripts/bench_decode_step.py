@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<10} median step {med[k] * 1e3:8.1f} ms  (min {min(v) * 1e3:.1f}, max {max(v) * 1e3:.1f}){extra}")
     print(f"  one-long / uniform: {ratio:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"median_step_s": med, "ratio": ratio, "step_s": times, "bandwidth_bound_s": bound,
+        args.json.write_text(json.dumps({"median_step_s": med, "ratio": ratio, "step_s": times,
+                                         "bandwidth_bound_s": bound,
                                          "settings": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2))
     return 0
 

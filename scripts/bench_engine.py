@@ -84,7 +84,8 @@ def hf_generate_runner(model_dir, prompts, new_tokens, device, dtype) -> Callabl
     ids = torch.tensor(prompts, device=device)
     gc = _gen_config(new_tokens, model)
     with torch.inference_mode():
-        model.generate(ids[:1, :8], attention_mask=torch.ones_like(ids[:1, :8]), generation_config=_gen_config(4, model))
+        model.generate(ids[:1, :8], attention_mask=torch.ones_like(ids[:1, :8]),
+                       generation_config=_gen_config(4, model))
 
     @torch.inference_mode()
     def run() -> list[list[int]]:

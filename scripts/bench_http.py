@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             summary[path] = {k: statistics.median(x[k] for x in runs) for k in ("rps", "p50_ms", "p99_ms")}
             spread = {k: (min(x[k] for x in runs), max(x[k] for x in runs)) for k in ("rps", "p50_ms", "p99_ms")}
             summary[path]["spread"] = spread
-            print(f"{c:>11} {path:>5} " + " ".join(
-                f"{summary[path][k]:>7.1f} ({spread[k][0]:.0f}..{spread[k][1]:.0f})" for k in ("rps", "p50_ms", "p99_ms")))
+            print(f"{c:>11} {path:>5} " + " ".join(f"{summary[path][k]:>7.1f} ({spread[k][0]:.0f}..{spread[k][1]:.0f})"
+                                                   for k in ("rps", "p50_ms", "p99_ms")))
         added = summary["http"]["p50_ms"] - summary["sdk"]["p50_ms"]
         ratio = summary["http"]["rps"] / summary["sdk"]["rps"]
         print(f"{c:>11}  http/sdk throughput {ratio:.2f}x, added p50 latency {added:+.1f} ms")

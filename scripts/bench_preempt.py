@@ -291,7 +291,8 @@ def goals(res: dict) -> dict:
 
 def print_report(res: dict, title: str = "") -> None:
     print(f"\nscenario {res['scenario']}{title}")
-    head = f"{'policy':<10}{'tier':<5}{'n':>4}{'done':>6}{'lat mean':>10}{'p50':>8}{'p99':>8}{'ttft mean':>11}{'p99':>8}"
+    head = (f"{'policy':<10}{'tier':<5}{'n':>4}{'done':>6}{'lat mean':>10}{'p50':>8}{'p99':>8}"
+            f"{'ttft mean':>11}{'p99':>8}")
     print(head)
     rows = [(k, v["tiers"]) for k, v in res["policies"].items()] + [("alone", res["alone"])]
     for name, tiers in rows:

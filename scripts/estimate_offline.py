@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         per_segment.append(result)
         print(f"rows {2 * k * a.arrivals:>6}: " + "  ".join(
             f"{t} {100 * s[0]:5.1f} % / {100 * s[1]:5.1f} % ({s[2]})" for t, s in result.items() if s), flush=True)
-    how = f", {a.samples} drawn futures, their {a.pick}" if a.samples else f", told from {a.futures} futures near a slot"
+    how = (f", {a.samples} drawn futures, their {a.pick}" if a.samples
+           else f", told from {a.futures} futures near a slot")
     how += (f", promises ({'/'.join(a.promise_tiers)}) {a.promise_factor} x estimate - {a.promise_lead} s"
             if a.promise_factor and a.promise_tiers else ", no promises")
     how += f", noise {a.noise}" if a.noise else ""

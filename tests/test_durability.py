@@ -537,7 +537,8 @@ def test_5_a_job_whose_worker_is_killed_goes_on_from_its_streamed_tokens(tmp_pat
                 streamed.extend(chunk.token_ids)
         result = lab.job(job.id).result(timeout=120)
         assert streamed == result.token_ids and len(streamed) == 500
-        # Not attempt 3: the dead worker, not yet timed out, gets nothing once its lease ran out (WorkerState.lost_lease).
+        # Not attempt 3: the dead worker, not yet timed out, gets nothing once its lease ran out
+        # (WorkerState.lost_lease).
         attempt = int(c.job(job.id)["attempt"])
         assert attempt == 2 and c.job(job.id)["worker"] == b"wk-1"
         resumed = [int(line.rsplit(" ", 2)[-2]) for line in c.log_tail("wk-1", 100_000).splitlines()

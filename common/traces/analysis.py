@@ -80,14 +80,16 @@ class _Analyser:
             role = "beneficiary"
         mode = attr_str(s.get("preemption.mode"))
         return Decision(
-            decision_id=attr_str(s.get("preemption.decision_id")), role=role, declined=declined, at_s=self.rel(s.start_ns),
+            decision_id=attr_str(s.get("preemption.decision_id")), role=role, declined=declined,
+            at_s=self.rel(s.start_ns),
             trigger=attr_str(s.get("preemption.trigger")), mode=None if declined and mode == "declined" else mode,
             declined_reason=attr_str(s.get("preemption.declined_reason")),
             victim_request_id=victim, victim_tier=attr_str(s.get("preemption.victim.tier")),
             victim_tenant=attr_str(s.get("preemption.victim.tenant")),
             beneficiary_request_id=beneficiary, beneficiary_tier=attr_str(s.get("preemption.beneficiary.tier")),
             beneficiary_tenant=attr_str(s.get("preemption.beneficiary.tenant")),
-            blocks_freed=attr_int(s.get("preemption.blocks_freed")), bytes_moved=attr_int(s.get("preemption.bytes_moved")),
+            blocks_freed=attr_int(s.get("preemption.blocks_freed")),
+            bytes_moved=attr_int(s.get("preemption.bytes_moved")),
             estimated_cost_s=attr_float(s.get("preemption.estimated_cost_s")),
             kv_utilisation=attr_float(s.get("kv.utilisation")),
             running=per_tier(s, "scheduler.running"), waiting=per_tier(s, "scheduler.waiting"),
@@ -171,7 +173,8 @@ class _Analyser:
             if dur >= self.min_wait_s or jobs:
                 add(2, Cause(self.rel(q.start_ns), "queue", text, dur,
                              {"jobs_ahead": jobs, "ahead": ahead, "estimated_wait_s": estimate,
-                              "tier": attr_str(q.get("queue.tier")), "tier_granted": attr_str(q.get("queue.tier_granted"))}))
+                              "tier": attr_str(q.get("queue.tier")),
+                              "tier_granted": attr_str(q.get("queue.tier_granted"))}))
             for ev in q.events:
                 if ev.name == "aged":
                     frm, to = attr_str(ev.attributes.get("from_tier")), attr_str(ev.attributes.get("to_tier"))
@@ -269,7 +272,8 @@ class _Analyser:
             request_id=self.rid, trace_ids=self.sel.trace_ids, tier=tier, tenant=tenant,
             tier_requested=tier_requested, tier_granted=tier_granted, start_unix_ns=self.t0,
             total_s=round(total, 9), queued_s=round(queued, 9), running_s=round(running, 9),
-            suspended_s=round(suspended, 9), transit_s=round(in_transit, 9), transit=transit, other_s=round(other, 9), attempts=max(attempts, 1 if self.own else 0),
+            suspended_s=round(suspended, 9), transit_s=round(in_transit, 9), transit=transit, other_s=round(other, 9),
+            attempts=max(attempts, 1 if self.own else 0),
             workers=workers, blame=[c for _, _, c in sorted(causes, key=lambda x: (x[0], x[1]))],
             phases=self._phases(dispatches, suspensions), suspensions=suspensions, decisions=decisions)
 

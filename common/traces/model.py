@@ -65,8 +65,9 @@ class Cause:
     """One entry of the blame chain: a wait (or an event) and what caused it."""
 
     at_s: float  # seconds since the request's first span started
-    kind: str  # quota | queue | aging | promise | dispatch | redispatch | to_worker | worker_queue | declined | suspended
-    #            | preempted (a decision without a recorded suspended period) | preempting (it was the beneficiary)
+    # quota | queue | aging | promise | dispatch | redispatch | to_worker | worker_queue | declined | suspended
+    # | preempted (a decision without a recorded suspended period) | preempting (it was the beneficiary)
+    kind: str
     text: str
     duration_s: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)
@@ -111,11 +112,12 @@ class Explanation:
 
     def summary(self) -> str:
         who = ", ".join(x for x in (self.tier, f"tenant {self.tenant}" if self.tenant else None) if x)
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in self.transit.items()
+                          if v >= 0.005 and k != "other")
         return (f"request {self.request_id}" + (f" ({who})" if who else "")
                 + f": total {self.total_s:.2f} s = queued {self.queued_s:.2f} s + running {self.running_s:.2f} s"
                 + f" + suspended {self.suspended_s:.2f} s + in transit {self.transit_s:.2f} s"
-                + (f" ({parts})" if (parts := ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in self.transit.items()
-                                                         if v >= 0.005 and k != "other")) else "")
+                + (f" ({parts})" if parts else "")
                 + f" + other {self.other_s:.2f} s")
 
     def render_text(self) -> str:
