@@ -76,29 +76,27 @@ class Draining:
                 self._hello()  # says draining: every gateway stops counting its slots now, before its next report
             # Nothing computed here (never started, or preempted by recompute): another worker loses nothing, and
             # output it already has comes back to it with the re-dispatch (DispatchJob.resume_token_ids).
-            unstarted = [j for j in self.jobs if (r := self.engine.get_request(j)) is None
-                         or r.num_computed_tokens == 0]
+            unstarted = {j: job.attempt for j, job in self.jobs.items()
+                         if (r := self.engine.get_request(j)) is None or r.num_computed_tokens == 0}
             self._release(unstarted, "draining: not started")
             self._beat_soon()  # the report offering nothing, now
         if self.drain.due(now) and self.jobs:
             log.warning("drain: handing back %d unfinished jobs", len(self.jobs))
-            self._release(list(self.jobs), "draining: out of time")
+            self._release({j: job.attempt for j, job in self.jobs.items()}, "draining: out of time")
         done = self.drain.finished(now, bool(self.jobs), len(self.unconfirmed) > 0)
         if done:
             log.info("drained")
         return done
 
-    def _release(self, job_ids: list[str], reason: str, attempts: dict[str, int] | None = None) -> None:
-        """Hand ``job_ids`` back to the gateways (JobReleased), after dropping them here and from the report the
-        heartbeat thread sends (a report listing one would extend the lease the release ends)."""
+    def _release(self, attempts: dict[str, int], reason: str) -> None:
+        """Hand these attempts (job id -> attempt) back to the gateways (JobReleased), after dropping them here and
+        from the report the heartbeat thread sends (a report listing one would extend the lease the release ends)."""
         released = []
-        for job_id in job_ids:
-            job = self.jobs.pop(job_id, None)
+        for job_id, attempt in attempts.items():
+            self.jobs.pop(job_id, None)
             self.engine.abort(job_id)
             self.rates.forget(job_id)
-            attempt = job.attempt if job is not None else (attempts or {}).get(job_id)
-            if attempt is not None:
-                released.append(P.JobReleased(job_id, attempt, reason))
+            released.append(P.JobReleased(job_id, attempt, reason))
         if not released:
             return
         self._refresh_snapshot(self.clock())

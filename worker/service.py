@@ -199,7 +199,7 @@ class WorkerService(Draining):
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
         self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
         if self.drain.active:  # sent before the gateway read the report offering nothing
-            self._release([msg.job_id], "draining: not started", {msg.job_id: msg.attempt})
+            self._release({msg.job_id: msg.attempt}, "draining: not started")
             return
         try:
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
