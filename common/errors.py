@@ -81,5 +81,10 @@ class JobFailed(ServingError):
     """The job ended without a result: failed on a worker, dead-lettered or cancelled."""
 
 
+class JobCancelled(JobFailed):
+    """The job was cancelled (by its tenant, or by the HTTP door when its client went away): a JobFailed, whose
+    handlers it still reaches, told apart because nothing failed."""
+
+
 class JobExpired(ServingError):
     """The job waited longer than its tier's queue timeout."""

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from common.errors import Forbidden, InvalidRequest, JobFailed, QuotaExceeded, Unauthorized
+from common.errors import Forbidden, InvalidRequest, JobCancelled, JobFailed, QuotaExceeded, Unauthorized
 from gateway.sdk import AsyncGatewayClient, GatewayClient
 from tests.cluster_helpers import job_hash, local_cluster, snapshot, wait_for
 
@@ -180,12 +180,14 @@ def test_cancel_frees_the_worker(cluster):
     assert lab.cancel(job.id) is True
     assert lab.status(job.id).state == "cancelled"
     assert lab.cancel(job.id) is False
-    # Its stream ends in the job's fate, as result() does, never quietly as if the tokens were all there.
-    with pytest.raises(JobFailed, match="cancelled"):
+    # Its stream ends in the job's fate, as result() does, never quietly as if the tokens were all there. Its
+    # own error, a JobFailed still (what callers caught before it had one).
+    with pytest.raises(JobCancelled, match="cancelled"):
         for _ in job.stream():
             pass
-    with pytest.raises(JobFailed, match="cancelled"):
+    with pytest.raises(JobCancelled, match="cancelled") as e:
         job.result(timeout=30)
+    assert isinstance(e.value, JobFailed)
     # The slot is free again: a short job runs at once.
     assert len(lab.submit("next", max_tokens=2, ignore_eos=True).result(timeout=30).token_ids) == 2
 

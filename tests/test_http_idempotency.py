@@ -123,3 +123,19 @@ def test_the_openai_client_retries_with_a_key(cluster):
     assert ids[0] == ids[1] and parsed[0].choices[0].message.content == parsed[1].choices[0].message.content
     assert len(job_ids(cluster) - before) == 1
     wait_for(lambda: job_hash(cluster, ids[0])["state"] == "done", 30, "the job to be done")
+
+
+def test_a_retry_of_a_cancelled_job_is_a_409_not_a_server_error(cluster):
+    """The tenant cancelled the job its key names (through the SDK): a retry answers that, as a conflict with the
+    job's state (openai.ConflictError), not as a 500 that blames the server for the tenant's own cancel."""
+    from gateway.sdk import GatewayClient
+
+    idem = uuid.uuid4().hex
+    body = {"prompt": [5, 6], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    with GatewayClient(cluster["gateway"], key(cluster, "api-co"), timeout_s=30) as sdk:
+        job = sdk.submit(prompt_token_ids=[5, 6], max_tokens=1500, ignore_eos=True, idempotency_key=idem)
+        assert sdk.cancel(job.id) is True
+    for stream in (False, True):
+        r = post(cluster, body | {"stream": stream}, idem)
+        err = assert_error(r, 409, "invalid_request_error")
+        assert err["code"] == "job_cancelled" and job.id in err["message"] and r.headers["X-Request-Id"] == job.id

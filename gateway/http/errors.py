@@ -11,8 +11,8 @@ import math
 
 from starlette.responses import JSONResponse
 
-from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
-                           ServingError, Unauthorized)
+from common.errors import (Forbidden, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
+                           QuotaExceeded, ServingError, Unauthorized)
 
 
 class HttpError(Exception):
@@ -64,6 +64,8 @@ def from_serving_error(e: ServingError, prompt_param: str = "prompt") -> HttpErr
         return HttpError(504, "timeout_error", str(e), code="queue_timeout")
     if isinstance(e, NotFound):
         return HttpError(404, "not_found_error", str(e), code="not_found")
+    if isinstance(e, JobCancelled):  # its tenant's doing, not the server's: a conflict with the job's state
+        return HttpError(409, "invalid_request_error", str(e), code="job_cancelled")
     if isinstance(e, JobFailed):
         return HttpError(500, "server_error", str(e), code="job_failed")
     return HttpError(502, "server_error", str(e), code="upstream_error")

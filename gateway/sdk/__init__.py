@@ -12,7 +12,8 @@ number of coroutines share one client and its one connection per gateway. Refusa
 ``Unauthorized``, ``Forbidden``, ``InvalidRequest``, ``QuotaExceeded`` (``.retry_after_s``), ``Overloaded``
 (``.estimated_wait_s``), ``NotFound``; ``Unavailable`` (the cluster's Redis is unreachable) and
 ``TimeoutError`` (no gateway answered) once the client's retries are spent. A job that ends without a
-result raises ``JobFailed`` or ``JobExpired`` from ``result()``, and at the end of ``stream()``: a stream
+result raises ``JobFailed`` (``JobCancelled``, a subclass, if it was cancelled) or ``JobExpired`` from
+``result()``, and at the end of ``stream()``: a stream
 never ends quietly short of its tokens. Threads may share a ``GatewayClient`` (each gets its own
 connections); an ``AsyncGatewayClient`` serves one running event loop at a time.
 
@@ -26,12 +27,12 @@ carries an idempotency key (the caller's, or one made for the call), so its retr
 Importing this package does not import torch, transformers or redis.
 """
 
-from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
-                           ServingError, Unauthorized, Unavailable)
+from common.errors import (Forbidden, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
+                           QuotaExceeded, ServingError, Unauthorized, Unavailable)
 from gateway.sdk._async import AsyncGatewayClient, AsyncJob
 from gateway.sdk._common import SDK_TRACER, Chunk, JobResult, JobStatus
 from gateway.sdk._sync import GatewayClient, Job
 
 __all__ = ["AsyncGatewayClient", "AsyncJob", "Chunk", "Forbidden", "GatewayClient", "InvalidRequest", "Job",
-           "JobExpired", "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded", "QuotaExceeded",
-           "SDK_TRACER", "ServingError", "Unauthorized", "Unavailable"]
+           "JobCancelled", "JobExpired", "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded",
+           "QuotaExceeded", "SDK_TRACER", "ServingError", "Unauthorized", "Unavailable"]

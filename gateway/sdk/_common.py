@@ -16,8 +16,8 @@ from opentelemetry import trace
 
 from common import protocol as P
 from common import tracing
-from common.errors import (Forbidden, InvalidRequest, JobExpired, JobFailed, NotFound, Overloaded, QuotaExceeded,
-                           ServingError, Unauthorized, Unavailable)
+from common.errors import (Forbidden, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
+                           QuotaExceeded, ServingError, Unauthorized, Unavailable)
 
 SDK_TRACER = "tiered_serve.sdk"
 
@@ -74,6 +74,8 @@ def raise_for(reply) -> None:
 def to_result(done: P.JobDone) -> JobResult:
     if done.state == "expired":
         raise JobExpired(f"job {done.job_id} expired: {done.reason}")
+    if done.state == "cancelled":
+        raise JobCancelled(f"job {done.job_id} ended {done.state}: {done.reason}")
     if done.state != "done":
         raise JobFailed(f"job {done.job_id} ended {done.state}: {done.reason}")
     return JobResult(done.text, done.token_ids, done.finish_reason, done.queued_s, done.ttft_s, done.total_s,
