@@ -1,7 +1,7 @@
 """What the gateway knows about workers, and which worker gets the next job.
 
 Credit-based: a worker's credit is its free batch slots, less jobs sent since its
-last load report. Low tiers only go where there is credit, so ordering and aging
+last load report (none before its first). Low tiers only go where there is credit, so ordering and aging
 stay in Redis instead of in worker backlogs; P0 and P1 may also go to a full
 worker that reports a running job they may preempt (WorkerLoad.victims).
 """
@@ -80,10 +80,11 @@ class WorkerState:
 
     @property
     def credit(self) -> int:
-        if self.lost_lease or self.draining:
+        # None before its first report: a hello says how many slots it has, not how many are free (a gateway that
+        # restarted hears the hellos of workers whose slots are all busy).
+        if self.lost_lease or self.draining or self.load is None:
             return 0
-        free = self.load.free_slots if self.load is not None else self.hello.max_num_seqs
-        return max(0, free - len(self.pending))
+        return max(0, self.load.free_slots - len(self.pending))
 
     @property
     def stepping(self) -> bool:

@@ -127,6 +127,32 @@ def test_1_gateway_restarted_with_the_same_id_loses_no_token(tmp_path, tiny_mode
             assert_whole(c, "lab-co", j.id, w)
 
 
+def test_1_a_restarted_gateway_sends_a_full_worker_nothing_before_its_first_report(tmp_path, bench_model_dir):
+    """A restarted gateway knows a worker from its hello alone until its first load report. It took every slot the
+    hello names as free and sent the queued jobs to a worker whose slots were all busy: they waited in that
+    worker, out of reach of aging and of a worker that frees a slot first. Credit now comes from reports only."""
+    with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, max_running=2) as c:
+        lab = c.client("lab-co")
+        running = [lab.submit(prompt_token_ids=[4, i], max_tokens=1500, ignore_eos=True) for i in range(2)]
+        wait_for(lambda: all(c.state(j.id) == "dispatched" for j in running), 60, "both slots busy")
+        queued = [lab.submit(prompt_token_ids=[5, i], max_tokens=4, ignore_eos=True) for i in range(4)]
+        time.sleep(1.0)
+        assert all(c.state(j.id) == "queued" for j in queued)
+        lab.close()
+        c.kill("gw-0")
+        c.restart("gw-0")
+        c.wait_workers("gw-0")
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            states = [c.state(j.id) for j in queued]
+            assert states == ["queued"] * 4, states
+            time.sleep(0.05)
+        with c.client("lab-co") as again:
+            for j in running:
+                again.cancel(j.id)
+            assert all(len(again.job(j.id).result(timeout=60).token_ids) == 4 for j in queued)
+
+
 # -- 2. a lost token frame ------------------------------------------------------------------------------------------
 
 

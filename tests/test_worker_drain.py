@@ -163,3 +163,23 @@ def test_a_second_signal_hands_back_everything_at_once(draining_worker):
     assert gateway.receive(is_(P.JobReleased, "long"), timeout_s=1.5).reason == "draining: out of time"
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_every_hello_comes_with_a_report_at_once(draining_worker):
+    """A gateway gives a worker it knows from a hello alone no credit (gateway/workers.WorkerState.credit): a
+    hello, at start-up, when a restarted gateway asks for one (hello_first) or when the drain begins, is followed
+    by the latest report at once, not a heartbeat later, and a draining worker's says so."""
+    service, gateway, thread = draining_worker
+    gateway.sock.send_multipart([gateway.ident, P.encode(P.ErrorReply(P.HELLO_FIRST, "who are you?"))])
+    gateway.receive(is_(P.WorkerHello))
+    service.drain.request()
+    gateway.receive(lambda m: isinstance(m, P.WorkerHello) and m.draining, timeout_s=5)
+    thread.join(10)
+    while gateway.sock.poll(200):  # what it sent before it exited, not yet read
+        gateway.seen.append((time.monotonic(), P.decode(gateway.sock.recv_multipart()[1])))
+    frames = [m for _, m in gateway.seen]
+    hellos = [i for i, m in enumerate(frames) if isinstance(m, P.WorkerHello)]
+    assert len(hellos) >= 2  # the fixture's, the one asked for, the draining one (and a periodic one, maybe)
+    for i in hellos:
+        after = frames[i + 1] if i + 1 < len(frames) else None
+        assert isinstance(after, P.WorkerLoad) and after.draining == frames[i].draining, (i, frames[i:i + 2])

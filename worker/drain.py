@@ -72,8 +72,9 @@ class Draining:
         if self.drain.begin(now):
             log.info("draining: no new work; running jobs have %.0f s to finish, the rest is handed back",
                      self.drain.timeout_s)
+            self._refresh_snapshot(now)  # the report the hello brings offers nothing
             with self._lock:
-                self._hello()  # says draining: every gateway stops counting its slots now, before its next report
+                self._hello()  # says draining: every gateway stops counting its slots now
             # Nothing computed here (never started, or preempted by recompute): another worker loses nothing, and
             # output it already has comes back to it with the re-dispatch (DispatchJob.resume_token_ids).
             unstarted = {j: job.attempt for j, job in self.jobs.items()

@@ -110,6 +110,9 @@ class WorkerService(Draining):
                               e.config.max_num_batched_tokens, resumes=True, draining=self.drain.active)
         for s in self.sockets if sockets is None else sockets:
             self._send(s, hello)
+        # And the latest report at once: a gateway gives a worker it knows from a hello alone no credit (a hello
+        # names its slots, not which are free), so one that restarted would otherwise wait for the next heartbeat.
+        self._beat(sockets)
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()
@@ -117,6 +120,8 @@ class WorkerService(Draining):
             poller.register(s, zmq.POLLIN)
         self.routes.register(poller)
         self._refresh_snapshot(self.clock())
+        with self._lock:
+            self._beat()  # the first report now, not a heartbeat after the hello: no gateway sends work before it
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
         while not should_stop():
@@ -319,10 +324,11 @@ class WorkerService(Draining):
         """Send a fresh load report after this loop iteration rather than at the next heartbeat."""
         self._beat_pending = True
 
-    def _beat(self) -> None:
+    def _beat(self, sockets: list[zmq.Socket] | None = None) -> None:
         if self._snapshot is not None:
             report = replace(self._snapshot, age_s=max(0.0, self.clock() - self._snapshot_at))
-            if any([self._send(s, report) for s in self.sockets]):  # a list: every gateway gets it
+            # A list, not any(generator): every gateway gets it.
+            if any([self._send(s, report) for s in (self.sockets if sockets is None else sockets)]):
                 self._sent = self._snapshot
 
     def _refresh_snapshot(self, now: float) -> None:
