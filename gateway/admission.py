@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from common.errors import Forbidden, InvalidRequest, TierLimitExceeded, Unauthorized
 from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
+from common.errors import Forbidden, InvalidRequest, TierLimitExceeded, Unauthorized
 from common.protocol import SubmitRequest
 from common.tiers import Tier, parse_tier
 from gateway.tenants import Tenant, TenantDirectory

@@ -1,9 +1,10 @@
 """What the gateway knows about workers, and which worker gets the next job.
 
 Credit-based: a worker's credit is its free batch slots, less jobs sent since its
-last load report (none before its first). Low tiers only go where there is credit, so ordering and aging
-stay in Redis instead of in worker backlogs; P0 and P1 may also go to a full
-worker that reports a running job they may preempt (WorkerLoad.victims).
+last load report (none before its first). Low tiers only go where there is credit,
+so ordering and aging stay in Redis instead of in worker backlogs; P0 and P1 may
+also go to a full worker that reports a running job they may preempt
+(WorkerLoad.victims).
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ class WorkerState:
     # Jobs sent but not yet listed in a load report: they use credit the report does not know about.
     pending: set[str] = field(default_factory=set)
     load_at: float = 0.0  # when the latest load report came (this gateway's clock)
-    # A lease it held ran out since its last report: it may be dead (killed after that report, and not yet timed
-    # out when lease_s < worker_timeout_s). It gets no job until it reports again; before, the requeued job went
-    # back to it by that report's credit, and lost another lease and another of its max_attempts.
+    # Silent for a lease, or a lease it held ran out, since its last report: it may be dead (killed after that
+    # report, and not yet timed out when lease_s < worker_timeout_s). It gets no job until it reports again;
+    # before, the requeued job went back to it by that report's credit, and lost another lease and another of
+    # its max_attempts.
     lost_lease: bool = False
 
     @property
