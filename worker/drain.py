@@ -62,7 +62,7 @@ class Drain:
 class Draining:
     """The worker service's side of the drain (a mixin of worker.service.WorkerService, on its step loop's thread):
     needs its ``drain``, ``jobs``, ``engine``, ``rates``, ``unconfirmed``, ``sockets``, ``_lock``, ``clock``,
-    ``_send``, ``_hello``, ``_beat_soon`` and ``_refresh_snapshot``."""
+    ``_send``, ``_hello`` and ``_refresh_snapshot``."""
 
     def _draining_done(self) -> bool:
         """Drive the shutdown (worker/drain.py); True once the loop may end."""
@@ -74,13 +74,14 @@ class Draining:
                      self.drain.timeout_s)
             self._refresh_snapshot(now)  # the report the hello brings offers nothing
             with self._lock:
-                self._hello()  # says draining: every gateway stops counting its slots now
+                # Says draining, with that report, before any hand-back: every gateway stops counting its slots
+                # now, so a job it hands back is not sent here again.
+                self._hello()
             # Nothing computed here (never started, or preempted by recompute): another worker loses nothing, and
             # output it already has comes back to it with the re-dispatch (DispatchJob.resume_token_ids).
             unstarted = {j: job.attempt for j, job in self.jobs.items()
                          if (r := self.engine.get_request(j)) is None or r.num_computed_tokens == 0}
             self._release(unstarted, "draining: not started")
-            self._beat_soon()  # the report offering nothing, now
         if self.drain.due(now) and self.jobs:
             log.warning("drain: handing back %d unfinished jobs", len(self.jobs))
             self._release({j: job.attempt for j, job in self.jobs.items()}, "draining: out of time")

@@ -150,7 +150,7 @@ class FrontDoor:
             self.upstream.forget(key)
             raise errors.from_serving_error(e) from None
         except ServingError as e:
-            raise idempotency.reused(e) or errors.from_serving_error(e, prompt_param) from None
+            raise errors.from_serving_error(e, prompt_param) from None
         except TimeoutError:
             raise _no_gateway() from None
         headers = {"X-Request-Id": job.id, "X-Tier": job.tier,

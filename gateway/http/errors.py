@@ -51,6 +51,8 @@ def from_serving_error(e: ServingError, prompt_param: str = "prompt") -> HttpErr
         return HttpError(401, "authentication_error", str(e), code="invalid_api_key")
     if isinstance(e, Forbidden):
         return HttpError(403, "permission_error", str(e), param="priority", code="tier_not_entitled")
+    if isinstance(e, InvalidRequest) and e.field == "idempotency_key":  # the key names another request's job
+        return HttpError(422, "invalid_request_error", str(e), code="idempotency_key_reused")
     if isinstance(e, InvalidRequest):
         return invalid(str(e), prompt_param if _param(e.field) == "prompt" else _param(e.field))
     if isinstance(e, QuotaExceeded):

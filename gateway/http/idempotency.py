@@ -2,7 +2,8 @@
 lost) names the job it started rather than starting another. The key is the SDK's ``idempotency_key``, scoped
 to the tenant, kept ``idempotency_ttl_s`` (24 h); a retry may be streamed where the first was whole, or the
 other way round (the job is the same, only its delivery differs). Reused for another request (another prompt,
-tier, max_tokens or sampling) it is refused, 422, as the IETF draft on this header says, and nothing changes.
+tier, max_tokens or sampling) it is refused, 422, as the IETF draft on this header says, and nothing changes
+(gateway/http/errors.from_serving_error).
 
 A request with a key is one its client means to come back for: the door does not cancel its job when the
 client goes away (without a key it does, which frees the worker's KV blocks at once).
@@ -13,7 +14,6 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
-from common.errors import InvalidRequest, ServingError
 from gateway.http.errors import HttpError
 
 HEADER = "Idempotency-Key"
@@ -31,9 +31,3 @@ def key_of(request: Request) -> str | None:
                         f"characters without surrounding spaces", code="invalid_idempotency_key")
     return value
 
-
-def reused(e: ServingError) -> HttpError | None:
-    """The answer to a submission refused because its key already stands for another request; None otherwise."""
-    if isinstance(e, InvalidRequest) and e.field == "idempotency_key":
-        return HttpError(422, "invalid_request_error", str(e), code="idempotency_key_reused")
-    return None
