@@ -179,9 +179,10 @@ class WaitEstimator:
                     self.lengths.expected(info.tenant, info.tier, info.max_tokens, generated))
 
     def _worker_views(self, now: float) -> list[WorkerView]:
-        # A draining worker takes no new job and hands back what it has not started: none of its slots is
-        # capacity for queued work (its running jobs delay no queued job either).
-        ws = [w for w in self.workers.workers.values() if not w.draining]
+        # A draining worker takes no new job and hands back what it has not started; a worker silent for a lease
+        # takes none until it reports again, and its leased jobs come back to the queue: none of their slots is
+        # capacity for queued work.
+        ws = [w for w in self.workers.workers.values() if not w.draining and not w.lost_lease]
         measured = [(w.load.prefill_tps, w.load.decode_tps) for w in ws
                     if w.load is not None and w.load.prefill_tps > 0 and w.load.decode_tps > 0]
         default = (Rates(sum(p for p, _ in measured) / len(measured), sum(d for _, d in measured) / len(measured))

@@ -132,6 +132,25 @@ def test_a_draining_worker_is_no_capacity_for_queued_work_and_gets_none(server):
     assert fresh.workers["wk-1"].victims_left(set()) == {}
 
 
+def test_a_worker_silent_for_a_lease_is_no_capacity_until_it_reports_again(server):
+    """A worker silent for lease_s (or whose lease ran out) gets no job from any gateway until it reports again
+    (WorkerState.lost_lease): its slots are not capacity the queue drains into. Counted, they halved the estimate of
+    a P3 queue on two workers for the rest of worker_timeout_s, while dispatch sent everything to the other one."""
+    queue, est = cluster(server, slots=2)
+    fill(queue, [Tier.P3] * 40, prompt=100, max_tokens=50)  # 1.1 s each
+    workers = est.workers
+    workers.hello(P.WorkerHello("wk-1", "m", 512, 4096, 2, 1000), b"wk-1", NOW)
+    report = P.WorkerLoad("wk-1", 2, 1000, {}, {}, [], 0.0, {}, RATES.prefill_tps, RATES.decode_tps)
+    workers.load(report, NOW)
+    both = est.for_new("t", Tier.P3, NOW)
+    assert both == pytest.approx(1.1 * 40 / 4, rel=1e-3)
+    workers.workers["wk-1"].lost_lease = True  # as gateway/maintenance.py marks it
+    assert workers.workers["wk-1"].credit == 0
+    assert est.for_new("t", Tier.P3, NOW) == pytest.approx(2 * both, rel=1e-3)
+    workers.load(report, NOW + 1)  # it speaks again: capacity again
+    assert est.for_new("t", Tier.P3, NOW + 1) == pytest.approx(both, rel=1e-3)
+
+
 def test_a_workers_periodic_hello_does_not_age_its_latest_load_report(server):
     """Workers re-announce every 5 s (worker/service.HELLO_EVERY_S). The hello kept the report but not when it
     came, so for the next half second every estimate saw the report 5 s old, advanced the running work 5 s and
