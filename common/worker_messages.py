@@ -136,8 +136,8 @@ class JobFinished:
 
 @dataclass(frozen=True)
 class JobFinishedAck:
-    """Reply to JobFinished: the gateway is done with it (stored, or not needed: the lease had moved on), so the
-    worker may stop sending it again (worker/completions.py)."""
+    """Reply to JobFinished, and to JobReleased: the gateway is done with it (stored or requeued, or not needed: the
+    lease had moved on), so the worker may stop sending it again (worker/completions.py)."""
 
     job_id: str
     attempt: int

@@ -130,13 +130,17 @@ class WorkerLink:
             return
         if not self._holds_lease(ident, msg.job_id, msg.attempt):
             self._stale(msg)  # including the copies sent to the other gateways, once one has requeued it
-            return
-        worker = ident.decode()
-        if self.queue.release(msg.job_id, msg.attempt, worker):
-            self.counters["released"] += 1
-            log.info("worker %s handed back job %s attempt %d (%s)", worker, msg.job_id, msg.attempt, msg.reason)
-            self.settle_leases(self.queue.requeue([msg.job_id], self.queue.server_ms(), self.config.max_attempts),
-                               "released")
+        else:
+            worker = ident.decode()
+            if self.queue.release(msg.job_id, msg.attempt, worker):
+                self.counters["released"] += 1
+                log.info("worker %s handed back job %s attempt %d (%s)", worker, msg.job_id, msg.attempt,
+                         msg.reason)
+                self.settle_leases(self.queue.requeue([msg.job_id], self.queue.server_ms(),
+                                                      self.config.max_attempts), "released")
+        # Settled here (requeued, or its lease had moved on): the worker stops sending it again. Not reached when
+        # Redis fails, so the worker's next copy tries again (worker/completions.py).
+        self._send(self.worker_sock, ident, P.JobFinishedAck(msg.job_id, msg.attempt))
 
     def _store_finished(self, worker: str, msg: P.JobFinished) -> None:
         s = self.streams.streams.get(msg.job_id)

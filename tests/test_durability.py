@@ -281,6 +281,48 @@ def test_5_a_requeue_cancels_the_previous_holder(tmp_path, tiny_model_dir):
         cut_off.close()
 
 
+def test_5_a_hand_back_a_restarted_gateway_dropped_is_confirmed_when_sent_again(tmp_path, tiny_model_dir):
+    """A draining worker's JobReleased that reached a gateway restarted meanwhile was dropped (it knew no hello of
+    that worker yet), and the job waited out its lease (here 60 s). The worker now sends it again after a hello
+    until a JobFinishedAck answers (worker/completions.py); the gateway answers every copy it settles, requeued or
+    stale, and the job runs elsewhere at once."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=60.0) as c:
+        draining = Adversary(c.gateways["gw-0"][1], "wk-draining")
+        lab = c.client("lab-co")
+        job = lab.submit(prompt_token_ids=[1, 2], max_tokens=4, ignore_eos=True)
+        d = draining.recv(P.DispatchJob, beat=[])
+        draining.load([d.job_id], free=0)
+        c.kill("gw-0")
+        c.restart("gw-0")
+        release = P.JobReleased(d.job_id, d.attempt, "draining: not started")
+        deadline = time.monotonic() + 60
+        while True:  # sent while the new gateway knows no hello of this worker: dropped, and a hello asked for
+            assert time.monotonic() < deadline, "the restarted gateway never answered"
+            draining.send(release)
+            if draining.sock.poll(1000):
+                reply = P.decode(draining.sock.recv())
+                assert not isinstance(reply, P.JobFinishedAck), reply
+                if isinstance(reply, P.ErrorReply) and reply.code == P.HELLO_FIRST:
+                    break
+        assert c.state(d.job_id) == "dispatched"  # lost: without a copy sent again, it waits out the lease
+        draining.send(P.WorkerHello("wk-draining", "adversary", 512, 2048, 1, 1024, draining=True))
+        draining.load([], free=0)
+        draining.send(release)
+        ack = draining.recv(P.JobFinishedAck, timeout_s=10)
+        assert (ack.job_id, ack.attempt) == (d.job_id, d.attempt)
+        live = Adversary(c.gateways["gw-0"][1], "wk-live")
+        again = live.recv(P.DispatchJob, timeout_s=30, beat=[])
+        assert (again.job_id, again.attempt) == (d.job_id, d.attempt + 1)
+        assert c.job(d.job_id)["releases"] == b"1"
+        draining.send(release)  # one more copy, now stale: answered too, so that the worker stops sending it
+        assert draining.recv(P.JobFinishedAck, timeout_s=10).job_id == d.job_id
+        live.send(P.JobFinished(d.job_id, again.attempt, "done", "length", 4, 0.0, 0.1, 0, None, [4, 3, 2, 1]))
+        assert job.result(timeout=30).token_ids == [4, 3, 2, 1]
+        lab.close()
+        live.close()
+        draining.close()
+
+
 class AdversaryEverywhere:
     """One adversary worker connected to every gateway of a cluster, as a real worker is."""
 

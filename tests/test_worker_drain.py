@@ -183,3 +183,39 @@ def test_every_hello_comes_with_a_report_at_once(draining_worker):
     for i in hellos:
         after = frames[i + 1] if i + 1 < len(frames) else None
         assert isinstance(after, P.WorkerLoad) and after.draining == frames[i].draining, (i, frames[i:i + 2])
+
+
+def test_a_hand_back_no_gateway_confirms_is_sent_again_after_a_hello_until_one_does(draining_worker):
+    """A gateway that restarted drops a worker's frames until its hello: a JobReleased sent then was lost, and its
+    job waited out its lease. It is kept, like a completion, and sent again after a hello until a JobFinishedAck
+    answers it; then no more copies, and the worker leaves as soon as nothing is left unconfirmed."""
+    service, gateway, thread = draining_worker
+    gateway.dispatch("long-a", 600)
+    gateway.dispatch("long-b", 600)
+    gateway.dispatch("queued", 5)  # never started: handed back when the drain begins
+    gateway.receive(is_(P.JobTokens, "long-a"))
+    gateway.receive(is_(P.JobTokens, "long-b"))
+    service.drain.request()
+    gateway.receive(is_(P.JobReleased, "queued"), timeout_s=5)  # as if dropped: no confirmation
+    first = len(gateway.seen)
+    again = gateway.receive(is_(P.JobReleased, "queued"), timeout_s=1.9)  # before the drain's 2 s deadline
+    assert (again.attempt, again.reason) == (1, "draining: not started")
+    resent = [m for _, m in gateway.seen[first:]]
+    assert any(isinstance(m, P.WorkerHello) for m in resent[:-1]), "sent again without a hello first"
+    assert not [m for m in resent if isinstance(m, P.WorkerLoad) and "queued" in m.job_ids]  # never held again
+    gateway.sock.send_multipart([gateway.ident, P.encode(P.JobFinishedAck("queued", 1))])
+
+    out_of_time = {gateway.receive(is_(P.JobReleased, j), timeout_s=10).job_id for j in ("long-a", "long-b")}
+    assert out_of_time == {"long-a", "long-b"}
+    time.sleep(0.3)
+    assert thread.is_alive(), "it left before its hand-backs were confirmed"
+    confirmed = time.monotonic()
+    for j in sorted(out_of_time):
+        gateway.sock.send_multipart([gateway.ident, P.encode(P.JobFinishedAck(j, 1))])
+    thread.join(CONFIRM_GRACE_S - 0.5)
+    assert not thread.is_alive(), "it stayed after every hand-back was confirmed"
+    while gateway.sock.poll(200):
+        gateway.seen.append((time.monotonic(), P.decode(gateway.sock.recv_multipart()[1])))
+    late = [m.job_id for t, m in gateway.seen if isinstance(m, P.JobReleased) and t > confirmed + 0.5]
+    assert not late, f"sent again after its confirmation: {late}"
+    assert not service.unconfirmed_releases and not service.unconfirmed

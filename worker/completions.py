@@ -1,4 +1,4 @@
-"""Completions no gateway has confirmed yet, sent again until one does.
+"""Completions (and a draining worker's hand-backs) no gateway has confirmed yet, sent again until one does.
 
 A JobFinished can be lost: the gateway it went to was killed, and the one restarted in its place drops every
 frame of a worker until that worker says hello again (the heartbeat re-announces it every few seconds). Lost,
@@ -8,6 +8,10 @@ meanwhile (its lease stays extended), and every ``resend_s`` sends it again to e
 that a gateway which does not know the worker learns it first (a socket keeps its frames in order), and one
 that is gone for good does not hold it: any gateway can store it. A gateway takes a second copy of a completion
 already stored as stale, so sending one twice is harmless. After ``give_up_s`` the lease decides, as before.
+
+A ``JobReleased`` (worker/drain.py) is lost the same way, and then its job waited out its lease: it is kept
+apart (a hand-back must not be reported as held, which would extend the lease it ends) in a second instance, and
+confirmed by the same JobFinishedAck (the gateway requeued it, or its lease had moved on).
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from dataclasses import dataclass
 from common import protocol as P
 
 
+Settled = P.JobFinished | P.JobReleased
+
+
 @dataclass
 class _Pending:
-    msg: P.JobFinished
+    msg: Settled
     first_sent: float
     last_sent: float
 
@@ -39,7 +46,7 @@ class Unconfirmed:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def sent(self, msg: P.JobFinished, now: float, delivered: bool = True) -> None:
+    def sent(self, msg: Settled, now: float, delivered: bool = True) -> None:
         """``msg`` was sent at ``now``; not ``delivered``: the socket refused it (a full queue), so it is due again
         at once."""
         key = (msg.job_id, msg.attempt)
@@ -52,7 +59,7 @@ class Unconfirmed:
     def job_ids(self) -> list[str]:
         return [job_id for job_id, _ in self._pending]
 
-    def due(self, now: float) -> list[tuple[P.JobFinished, float]]:
+    def due(self, now: float) -> list[tuple[Settled, float]]:
         """(completion, when it was first sent) for every completion unconfirmed for ``resend_s`` since it was last
         sent; the caller sends each again (after a hello) and calls ``sent``. Those past ``give_up_s`` are
         forgotten."""

@@ -7,7 +7,10 @@ the start elsewhere: a rolling redeploy cost every running job a lease and its t
   already on its way is handed back at once (``JobReleased``), and so is every job it holds that has not started;
 - running and suspended jobs go on until they finish or ``drain_timeout_s`` has passed; then the rest are handed
   back, and the gateway requeues them at once (that attempt does not count against ``max_attempts``);
-- it exits once it holds no job and every completion is confirmed, or ``CONFIRM_GRACE_S`` after the deadline.
+- each hand-back is sent again (after a hello) until a gateway confirms it, as completions are: a gateway that
+  restarted meanwhile drops it, and the job would wait out its lease;
+- it exits once it holds no job and every completion and hand-back is confirmed, or ``CONFIRM_GRACE_S`` after
+  the deadline.
 
 A second signal ends the drain: everything is handed back and the worker exits. A worker that dies (kill -9, a
 crash) still loses its jobs to their leases: the drain needs the worker alive to say what it gives up.
@@ -61,8 +64,8 @@ class Drain:
 
 class Draining:
     """The worker service's side of the drain (a mixin of worker.service.WorkerService, on its step loop's thread):
-    needs its ``drain``, ``jobs``, ``engine``, ``rates``, ``unconfirmed``, ``sockets``, ``_lock``, ``clock``,
-    ``_send``, ``_hello`` and ``_refresh_snapshot``."""
+    needs its ``drain``, ``jobs``, ``engine``, ``rates``, ``unconfirmed``, ``unconfirmed_releases``, ``sockets``,
+    ``_lock``, ``clock``, ``_send``, ``_hello`` and ``_refresh_snapshot``."""
 
     def _draining_done(self) -> bool:
         """Drive the shutdown (worker/drain.py); True once the loop may end."""
@@ -85,7 +88,7 @@ class Draining:
         if self.drain.due(now) and self.jobs:
             log.warning("drain: handing back %d unfinished jobs", len(self.jobs))
             self._release({j: job.attempt for j, job in self.jobs.items()}, "draining: out of time")
-        done = self.drain.finished(now, bool(self.jobs), len(self.unconfirmed) > 0)
+        done = self.drain.finished(now, bool(self.jobs), len(self.unconfirmed) + len(self.unconfirmed_releases) > 0)
         if done:
             log.info("drained")
         return done
@@ -101,8 +104,12 @@ class Draining:
             released.append(P.JobReleased(job_id, attempt, reason))
         if not released:
             return
-        self._refresh_snapshot(self.clock())
+        now = self.clock()
+        self._refresh_snapshot(now)
         with self._lock:
             for msg in released:
                 for sock in self.sockets:  # any gateway can requeue it; the others take their copy as stale
                     self._send(sock, msg)
+                # Kept until a gateway confirms it: one that restarted meanwhile drops it, and the job would wait
+                # out its lease (worker/completions.py sends it again after a hello).
+                self.unconfirmed_releases.sent(msg, now)

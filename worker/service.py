@@ -64,6 +64,8 @@ class WorkerService(Draining):
         self._lock = threading.RLock()
         # Completions no gateway has confirmed yet (sent, or not even that: a full queue).
         self.unconfirmed = Unconfirmed(observe=metrics.unconfirmed_completions)
+        # Hand-backs no gateway has confirmed yet (worker/drain.py): sent again, never reported as held.
+        self.unconfirmed_releases = Unconfirmed()
         self._snapshot: P.WorkerLoad | None = None  # what the heartbeat thread sends
         self._sent: P.WorkerLoad | None = None  # the last report that went out: what the gateways know
         self._snapshot_at = float("-inf")
@@ -183,6 +185,7 @@ class WorkerService(Draining):
                 self._cancel(msg.job_id, msg.attempt)
             elif isinstance(msg, P.JobFinishedAck):
                 self.unconfirmed.confirmed(msg.job_id, msg.attempt)
+                self.unconfirmed_releases.confirmed(msg.job_id, msg.attempt)
             elif isinstance(msg, P.GatewayWelcome):
                 self.by_gateway[msg.gateway_id] = sock
             elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
@@ -256,8 +259,10 @@ class WorkerService(Draining):
                 self._send(sock, P.JobTokens(job.job_id, job.attempt, 0, list(job.tokens)))
 
     def _resend_unconfirmed(self) -> None:
-        due = self.unconfirmed.due(self.clock())
-        if not due:
+        now = self.clock()
+        due = self.unconfirmed.due(now)
+        releases = self.unconfirmed_releases.due(now)
+        if not due and not releases:
             return
         # To every gateway: the one that dispatched it may be restarting, or gone for good, and any gateway can
         # store a completion (the lease in Redis says whose it is); the others take their copy as stale. A hello
@@ -270,6 +275,10 @@ class WorkerService(Draining):
             for sock in self.sockets:
                 self._send(sock, late)
             self.unconfirmed.sent(msg, now)
+        for msg, _ in releases:
+            for sock in self.sockets:
+                self._send(sock, msg)
+            self.unconfirmed_releases.sent(msg, now)
 
     def _step(self) -> None:
         self.rates.before_step()
