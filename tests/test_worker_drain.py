@@ -60,10 +60,10 @@ class FakeGateway:
         raise AssertionError("the worker did not send what was expected; seen: "
                              f"{[type(m).__name__ for _, m in self.seen][-20:]}")
 
-    def dispatch(self, job_id: str, max_tokens: int, tier: str = "P2") -> None:
+    def dispatch(self, job_id: str, max_tokens: int, tier: str = "P2", attempt: int = 1) -> None:
         prompt = [random.Random(job_id).randrange(3, 500) for _ in range(12)]
         self.sock.send_multipart([self.ident, P.encode(P.DispatchJob(
-            job_id, 1, tier, "t", prompt, max_tokens, 0.0, 1.0, None, 1, "gw", ignore_eos=True))])
+            job_id, attempt, tier, "t", prompt, max_tokens, 0.0, 1.0, None, 1, "gw", ignore_eos=True))])
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -56,6 +56,9 @@ class Unconfirmed:
     def confirmed(self, job_id: str, attempt: int) -> None:
         self._pending.pop((job_id, attempt), None)
 
+    def attempts(self) -> list[tuple[str, int]]:
+        return list(self._pending)
+
     def job_ids(self) -> list[str]:
         return [job_id for job_id, _ in self._pending]
 

@@ -200,6 +200,15 @@ class WorkerService(Draining):
 
     def _dispatch(self, sock: zmq.Socket, msg: P.DispatchJob) -> None:
         reply = self.by_gateway.get(msg.reply_to, sock)
+        newest = max([a for j, a in self.unconfirmed.attempts() if j == msg.job_id]
+                     + ([self.jobs[msg.job_id].attempt] if msg.job_id in self.jobs else []), default=0)
+        if msg.attempt <= newest:
+            # A copy of a frame, or an older attempt's delayed past a newer one (on another gateway's connection):
+            # run, it would start the current attempt over, or replace it with one whose frames are all stale.
+            self.counters["duplicate_dispatches" if msg.attempt == newest else "stale_dispatches"] += 1
+            log.warning("dropped a dispatch of job %s attempt %d: attempt %d is here", msg.job_id, msg.attempt,
+                        newest)
+            return
         if msg.job_id in self.jobs:  # re-dispatched here after its lease expired: start over
             self.engine.abort(msg.job_id)
             del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever

@@ -1,0 +1,44 @@
+"""A worker given a dispatch frame twice, or an older attempt's after a newer one (a frame duplicated, or delayed
+on another gateway's connection): the attempt it runs is the newest it was sent, and it runs once.
+
+A real WorkerService (bench model, real ZeroMQ) facing a gateway socket the test drives (tests/test_worker_drain).
+"""
+
+from __future__ import annotations
+
+import time
+
+from common import protocol as P
+from tests.test_worker_drain import draining_worker, is_  # noqa: F401 - the fixture, used by name
+
+
+def tokens_of(gateway, job_id: str, attempt: int) -> list[P.JobTokens]:
+    return [m for _, m in gateway.seen if isinstance(m, P.JobTokens) and m.job_id == job_id and m.attempt == attempt]
+
+
+def test_a_duplicated_dispatch_does_not_start_the_job_over(draining_worker):  # noqa: F811
+    """The copy restarted the job: its tokens were streamed from index 0 again and its work done twice."""
+    service, gateway, _ = draining_worker
+    gateway.dispatch("job", 300)
+    gateway.receive(lambda m: isinstance(m, P.JobTokens) and m.job_id == "job" and m.index + len(m.token_ids) > 20)
+    gateway.dispatch("job", 300)  # the same attempt again
+    done = gateway.receive(is_(P.JobFinished, "job"), timeout_s=120)
+    assert done.state == "done" and done.num_tokens == 300
+    starts = [m.index for m in tokens_of(gateway, "job", 1)]
+    assert starts == sorted(starts) and starts.count(0) == 1, f"streamed from the start again: {starts}"
+    assert service.counters["duplicate_dispatches"] == 1
+
+
+def test_an_older_attempts_dispatch_after_a_newer_one_is_dropped(draining_worker):  # noqa: F811
+    """Run, the older attempt replaced the current one: its tokens and completion were stale at every gateway,
+    while its reports (which name jobs, not attempts) kept the current attempt's lease alive for nothing."""
+    service, gateway, _ = draining_worker
+    gateway.dispatch("job", 200, attempt=2)
+    gateway.receive(is_(P.JobTokens, "job"))
+    gateway.dispatch("job", 200, attempt=1)  # delayed: sent before the lease that ended it moved on
+    done = gateway.receive(is_(P.JobFinished, "job"), timeout_s=120)
+    assert (done.attempt, done.state, done.num_tokens) == (2, "done", 200)
+    time.sleep(0.3)
+    assert not tokens_of(gateway, "job", 1) and not [m for _, m in gateway.seen if isinstance(m, P.JobFinished)
+                                                     and m.attempt == 1]
+    assert service.counters["stale_dispatches"] == 1
