@@ -59,6 +59,10 @@ class ClientApi:
             "seed": req.seed if req.seed is not None else random.getrandbits(63),
             "trace_context": parent, "ignore_eos": req.ignore_eos,
         })
+        # A P0 the quota may downgrade is shed, and told its wait, as the P1 it becomes: the P0 wait counts none of
+        # the P1 queue. Estimated first, so the estimate dump holds the P0's (as the job was asked for).
+        downgrade = (self.estimator.for_new(t.name, Tier.P1, now)
+                     if quota is not None and quota.on_exhausted == "downgrade" else None)
         estimate = self.estimator.for_new(t.name, adm.tier_requested, now)
         # No worker known, no capacity behind the estimate: nothing to promise on.
         promise = promises.promise_s(adm.tier_requested, estimate if self.workers.workers else None,
@@ -68,7 +72,8 @@ class ClientApi:
                                   tier=adm.tier_requested, payload=payload,
                                   idempotency_key=req.idempotency_key, quota=quota,
                                   drain_rate_per_s=self.drain_rates(now), estimate_s=estimate, promise_s=promise,
-                                  fingerprint=admission.fingerprint(req, adm) if req.idempotency_key else None)
+                                  fingerprint=admission.fingerprint(req, adm) if req.idempotency_key else None,
+                                  downgrade_estimate_s=downgrade)
         if isinstance(result, IdempotencyMismatch):
             return self._error_for(InvalidRequest(
                 f"idempotency_key {req.idempotency_key!r} was used for another request (job {result.job_id}); "
@@ -91,7 +96,7 @@ class ClientApi:
         if isinstance(result, Overloaded):
             self.counters["refused_overloaded"] += 1
             return P.ErrorReply("overloaded", f"estimated wait {result.estimated_wait_s:.1f}s exceeds the "
-                                f"{adm.tier_requested.value} queue timeout", estimated_wait_s=result.estimated_wait_s)
+                                f"{result.tier.value} queue timeout", estimated_wait_s=result.estimated_wait_s)
         assert isinstance(result, Admitted)
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)

@@ -98,6 +98,7 @@ class RedisQueue(QueueSweeps):
         self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int | None = None,
         idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
         estimate_s: float | None = None, promise_s: float | None = None, fingerprint: str | None = None,
+        downgrade_estimate_s: float | None = None,
     ) -> AdmitResult:  # fmt: skip
         """Admit a job with one script call (see common/lua/admit.lua for the rules).
 
@@ -105,7 +106,9 @@ class RedisQueue(QueueSweeps):
         ``promise_s``: for a P2 or P3 job, when from now its promised start falls due (gateway/promises.py); None:
         no promise. ``fingerprint``: what the request asks for (gateway/admission.fingerprint), stored with the
         idempotency key: a later request under the key with another fingerprint is refused (IdempotencyMismatch),
-        one with the same is the first job's duplicate; None: any request under the key is."""
+        one with the same is the first job's duplicate; None: any request under the key is.
+        ``downgrade_estimate_s``: the wait of the job as a P1, stored and shed on if the quota downgrades it (the
+        wait asked for with ``estimate_s`` is a P0's, which no P1 job delays); None: estimated from the drain rates."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
         rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
@@ -122,18 +125,19 @@ class RedisQueue(QueueSweeps):
             repr(quota.burst) if quota else "0", quota.on_exhausted if quota else "refuse",
             str(self.tenant_max_jobs),
         ]  # fmt: skip
-        if estimate_s is not None:
-            if not math.isfinite(estimate_s) or estimate_s < 0:
-                raise ValueError(f"estimate_s must be finite and >= 0, got {estimate_s}")
-            args.append(repr(float(estimate_s)))
-        if promise_s is not None:
-            if estimate_s is None or not math.isfinite(promise_s) or promise_s < 0:
-                raise ValueError(f"promise_s must be finite and >= 0, with an estimate_s; got {promise_s}")
-            args.append(str(int(promise_s * 1000)))
-        if fingerprint is not None:
-            if not fingerprint or " " in fingerprint:
-                raise ValueError(f"a fingerprint is a non-empty string without spaces, got {fingerprint!r}")
-            args += [""] * (21 - len(args)) + [fingerprint]  # ARGV[20..21] stay optional
+        for name, value in (("estimate_s", estimate_s), ("downgrade_estimate_s", downgrade_estimate_s)):
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if promise_s is not None and (estimate_s is None or not math.isfinite(promise_s) or promise_s < 0):
+            raise ValueError(f"promise_s must be finite and >= 0, with an estimate_s; got {promise_s}")
+        if fingerprint is not None and (not fingerprint or " " in fingerprint):
+            raise ValueError(f"a fingerprint is a non-empty string without spaces, got {fingerprint!r}")
+        args += [  # ARGV[20..23], each optional: "" for none
+            "" if estimate_s is None else repr(float(estimate_s)),
+            "" if promise_s is None else str(int(promise_s * 1000)),
+            fingerprint or "",
+            "" if downgrade_estimate_s is None else repr(float(downgrade_estimate_s)),
+        ]
         try:
             reply = self._scripts["admit"](keys=keys, args=args)
         except redis.ResponseError as e:

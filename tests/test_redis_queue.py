@@ -263,6 +263,29 @@ def test_overload_refuses_with_the_estimate_and_changes_nothing(queue, client, k
     assert isinstance(admit(queue, "z", P3, rates={}), Admitted)
 
 
+
+def test_a_downgraded_p0_is_shed_and_told_its_wait_as_a_p1_not_as_the_p0_it_asked_for(queue, client, keys):
+    # The gateway's estimate for a P0 counts no P1 job: one the quota downgrades into a deep P1 queue was admitted
+    # on it, told a P0's wait, and expired in that queue instead of being refused.
+    spent = QuotaSpec(rate_per_s=0.001, burst=1, on_exhausted="downgrade")
+    assert queue.admit(job_id="x", tenant="t", tier_requested=P0, tier=P0, payload=b"x", idempotency_key=None,
+                       quota=spent, drain_rate_per_s={}, estimate_s=0.5, downgrade_estimate_s=99.0).tier is P0
+
+    def again(job_id: str, **kw):
+        return queue.admit(job_id=job_id, tenant="t", tier_requested=P0, tier=P0, payload=b"y", idempotency_key="k",
+                           quota=spent, drain_rate_per_s={t: 10.0 for t in ALL}, estimate_s=0.5, **kw)
+
+    before = snapshot(client, keys)
+    assert again("y", downgrade_estimate_s=80.0) == Overloaded(80.0, P1, 60.0)
+    assert snapshot(client, keys) == before  # nothing stored, nothing charged
+    got = again("y", downgrade_estimate_s=12.5)
+    assert isinstance(got, Admitted) and got.tier is P1 and got.estimated_wait_s == 12.5
+    assert queue.get("y").estimate_s == 12.5
+    # Without the P1 estimate, the drain rates estimate it (x and y ahead, at 10 jobs/s each), not the P0 one.
+    got = queue.admit(job_id="z", tenant="t", tier_requested=P0, tier=P0, payload=b"z", idempotency_key=None,
+                      quota=spent, drain_rate_per_s={t: 10.0 for t in ALL}, estimate_s=0.5)
+    assert isinstance(got, Admitted) and got.tier is P1 and got.estimated_wait_s == pytest.approx(0.2)
+
 # --- dispatch ----------------------------------------------------------------------------------
 def test_peek_orders_by_tier_then_enqueue_time(queue):
     admit(queue, "a", P3, now_ms=T0 + 1)

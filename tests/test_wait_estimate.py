@@ -16,6 +16,7 @@ import pytest
 from common.errors import JobExpired, Overloaded
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import job_hash, job_ids, local_cluster, wait_for
+from tests.durable_cluster import DurableCluster
 
 
 def client(cluster, tenant: str) -> GatewayClient:
@@ -207,3 +208,37 @@ def test_the_wait_ends_at_the_first_prefill_even_when_the_job_is_redispatched(ti
         assert job_hash(c, job.id)["attempt"] == "2" and len(r.token_ids) == 1500
         assert 0 <= r.queued_s <= first_token_after < r.total_s
         assert r.queued_s == pytest.approx(float(job_hash(c, job.id)["queued_s"]))
+
+
+def test_a_p0_the_quota_downgrades_is_shed_on_the_p1_wait(tiny_model_dir, tmp_path):
+    # chat-co's P0 bucket holds one job and a spent one downgrades to P1. The gateway estimated the P0 wait (which
+    # no P1 job delays) and admit.lua shed the downgraded job on it: into a P1 queue a P1 job is refused from, it
+    # was admitted, told a P0's wait, and expired there instead.
+    env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 5, "P2": 300}'}
+    c = DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1, gateway_env=env)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(tenants.read_text().replace("p0_burst = 4", 'p0_burst = 1\non_quota_exhausted = "downgrade"'))
+    with c:
+        api, chat = c.client("api-co"), c.client("chat-co")
+        queued = []
+        for _ in range(200):  # P1 jobs until the P1 queue holds over 5 s of work: how many fit depends on the machine
+            try:
+                queued.append(api.submit(prompt_token_ids=[6], max_tokens=2000, tier="P1", ignore_eos=True))
+            except Overloaded as over:
+                assert over.estimated_wait_s > 5
+                break
+        else:
+            pytest.fail("200 jobs of 2,000 tokens each fit in a 5 s wait")
+        first = chat.submit(prompt_token_ids=[7], max_tokens=2, tier="P0")  # the bucket's one token: no P1 ahead
+        assert first.tier == "P0" and first.estimated_wait_s < 30
+        prefix = "ts:{c}:job:"
+        before = set(c.redis.scan_iter(match=prefix + "*", count=1000))
+        bucket = c.redis.hgetall("ts:{c}:quota:chat-co")
+        with pytest.raises(Overloaded) as over:
+            late = chat.submit(prompt_token_ids=[8], max_tokens=2, tier="P0")
+            pytest.fail(f"admitted as {late.tier}, told {late.estimated_wait_s:.1f}s, behind {len(queued)} P1 jobs")
+        assert over.value.estimated_wait_s > 5 and "P1 queue timeout" in str(over.value)
+        assert set(c.redis.scan_iter(match=prefix + "*", count=1000)) == before  # nothing stored
+        assert c.redis.hgetall("ts:{c}:quota:chat-co") == bucket  # a refusal charges nothing
+        for j in queued:
+            api.cancel(j.id)

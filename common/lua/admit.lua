@@ -26,6 +26,8 @@
 -- ARGV[20]    optional: the caller's wait estimate in s (gateway/estimate.py), used instead of the one below
 -- ARGV[21]    optional: ms from now at which a P2 or P3 job's promised start falls due (gateway/promises.py); "": none
 -- ARGV[22]    optional: the request's fingerprint (no spaces), stored with the idempotency key; "": none
+-- ARGV[23]    optional: the caller's wait estimate in s for the job as a P1, used instead of ARGV[20] when the quota
+--             downgrades it (ARGV[20] is the P0 wait, which counts no P1 job); "": the estimate below
 --
 -- Returns one of:
 --   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms}
@@ -124,8 +126,12 @@ for r = 0, rank do
     ahead = ahead + depth
     estimate = estimate + depth / tonumber(ARGV[12 + r])
 end
-if ARGV[20] and ARGV[20] ~= '' then
-    estimate = tonumber(ARGV[20])
+local given = ARGV[20]
+if tier ~= ARGV[4] then
+    given = ARGV[23]  -- downgraded: the caller's estimate was for the tier asked, not for this one
+end
+if given and given ~= '' then
+    estimate = tonumber(given)
 end
 local timeout_ms = tonumber(ARGV[8 + rank])
 if timeout_ms >= 0 and estimate * 1000 > timeout_ms then
