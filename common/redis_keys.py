@@ -48,7 +48,8 @@ key                     type         contents and lifetime
                                      queues. Member while queued in P2 or P3.
 ``deadlines``           sorted set   index: queued job id -> the ms at which its queue timeout
                                      expires (enqueue + timeout of the tier granted at
-                                     admission). Member while queued, if the tier has a timeout.
+                                     admission; a requeue starts the timeout again). Member while
+                                     queued, if the tier has a timeout.
 ``promises``            sorted set   index: queued P3 job id -> the ms its promised start falls
                                      due (``promise_at_ms``), when promote.lua moves it to P2 (see
                                      gateway/promises.py). Member from admission until claimed; an
@@ -60,7 +61,7 @@ client), ``tier_granted`` (at admission, after any quota downgrade), ``state`` (
 dispatched | done | failed | expired | cancelled | dead), ``payload`` (bytes, opaque: the
 gateway's msgpack request), ``enqueued_at_ms``, ``tier_since_ms`` (entered current tier),
 ``attempt`` (0 at admission, +1 per claim), ``estimate_s`` (wait estimate at admission),
-``deadline_ms`` (queue deadline, absent if the tier has none), ``promise_at_ms`` (when its
+``deadline_ms`` (queue deadline, absent if the tier has none; moved on by a requeue), ``promise_at_ms`` (when its
 promise falls due, P3 only), ``promoted_at_ms`` (when it did), ``worker`` and ``gateway``
 (holder while dispatched), ``dispatched_at_ms``, ``reason`` (why it failed, expired, died or was
 cancelled), ``finished_at_ms``, plus any result fields given to complete().

@@ -528,6 +528,29 @@ def test_expire_uses_the_timeout_of_the_tier_granted_at_admission(queue, client,
     assert queue.get("never").state is JobState.QUEUED and queue.get("held").state is JobState.DISPATCHED
 
 
+@pytest.mark.parametrize("handed_back", [False, True])
+def test_a_requeued_job_gets_its_queue_timeout_again_from_the_requeue(queue, client, keys, handed_back):
+    # The queue timeout bounds a wait for a slot. A job that got one, ran past its admission's deadline and lost
+    # it (its worker died, or drained and handed it back) went back to its queue with that deadline still in the
+    # index: the next maintenance pass expired it, streamed tokens and all, instead of resuming it elsewhere.
+    admit(queue, "a", P0, now_ms=T0)
+    queue.claim(["a"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=1000)
+    queue.extend_leases("w", ["a"], T0 + 40_000, 1000)  # it runs on past its 30 s deadline
+    if handed_back:
+        assert queue.release("a", 1, "w")
+    assert [s[:2] for s in queue.requeue_expired(T0 + 41_000, max_attempts=3)] == [("a", "queued")]
+    assert queue.expire(T0 + 41_001) == [] and queue.get("a").state is JobState.QUEUED
+    assert queue.expire(T0 + 41_000 + 29_999) == []
+    assert queue.expire(T0 + 41_000 + 30_000) == ["a"]  # 30 s more without a slot: that is a queue timeout
+    assert queue.get("a").reason == "queue timeout of 30s for tier P0 exceeded"
+    # Requeued before its deadline, it keeps at least the rest of its wait, and the reason its tier's timeout.
+    admit(queue, "b", P1, now_ms=T0)
+    queue.claim(["b"], worker="w", gateway="g", now_ms=T0 + 10, lease_ms=1000)
+    assert [s[:2] for s in queue.requeue_expired(T0 + 2000, max_attempts=3)] == [("b", "queued")]
+    assert queue.expire(T0 + 60_000) == [] and queue.expire(T0 + 62_000) == ["b"]
+    assert queue.get("b").reason == "queue timeout of 60s for tier P1 exceeded"
+
+
 def test_cancel_queued_and_dispatched_jobs(queue, client, keys):
     admit(queue, "q", P2)
     admit(queue, "d", P0)

@@ -1,5 +1,5 @@
--- expire.lua: end queued jobs whose queue deadline (enqueue time + timeout of the tier
--- granted at admission) has passed. Step two of expire(): step one read due ids from the
+-- expire.lua: end queued jobs whose queue deadline (enqueue time, or the last requeue's, + timeout
+-- of the tier granted at admission) has passed. Step two of expire(): step one read due ids from the
 -- deadlines index; this re-verifies each (still queued, deadline <= now).
 --
 -- KEYS[1..4]  queue zsets of P0..P3
@@ -17,10 +17,10 @@ local expired = {}
 for i = 7, #KEYS do
     local job_key, job_id = KEYS[i], ARGV[i - 4]
     local f = redis.call('HMGET', job_key, 'state', 'tier', 'tier_granted', 'deadline_ms',
-        'enqueued_at_ms')
+        'enqueued_at_ms', 'requeued_at_ms')
     local deadline = tonumber(f[4])
     if f[1] == 'queued' and deadline and deadline <= now then
-        local timeout_s = (deadline - tonumber(f[5])) / 1000
+        local timeout_s = (deadline - tonumber(f[6] or f[5])) / 1000  -- a requeue restarts the wait (requeue.lua)
         redis.call('ZREM', KEYS[tonumber(string.sub(f[2], 2)) + 1], job_id)
         redis.call('ZREM', KEYS[5], job_id)
         redis.call('ZREM', KEYS[6], job_id)

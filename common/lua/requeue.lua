@@ -1,8 +1,9 @@
 -- requeue.lua: settle leases that expired. Step two of requeue_expired(): step one read
 -- the expired ids from inflight; this re-verifies each (still in inflight, expiry <= now,
 -- still dispatched). A job tried fewer than max_attempts times goes back to the queue of
--- its current tier with its original enqueue score (attempt kept; the next claim adds 1);
--- otherwise it is dead-lettered. Attempts its workers handed back (release.lua) do not count.
+-- its current tier with its original enqueue score (attempt kept; the next claim adds 1) and its
+-- whole queue timeout from now (deadline_ms); otherwise it is dead-lettered. Attempts its workers
+-- handed back (release.lua) do not count.
 --
 -- KEYS[1..4]  queue zsets of P0..P3
 -- KEYS[5]     inflight zset
@@ -27,7 +28,7 @@ for i = 9, #KEYS do
     local expiry = tonumber(redis.call('ZSCORE', KEYS[5], job_id))
     if expiry and expiry <= now then
         local f = redis.call('HMGET', job_key, 'state', 'attempt', 'tier', 'enqueued_at_ms',
-            'tier_since_ms', 'deadline_ms', 'worker', 'releases')
+            'tier_since_ms', 'deadline_ms', 'worker', 'releases', 'requeued_at_ms')
         redis.call('ZREM', KEYS[5], job_id)
         -- A non-dispatched job cannot hold a lease; such an entry is only dropped.
         if f[1] == 'dispatched' then
@@ -63,7 +64,12 @@ for i = 9, #KEYS do
                     redis.call('ZADD', KEYS[7], f[5], job_id)
                 end
                 if f[6] then
-                    redis.call('ZADD', KEYS[8], f[6], job_id)
+                    -- The queue timeout bounds a wait for a slot, and this job had one: it gets its whole timeout
+                    -- again from now. Its admission's deadline may have passed while it ran, and expire.lua would
+                    -- end a job it should resume. The timeout is the deadline less when its wait began.
+                    local deadline = now + tonumber(f[6]) - tonumber(f[9] or f[4])
+                    redis.call('HSET', job_key, 'deadline_ms', deadline)
+                    redis.call('ZADD', KEYS[8], deadline, job_id)
                 end
                 settled[#settled + 1] = job_id
                 settled[#settled + 1] = 'queued'
