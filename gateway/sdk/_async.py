@@ -62,11 +62,16 @@ class _Connection:
                 log.warning("gateway %s sent an unreadable frame: %s", self.endpoint, e)
                 continue
             if msg.request_id is None and isinstance(msg, P.ErrorReply):
-                # The gateway could not read one of our frames far enough to find its request id (an unknown
-                # API key is refused before the rest is decoded). Every call here shares that key, so every
-                # waiting call gets the answer rather than waiting out its timeout.
-                for waiting in list(self.inboxes.values()):
-                    waiting.put_nowait(msg)
+                # The gateway could not read one of our frames far enough to find its request id. An unknown
+                # API key (refused before the rest is decoded) concerns every call here, which all share the
+                # key: each gets the answer rather than waiting out its timeout. Any other such error belongs
+                # to one call that cannot be told apart: handed to all, it failed every stream beside it.
+                if msg.code == "unauthorized":
+                    for waiting in list(self.inboxes.values()):
+                        waiting.put_nowait(msg)
+                else:
+                    self.dropped += 1
+                    log.warning("gateway %s refused a frame it could not attribute: %s", self.endpoint, msg.message)
                 continue
             inbox = self.inboxes.get(msg.request_id)
             if inbox is None:

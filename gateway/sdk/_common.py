@@ -180,8 +180,28 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
             raise InvalidRequest(f"{name} must be in [{least}, 2**63), got {value!r}", field=name)
     if prompt_token_ids and not INT64[0] <= min(prompt_token_ids) <= max(prompt_token_ids) < INT64[1]:
         raise InvalidRequest("prompt_token_ids must fit in 64 bits", field="prompt_token_ids")
-    return P.SubmitRequest(**fields | dict(temperature=float(temperature), top_p=float(top_p)),
-                           trace_context=tracing.carrier())
+    if prompt_token_ids is not None and len(prompt_token_ids) > P.MAX_LIST_LEN:
+        raise InvalidRequest(f"prompt_token_ids has {len(prompt_token_ids)} ids; a request carries at most "
+                             f"{P.MAX_LIST_LEN}", field="prompt_token_ids")
+    req = P.SubmitRequest(**fields | dict(temperature=float(temperature), top_p=float(top_p)),
+                          trace_context=tracing.carrier())
+    check_frame_size(req, ("prompt", "prompt_token_ids", "idempotency_key"))
+    return req
+
+
+# What a request id adds to a frame, at most: the key, the string and their headers.
+_REQUEST_ID_BYTES = len("request_id") + P.MAX_REQUEST_ID_LEN + 8
+
+
+def check_frame_size(msg, fields: tuple[str, ...]) -> None:
+    """InvalidRequest naming the largest of ``fields`` if ``msg`` would not fit in one frame. A gateway cannot
+    read such a frame far enough to find its request id (over the size limit ZeroMQ even drops the connection),
+    so its refusal could reach no caller: better refused here, where it is this call's alone."""
+    size = len(P.encode(msg)) + _REQUEST_ID_BYTES
+    if size > P.MAX_MESSAGE_BYTES:
+        field = max(fields, key=lambda f: len(getattr(msg, f) or ""))
+        raise InvalidRequest(f"the request is {size} bytes; a frame carries at most {P.MAX_MESSAGE_BYTES} "
+                             f"(its {field} is the largest part)", field=field)
 
 
 def with_request_id(msg, request_id: str):
