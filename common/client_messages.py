@@ -50,6 +50,10 @@ class StreamRequest:
     job_id: str
     from_index: int = 0
     request_id: str | None = None
+    # True: the client stops reading the stream that ``request_id`` opened (it gave up on it, or failed over):
+    # the gateway forgets that subscription and answers nothing. Otherwise it is kept, with its keepalives and
+    # a copy of every token, until the job ends.
+    unsubscribe: bool = False
 
 
 @dataclass(frozen=True)

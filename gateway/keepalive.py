@@ -23,6 +23,11 @@ class Keepalives:
         """``peer`` now waits on ``job_id``'s stream."""
         self._streams[peer] = (job_id, now)
 
+    def forget(self, peer: Hashable, job_id: str) -> None:
+        """``peer`` no longer waits on ``job_id``'s stream."""
+        if self._streams.get(peer, ("",))[0] == job_id:
+            del self._streams[peer]
+
     def sent(self, peer: Hashable, now: float, final: bool) -> None:
         """A frame went to ``peer``; ``final``: its stream ended (JobDone or an error)."""
         if final:

@@ -26,6 +26,12 @@ class Streaming:
     """Handler of StreamRequest, the Redis token log (write and follow), TokenChunk / JobDone frames."""
 
     def on_stream(self, ident: bytes, req: P.StreamRequest) -> None:
+        if req.unsubscribe:  # ``ident`` names the connection and the request id: only its own client can
+            s = self.streams.streams.get(req.job_id)  # name it, so there is nothing more to check
+            if s is not None:
+                s.subscribers.pop(ident, None)
+            self.keepalives.forget(ident, req.job_id)
+            return
         live = self.streams.streams.get(req.job_id)
         tenant = self.tenants.lookup(req.api_key)
         if live is not None and tenant is not None and live.tenant == tenant.name:

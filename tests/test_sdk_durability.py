@@ -152,6 +152,38 @@ def test_result_without_timeout_waits_for_a_job_queued_longer_than_timeout_s(idl
         client.close()
 
 
+def test_a_stream_the_client_gave_up_on_is_forgotten_by_its_gateway(idle_cluster):
+    """Each wait that gave up (result(timeout=...), a cancelled task) left its subscription at the gateway until the
+    job ended: a keepalive and a Redis read for each, every keepalive interval, for as long as the job waited (a P3
+    job may wait for ever), and a copy of every token once it ran. Polling a queued job made that grow without
+    bound; the client dropped every such frame as answering nobody."""
+    c = idle_cluster
+
+    async def main():
+        async with AsyncGatewayClient(c["gateway"], c["tenants"]["lab-co"]["api_key"], timeout_s=5) as client:
+            job = await client.submit(prompt_token_ids=[4, 5, 6], max_tokens=3, ignore_eos=True)
+            try:
+                for _ in range(20):
+                    with pytest.raises(TimeoutError):
+                        await job.result(timeout=0.05)
+                waiting = asyncio.create_task(job.result())
+                await asyncio.sleep(1.0)  # it gets keepalives meanwhile
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                conn = next(iter(client._conns.values()))
+                await asyncio.sleep(1.0)  # frames already on their way when it gave up
+                before = conn.dropped
+                await asyncio.sleep(2.0)  # over six keepalive intervals (KEEPALIVE_ENV)
+                return conn.dropped - before, (await job.status()).state
+            finally:
+                await job.cancel()
+
+    unread, state = asyncio.run(main())
+    assert state == "queued"
+    assert unread == 0, f"{unread} frames sent to streams nobody reads any more"
+
+
 # -- a cluster of two gateways and one worker -------------------------------------------------------------------------
 
 

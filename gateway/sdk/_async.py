@@ -87,10 +87,22 @@ class _Connection:
             # the wait for the answer times out and the call retries or fails over like on a silent gateway.
             self.dropped += 1
 
+    def send_nowait(self, msg) -> None:
+        """As send, from code that may not await: a stream's ``finally`` while its task is being cancelled."""
+        try:
+            self.sock.send(P.encode(msg), zmq.NOBLOCK).add_done_callback(_retrieved)
+        except Exception:  # noqa: BLE001 - its socket or loop already closed: nobody is left to tell
+            self.dropped += 1
+
     def close(self) -> None:
         if not self._reader.get_loop().is_closed():
             self._reader.cancel()
         self.sock.close(linger=0)
+
+
+def _retrieved(sent: asyncio.Future) -> None:
+    if not sent.cancelled():
+        sent.exception()  # a full or missing pipe: the unsubscription is lost, which costs only its keepalives
 
 
 class AsyncJob(JobBase):
@@ -199,7 +211,7 @@ class AsyncGatewayClient:
                 msg = await _next(inbox, st.wait_s())
                 if msg is None:
                     if st.on_silence():
-                        conn.inboxes.pop(st.request_id, None)
+                        self._leave(conn, st)
                         self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"),
                                         conn.endpoint)
                         conn = None
@@ -208,7 +220,7 @@ class AsyncGatewayClient:
                     chunk = st.on_frame(msg)
                 except RETRYABLE as e:
                     pause = st.on_failure(e)
-                    conn.inboxes.pop(st.request_id, None)
+                    self._leave(conn, st)
                     await asyncio.sleep(pause)
                     self._fail_over(e, conn.endpoint)
                     conn = None
@@ -219,7 +231,15 @@ class AsyncGatewayClient:
             to_result(st.done)  # a job that ended otherwise than done raises here, as result() does
         finally:
             if conn is not None:
-                conn.inboxes.pop(st.request_id, None)
+                self._leave(conn, st)
+
+    def _leave(self, conn: _Connection, st: StreamState) -> None:
+        """Stop reading the stream's subscription; unless the job has ended, tell its gateway, which would
+        otherwise send it keepalives and every token until then (for ever, for a P3 job that waits for ever:
+        each ``result(timeout=...)`` that gave up left one)."""
+        conn.inboxes.pop(st.request_id, None)
+        if st.done is None:
+            conn.send_nowait(st.unsubscribe())
 
     async def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,

@@ -263,6 +263,10 @@ class StreamState:
         self.last_frame = time.monotonic()
         return P.StreamRequest(self.api_key, self.job_id, self.next, request_id=self.request_id)
 
+    def unsubscribe(self) -> P.StreamRequest:
+        """The request that tells the gateway this stream no longer reads the subscription it opened last."""
+        return P.StreamRequest(self.api_key, self.job_id, request_id=self.request_id, unsubscribe=True)
+
     def wait_s(self) -> float:
         """How long to wait for the next frame before on_silence() must decide."""
         now = time.monotonic()
