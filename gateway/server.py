@@ -252,10 +252,15 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             self.keepalives.sent(to, self.clock(), final=isinstance(msg, (P.JobDone, P.ErrorReply)))
         try:
             sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError):
+        except zmq.ZMQError as e:
             self.counters["unroutable"] += 1  # peer gone or its queue full; it can re-subscribe
             if isinstance(to, tuple):
                 self.keepalives.sent(to, 0.0, final=True)
+                if e.errno == zmq.EHOSTUNREACH:
+                    # Its connection is gone (the blocking client closes a stream's socket when its caller stops
+                    # reading), and a connection never comes back: a re-subscription comes on a new one. Kept, the
+                    # subscription had every token batch of its job sent into the void until the job ended.
+                    self.streams.forget_peer(to)
 
     def _unavailable(self) -> P.ErrorReply:
         self.counters["refused_unavailable"] += 1

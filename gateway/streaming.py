@@ -121,7 +121,7 @@ class Streaming:
                 self.leases.pop(job_id, None)
                 rec = self.queue.get(job_id)
                 self.streams.streams.pop(job_id, None)
-                for sub, nxt in s.subscribers.items():
+                for sub, nxt in list(s.subscribers.items()):  # a send may drop a gone peer
                     if rec is not None:
                         self._send_final(sub, rec, nxt)
                 continue
@@ -152,7 +152,7 @@ class Streaming:
                          queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
                          total_s=total, preemptions=preemptions,
                          reason=reason)
-        for sub, nxt in s.subscribers.items():
+        for sub, nxt in list(s.subscribers.items()):  # a send may drop a gone peer
             if nxt < len(s.tokens):
                 self._send(self.clients, sub, P.TokenChunk(job_id, nxt, s.tokens[nxt:],
                                                            self.streams.text(s.tokens[nxt:], s.tokens[:nxt])))

@@ -63,6 +63,11 @@ class StreamTable:
             return s.decoded.text(start)
         return self.text(s.tokens[start:], s.tokens[:start])
 
+    def forget_peer(self, peer: Hashable) -> None:
+        """``peer``'s connection is gone: none of its subscriptions can be read any more."""
+        for s in self.streams.values():
+            s.subscribers.pop(peer, None)
+
     def pending_chunks(self, job_id: str) -> list[tuple[Hashable, int, list[int]]]:
         """(subscriber, start index, token ids) for every subscriber behind; advances them."""
         s = self.streams.get(job_id)

@@ -401,3 +401,34 @@ def test_an_async_client_outlives_its_event_loop(two_gateways):
         other.join(30)
     assert asyncio.run(client.info()).gateway_id  # that loop has ended: this one takes the client over
     client.close()
+
+
+def unroutable(metrics_url: str) -> float:
+    """The gateway's count of replies to clients no longer connected (ts_gateway_events{event="unroutable"})."""
+    import httpx
+
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith('ts_gateway_events_total{event="unroutable"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_stream_whose_blocking_client_closed_its_socket_is_dropped_by_the_gateway(two_gateways):
+    """The blocking client reads each stream on a socket of its own and closes it when the caller stops reading.
+    The gateway kept the subscription until the job ended and sent every token batch into the void (each send
+    refused as unroutable); a connection that is gone can never read again, so the first refusal now ends it."""
+    c = two_gateways
+    key = c["tenants"]["lab-co"]["api_key"]
+    metrics_url = c["metrics"][0]  # gw-0's: gateways are started first
+    client = GatewayClient(c["gateways"][0]["endpoint"], key, timeout_s=10.0)
+    try:
+        job = client.submit(prompt_token_ids=[31, 32], max_tokens=1500, ignore_eos=True, seed=9)
+        chunks = job.stream(timeout=60)
+        next(chunks)  # running, and streaming through gw-0
+        before = unroutable(metrics_url)
+        chunks.close()  # the caller stops reading: its socket closes
+        assert len(job.result(timeout=120).token_ids) == 1500
+        sent_into_the_void = unroutable(metrics_url) - before
+        assert sent_into_the_void <= 2, f"{sent_into_the_void:.0f} frames sent to a stream whose socket is closed"
+    finally:
+        client.close()
