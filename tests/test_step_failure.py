@@ -89,6 +89,44 @@ def test_a_failed_swap_out_makes_the_victim_recompute_instead(tiny_model_dir):
         engine.scheduler.host_blocks.num_blocks
 
 
+def test_a_failed_swap_out_of_a_demoted_keep_suspended_request_makes_it_recompute(tiny_model_dir):
+    """A keep-suspended request whose blocks a P0 takes is demoted to swap in the step: if that step's copies fail,
+    its KV never reached the host. Before, only running victims were recovered: the donor resumed from a host pool
+    it was never copied to and decoded on from garbage (silently wrong tokens)."""
+    cfg = EngineConfig(num_kv_blocks=12, block_size=4, max_num_seqs=2, swap_space_mb=1, min_residency_steps=0,
+                       guard_remaining_tokens=0, recompute_tokens_per_s=1.0, isolate_p0_prefill=False)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = {"a": [5 + i for i in range(8)], "b": [40 + i for i in range(8)]}
+    reference = Engine.from_pretrained(tiny_model_dir, cfg)
+    for rid, prompt in prompts.items():
+        reference.add_request(rid, prompt, params, tier="P3")
+    expected, _ = _run(reference)
+
+    engine = Engine.from_pretrained(tiny_model_dir, cfg)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params, tier="P3")
+    tokens, _ = _run(engine, max_steps=3)
+    engine.add_request("p0a", [100, 101, 102, 103], SamplingParams(max_tokens=12, ignore_eos=True), tier="P0")
+    for o in engine.step():  # p0a takes b's slot; b keeps its blocks (only the slot was needed)
+        tokens[o.request_id] = tokens.get(o.request_id, []) + o.new_token_ids
+    b = engine.get_request("b")
+    assert b.preempt_mode == "keep" and engine.blocks.has_blocks("b")
+    # p0b needs more blocks than are free: b gives up its blocks by swap (cheaper than recompute at 1 token/s).
+    engine.add_request("p0b", [200 + i for i in range(12)], SamplingParams(max_tokens=8, ignore_eos=True), tier="P0")
+    _fail_once(engine.runner, "copy_blocks", 1, RuntimeError("copy engine fault"))
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["p0a", "p0b"]
+    assert engine.scheduler.stats.demotions == 1
+    assert b.preempt_mode == "recompute" and b.num_computed_tokens == 0
+    assert not engine.scheduler.host_blocks.has_blocks("b")
+    rest, outs = _run(engine)
+    for rid in prompts:
+        assert tokens[rid] + rest.get(rid, []) == expected[rid], rid
+        assert outs[rid].finish_reason is FinishReason.LENGTH
+    assert engine.kv_usage().num_used == 0
+    assert engine.scheduler.host_blocks.num_free == engine.scheduler.host_blocks.num_blocks
+
+
 def test_the_worker_reports_a_failed_step_and_keeps_serving(tiny_model_dir):
     import threading
 

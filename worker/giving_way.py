@@ -36,6 +36,7 @@ class GivingWay:
             host = self.host_blocks.allocate(req.request_id, req.num_computed_tokens)
             dev_ids = tuple(self.blocks.block_table(req.request_id)[:k])
             self._copies.append(BlockCopy(True, dev_ids, host.block_table))
+            self._swapped_out.append(req)
             moved = k * self.preemption.config.bytes_per_block
             self.stats.bytes_swapped += moved
             freed = self.blocks.free(req.request_id)

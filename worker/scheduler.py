@@ -64,6 +64,7 @@ class Scheduler(GivingWay):
         self._copies: list[BlockCopy] = []
         self._new_decisions: list[PreemptionDecision] = []
         self._preempted: list[Request] = []
+        self._swapped_out: list[Request] = []
 
     @property
     def num_recompute_preemptions(self) -> int:
@@ -159,8 +160,8 @@ class Scheduler(GivingWay):
             chunks.append(self._chunk(req, n))
             budget -= n
 
-        out = SchedulerOutput(chunks, self._preempted, self._copies, self._new_decisions)
-        self._preempted, self._copies, self._new_decisions = [], [], []
+        out = SchedulerOutput(chunks, self._preempted, self._copies, self._new_decisions, self._swapped_out)
+        self._preempted, self._copies, self._new_decisions, self._swapped_out = [], [], [], []
         return out
 
     def _low_slots_free(self) -> int:

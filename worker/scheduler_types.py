@@ -32,6 +32,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)  # running requests that gave way this step
     copies: list[BlockCopy] = field(default_factory=list)  # must run in order, before the forward pass
     decisions: list[PreemptionDecision] = field(default_factory=list)  # taken and declined, for tracing
+    # Whose KV the copies move to the host: running victims and keep-suspended requests demoted to swap (these
+    # are not in ``preempted``). If the copies fail, each must resume by recompute (worker/step_failure.py).
+    swapped_out: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

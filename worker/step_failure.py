@@ -2,9 +2,9 @@
 runner or the sampler): the requests in that step end with ``FinishReason.ERROR`` and a reason, their
 KV blocks go back to the pool, and everything else keeps its place.
 
-Requests outside the step are untouched, except one case: a victim that was to be swapped out in
-this step, when the copies themselves failed, may have lost its KV on the way, so it resumes by
-recompute instead.
+Requests outside the step are untouched, except one case: a request that was to be swapped out in
+this step (a running victim, or a keep-suspended one demoted to swap), when the copies themselves
+failed, may have lost its KV on the way, so it resumes by recompute instead.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def fail_step(engine, sched: SchedulerOutput, error: BaseException, copies_done:
               exc_info=error)
     _release_cached_device_memory(engine.runner)
     if not copies_done:
-        for req in sched.preempted:
+        for req in sched.swapped_out:
             if req.preempt_mode == PreemptMode.SWAP.value and not req.is_finished:
                 engine.scheduler.swap_lost(req)
     now = time.monotonic()
