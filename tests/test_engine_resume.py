@@ -53,6 +53,22 @@ def test_resumed_output_is_cut_before_an_eos_and_leaves_a_token_to_generate(engi
         engine.abort(rid)
 
 
+def test_resumed_output_is_cut_before_a_stop_token_and_the_result_ends_there(engine):
+    """A stop token ends a request as an EOS does. Before, only an EOS cut the resumed output: a request resumed
+    with the whole output of a run that had stopped (the worker died before saying it finished) went on past its
+    stop token, and returned tokens the run from the start never produces."""
+    prompt = [5, 9, 300, 41, 7]
+    whole = run(engine, {"full": (prompt, SamplingParams(max_tokens=12, ignore_eos=True), [])})["full"]
+    stop = whole[4]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop,))
+    stopped = run(engine, {"stopped": (prompt, params, [])})["stopped"]
+    assert stopped == whole[:whole.index(stop) + 1]
+    for cut in range(1, len(stopped) + 1):
+        rest = run(engine, {"resumed": (prompt, params, stopped[:cut])})["resumed"]
+        assert stopped[:min(cut, len(stopped) - 1)] + rest == stopped, cut
+    assert engine.kv_usage().num_used == 0
+
+
 @pytest.mark.parametrize("bad", [[1, -1], [1, 10**9], [1.5], "abc", [True]])
 def test_bad_resumed_output_is_refused_and_changes_nothing(engine, bad):
     before = engine.kv_usage().num_used

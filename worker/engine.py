@@ -72,8 +72,8 @@ class Engine:
 
         ``trace_context``: W3C headers of the trace this request belongs to (its spans join it).
         ``output_token_ids``: output an earlier run of this request already produced (a re-dispatched job): it is
-        prefilled with the prompt and generation goes on after it. Cut before its first EOS (unless ignore_eos)
-        and to max_tokens - 1, so the request always generates, and ends, here.
+        prefilled with the prompt and generation goes on after it. Cut before its first stop token or EOS (unless
+        ignore_eos) and to max_tokens - 1, so the request always generates, and ends, here.
         """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -96,9 +96,9 @@ class Engine:
             raise InvalidRequest(f"request needs {need} KV blocks but the pool holds only "
                                  f"{self.blocks.num_blocks}", field="max_tokens")
         resumed = self._validate_prompt(output_token_ids, "output_token_ids") if len(output_token_ids) else []
-        if not params.ignore_eos:
-            eos = self.scheduler.config.eos_token_ids
-            resumed = resumed[:next((i for i, t in enumerate(resumed) if t in eos), len(resumed))]
+        # A stop token ends a request as an EOS does: output past one was never part of the result.
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.scheduler.config.eos_token_ids))
+        resumed = resumed[:next((i for i, t in enumerate(resumed) if t in stops), len(resumed))]
         resumed = resumed[:params.max_tokens - 1]
         self.scheduler.check_fits(tier_, len(prompt), params.max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
