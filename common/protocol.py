@@ -40,7 +40,13 @@ MAX_MESSAGE_BYTES = 8 * 2**20
 MAX_LIST_LEN = 2**20  # elements in any one list (token ids: longer than any context this serves)
 MAX_MAP_LEN = 64  # entries in any one map (bodies, trace context)
 MAX_API_KEY_CHARS = 512
+# Lists and maps in one frame, however nested: a byte may be an empty list, so 8 MiB of them was 8 million objects
+# (580 MiB and seconds of a gateway's loop) before any check. Far above the most any message holds (WorkerLoad:
+# a few maps of at most MAX_MAP_LEN lists).
+MAX_CONTAINERS = 4096
 _READ_SIZE = 64 * 1024
+# msgpack's first bytes of a list or a map (fixarray, fixmap, array16/32, map16/32).
+_CONTAINER_BYTES = frozenset([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
 
 
 class ProtocolError(ValueError):
@@ -80,24 +86,33 @@ def decode(frame: bytes, *, authorize: Callable[[str], object] | None = None) ->
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     # Read through a file view in small pieces: a frame refused at its API key is never copied whole.
+    left = [MAX_CONTAINERS]
+
+    def counted(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise ProtocolError(f"more than {MAX_CONTAINERS} lists and maps in one frame")
+        return container
+
     u = msgpack.Unpacker(io.BytesIO(frame), read_size=_READ_SIZE, raw=False, strict_map_key=True,
                          max_buffer_size=MAX_MESSAGE_BYTES, max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN,
-                         max_bin_len=0, max_ext_len=0)
+                         max_bin_len=0, max_ext_len=0, list_hook=counted, object_hook=counted)
+    scalar = functools.partial(_scalar, u, frame)
     try:
-        if u.read_map_header() != 3 or u.unpack() != "v":
+        if u.read_map_header() != 3 or scalar() != "v":
             raise ProtocolError("frame must be a map with keys v, k, b (in that order)")
-        version = u.unpack()
+        version = scalar()
         if version != SCHEMA_VERSION:
             raise ProtocolError(f"schema version {version!r} not supported (this side speaks {SCHEMA_VERSION})")
-        if u.unpack() != "k":
+        if scalar() != "k":
             raise ProtocolError("frame must be a map with keys v, k, b (in that order)")
-        kind = u.unpack()
+        kind = scalar()
         cls = MESSAGES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise ProtocolError(f"unknown message kind {kind!r}")
-        if u.unpack() != "b":
+        if scalar() != "b":
             raise ProtocolError("frame must be a map with keys v, k, b (in that order)")
-        body = _read_body(u, cls, authorize)
+        body = _read_body(u, cls, authorize, scalar)
         if u.tell() != len(frame):
             raise ProtocolError("extra bytes after the message")
     except ProtocolError:
@@ -107,24 +122,40 @@ def decode(frame: bytes, *, authorize: Callable[[str], object] | None = None) ->
     return _build(cls, body)
 
 
-def _read_body(u: msgpack.Unpacker, cls: type, authorize: Callable[[str], object] | None) -> dict:
+def _scalar(u: msgpack.Unpacker, frame) -> Any:
+    """The next object where only a scalar belongs (a header item, a body key, an API key): a list or a map there
+    is refused before it is built."""
+    pos = u.tell()
+    if pos < len(frame) and frame[pos] in _CONTAINER_BYTES:
+        raise ProtocolError("a list or a map where a scalar belongs")
+    return u.unpack()
+
+
+def _read_body(u: msgpack.Unpacker, cls: type, authorize: Callable[[str], object] | None,
+               scalar: Callable[[], Any]) -> dict:
+    fields = _schema(cls)[1]
+    if authorize is not None and "api_key" not in fields:
+        # A reply's or a worker's kind on the client socket: nothing in it can say who sent it.
+        raise Unauthenticated(f"{cls.__name__} carries no API key: not accepted from a client")
     try:
         n = u.read_map_header()
     except msgpack.UnpackValueError:
         raise ProtocolError(f"{cls.__name__}: body must be a map") from None
     body: dict = {}
-    if authorize is not None and "api_key" in _schema(cls)[1]:
-        key = u.unpack() if n else None
-        value = u.unpack() if key == "api_key" else None
+    if authorize is not None:
+        key = scalar() if n else None
+        value = scalar() if key == "api_key" else None
         if not isinstance(value, str) or not 0 < len(value) <= MAX_API_KEY_CHARS or not authorize(value):
             raise Unauthenticated("unknown API key" if key == "api_key" else
                                   f"{cls.__name__}: api_key must come first in the body")
         body["api_key"] = value
         n -= 1
     for _ in range(n):
-        key = u.unpack()
+        key = scalar()
         if not isinstance(key, str) or key in body:
             raise ProtocolError(f"{cls.__name__}: body keys must be distinct strings")
+        if key not in fields:  # refused before its value is read
+            raise ProtocolError(f"{cls.__name__}: unknown fields [{key!r}]")
         body[key] = u.unpack()
     return body
 

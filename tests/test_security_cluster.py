@@ -218,17 +218,25 @@ def test_another_tenant_gets_not_found_for_status_stream_and_cancel(cluster):
 
 
 def _oversized_frames(n: int) -> list[bytes]:
-    """Unauthenticated frames just under the limit: half key-first with a huge text prompt, half with a
-    million token ids placed before the key (as a stranger who knows the decoder would order them)."""
+    """Unauthenticated frames just under the limit, in turn: key-first with a huge text prompt; a million token
+    ids placed before the key (as a stranger who knows the decoder would order them); and a million lists of
+    seven empty lists (eight million list objects had they been built), as the body of a kind that carries no
+    key (a worker's JobTokens) and where the frame's schema version goes."""
     text = P.encode(P.SubmitRequest("stranger", 4, prompt="x" * (P.MAX_MESSAGE_BYTES - 300)))
     import msgpack
 
     ids_first = msgpack.packb({"v": P.SCHEMA_VERSION, "k": "SubmitRequest", "b": {
         "prompt_token_ids": [70_000] * P.MAX_LIST_LEN, "prompt": "y" * (P.MAX_MESSAGE_BYTES - 5 * P.MAX_LIST_LEN - 300),
         "api_key": "stranger", "max_tokens": 4}})
-    assert len(text) <= P.MAX_MESSAGE_BYTES and len(ids_first) <= P.MAX_MESSAGE_BYTES
-    assert len(text) > 8_000_000 and len(ids_first) > 8_000_000
-    return [text if i % 2 else ids_first for i in range(n)]
+    lists = P.MAX_LIST_LEN - 64
+    nested = b"\xdd" + lists.to_bytes(4, "big") + (b"\x97" + b"\x90" * 7) * lists
+    head = b"\x83" + msgpack.packb("v")
+    no_key = head + msgpack.packb(P.SCHEMA_VERSION) + msgpack.packb("k") + msgpack.packb("JobTokens") + \
+        msgpack.packb("b") + b"\x81" + msgpack.packb("token_ids") + nested
+    in_header = head + nested
+    frames = [text, ids_first, no_key, in_header]
+    assert all(8_000_000 < len(f) <= P.MAX_MESSAGE_BYTES for f in frames), [len(f) for f in frames]
+    return [frames[i % len(frames)] for i in range(n)]
 
 
 def test_forty_unauthenticated_8mb_frames_cost_other_clients_nothing(cluster):
@@ -263,7 +271,8 @@ def test_forty_unauthenticated_8mb_frames_cost_other_clients_nothing(cluster):
                 replies.append(P.decode(flood.recv()))
         sender.join(timeout=60)
         assert len(replies) == len(frames), f"{len(replies)} of {len(frames)} refusals came back"
-        assert all(isinstance(r, P.ErrorReply) and r.code == "unauthorized" for r in replies), replies[:2]
+        assert all(isinstance(r, P.ErrorReply) and r.code in ("unauthorized", "protocol") for r in replies), replies[:4]
+        assert [r.code for r in replies[:4]] == ["unauthorized"] * 3 + ["protocol"], replies[:4]
         job = client.submit(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
         assert len(job.result(timeout=60).token_ids) == 4
     finally:

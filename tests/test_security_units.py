@@ -56,6 +56,49 @@ def test_the_key_must_come_first_when_it_is_checked():
     assert P.Unauthenticated.code == "unauthorized" and P.ProtocolError.code == "protocol"
 
 
+def test_a_message_that_carries_no_key_is_refused_unread_on_the_client_socket():
+    """A worker's or a reply's kind carries no API key: on the client socket it is a stranger's frame, refused
+    before its body is read (it used to be unpacked whole, and only then refused as not accepted there)."""
+    head = b"\x83" + msgpack.packb("v") + msgpack.packb(1) + msgpack.packb("k") + msgpack.packb("JobTokens") + \
+        msgpack.packb("b") + b"\x84"
+    frame = head + b"\xc1" * (P.MAX_MESSAGE_BYTES - len(head))
+    with pytest.raises(P.Unauthenticated, match="no API key"):
+        P.decode(frame, authorize=lambda k: True)
+    with pytest.raises(P.ProtocolError, match="not a valid msgpack"):  # elsewhere it is read as before
+        P.decode(frame)
+
+
+def _nested(n: int) -> bytes:
+    """n lists of seven empty lists: eight containers every eight bytes."""
+    return b"\xdd" + n.to_bytes(4, "big") + (b"\x97" + b"\x90" * 7) * n
+
+
+_HEAD = b"\x83" + msgpack.packb("v")
+
+
+@pytest.mark.parametrize("frame", [
+    _HEAD + _nested(2**17),  # where the schema version goes
+    _HEAD + msgpack.packb(1) + msgpack.packb("k") + msgpack.packb("SubmitRequest") + msgpack.packb("b") + b"\x82"
+    + _nested(2**17),  # where the API key's name goes
+    _HEAD + msgpack.packb(1) + msgpack.packb("k") + msgpack.packb("SubmitRequest") + msgpack.packb("b") + b"\x83"
+    + msgpack.packb("api_key") + msgpack.packb("known") + msgpack.packb("prompt_token_ids") + _nested(2**17)
+    + msgpack.packb("max_tokens") + msgpack.packb(4),  # a field's value, behind a valid key
+], ids=["header", "key-name", "field"])
+def test_nested_lists_are_refused_before_they_are_built(frame):
+    """1 MiB of nested empty lists is a million list objects (60 MiB; an 8 MiB frame took 580 MiB and 2.5 s of
+    the gateway's loop), however the frame is refused after: the decoder stops at a cap on lists and maps."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(P.ProtocolError):
+            P.decode(frame, authorize=lambda k: k == "known")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"decoding took {peak / 2**20:.0f} MiB"
+
+
 @pytest.mark.parametrize("body,why", [
     ({"job_id": "j", "attempt": 1, "index": 0, "token_ids": [1, True]}, "wrong type"),  # a bool is no token id
     ({"job_id": "j", "attempt": 1, "index": 0, "token_ids": [1, 2.0]}, "wrong type"),
@@ -69,8 +112,8 @@ def test_list_elements_are_checked_in_one_pass_and_lengths_capped_first(body, wh
 
 def test_maps_extra_bytes_and_binary_are_refused():
     with pytest.raises(P.ProtocolError, match="max_map_len"):
-        P.decode(_frame({"api_key": "k", "trace_context": {str(i): "x" for i in range(P.MAX_MAP_LEN + 1)}},
-                        "InfoRequest"))
+        P.decode(_frame({"api_key": "k", "max_tokens": 1,
+                         "trace_context": {str(i): "x" for i in range(P.MAX_MAP_LEN + 1)}}))
     with pytest.raises(P.ProtocolError, match="extra bytes"):
         P.decode(P.encode(P.InfoRequest("k")) + b"\x00")
     with pytest.raises(P.ProtocolError, match="max_bin_len"):
