@@ -5,6 +5,7 @@ gateway's worker socket, authentication of the peer's key against an allow-list.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,5 +146,14 @@ def is_loopback_endpoint(endpoint: str) -> bool:
     scheme, _, rest = endpoint.partition("://")
     if scheme in ("ipc", "inproc"):
         return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    # libzmq reads "source;destination" in any tcp address, a bind's too, and binds the destination: judged by
+    # the whole text, "tcp://127.0.0.1:0;0.0.0.0:5556" passed for loopback and bound every interface.
+    host = rest.rpartition(";")[2].rsplit(":", 1)[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name, a wildcard, a host name: not known to be loopback
+        return False

@@ -18,7 +18,9 @@ from common import protocol as P
 from common.redis_server import RedisServer, config_line, redact_url
 from common.settings import ConfigError
 from common.sockets import is_loopback_endpoint
+from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
+from gateway.security import check_config
 from gateway.streams import StreamTable
 from gateway.tenants import TenantDirectory, key_digest
 
@@ -178,6 +180,32 @@ def test_loopback_endpoints():
 
 
 # --- the Redis password ------------------------------------------------------------------------------------------
+
+def test_an_endpoint_called_loopback_binds_only_loopback():
+    """libzmq reads "source;destination" in a bind's address too and binds the destination: the first of these
+    bound every interface while --insecure-workers took it for loopback. Each is bound for real here, and must be
+    called loopback exactly when what it bound is."""
+    from common.ports import free_port
+
+    ctx = zmq.Context.instance()
+    for template in ("tcp://127.0.0.1:0;0.0.0.0:{}", "tcp://127.0.0.1:0;*:{}", "tcp://127.0.0.1:{}",
+                     "tcp://0.0.0.0:0;127.0.0.1:{}", "tcp://0.0.0.0:{}", "tcp://[::1]:0;[::1]:{}"):
+        endpoint = template.format(free_port())
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            if "[" in endpoint:
+                sock.setsockopt(zmq.IPV6, 1)
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError:  # no IPv6 here: nothing bound, nothing to compare
+                continue
+            bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            assert is_loopback_endpoint(endpoint) == is_loopback_endpoint(bound), (endpoint, bound)
+        finally:
+            sock.close(linger=0)
+    with pytest.raises(ConfigError, match="only binds loopback"):
+        check_config(GatewayConfig(insecure_workers=True, worker_bind="tcp://127.0.0.1:0;0.0.0.0:5556"))
+
 
 def test_the_redis_password_is_in_no_argv_and_redacted_from_urls():
     password = 'a "quoted\\ pass$word'
