@@ -32,7 +32,7 @@ __all__ = ["HELLO_FIRST", "MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "M
            "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone", "JobFinished", "JobFinishedAck", "JobReleased",
            "JobTokens",
            "ProtocolError", "StatusReply", "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest",
-           "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "mistyped"]
+           "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "loads", "mistyped"]
 
 SCHEMA_VERSION = 1
 # Bounded so a hostile or buggy peer cannot make a process allocate without limit.
@@ -86,17 +86,7 @@ def decode(frame: bytes, *, authorize: Callable[[str], object] | None = None) ->
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     # Read through a file view in small pieces: a frame refused at its API key is never copied whole.
-    left = [MAX_CONTAINERS]
-
-    def counted(container):
-        left[0] -= 1
-        if left[0] < 0:
-            raise ProtocolError(f"more than {MAX_CONTAINERS} lists and maps in one frame")
-        return container
-
-    u = msgpack.Unpacker(io.BytesIO(frame), read_size=_READ_SIZE, raw=False, strict_map_key=True,
-                         max_buffer_size=MAX_MESSAGE_BYTES, max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN,
-                         max_bin_len=0, max_ext_len=0, list_hook=counted, object_hook=counted)
+    u = _unpacker(frame)
     scalar = functools.partial(_scalar, u, frame)
     try:
         if u.read_map_header() != 3 or scalar() != "v":
@@ -120,6 +110,37 @@ def decode(frame: bytes, *, authorize: Callable[[str], object] | None = None) ->
     except Exception as e:  # msgpack raises several unrelated types for bad or over-long input
         raise ProtocolError(f"not a valid msgpack frame: {type(e).__name__}: {str(e)[:100]}") from None
     return _build(cls, body)
+
+
+def loads(frame: bytes, max_containers: int = MAX_CONTAINERS) -> Any:
+    """The whole of ``frame`` as plain objects, under decode's caps (ProtocolError past one): for a frame decode
+    refused, read again for its request id."""
+    u = _unpacker(frame, max_containers)
+    try:
+        obj = u.unpack()
+    except ProtocolError:
+        raise
+    except Exception as e:  # as in decode
+        raise ProtocolError(f"not a valid msgpack frame: {type(e).__name__}: {str(e)[:100]}") from None
+    if u.tell() != len(frame):
+        raise ProtocolError("extra bytes after the message")
+    return obj
+
+
+def _unpacker(frame, max_containers: int = MAX_CONTAINERS) -> msgpack.Unpacker:
+    """An unpacker of ``frame`` that caps its size, every list's and map's length, and how many of them it builds
+    (``max_containers``, counted by the hooks as each is built), and refuses binary and extension types."""
+    left = [max_containers]
+
+    def counted(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise ProtocolError(f"more than {max_containers} lists and maps in one frame")
+        return container
+
+    return msgpack.Unpacker(io.BytesIO(frame), read_size=_READ_SIZE, raw=False, strict_map_key=True,
+                            max_buffer_size=MAX_MESSAGE_BYTES, max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN,
+                            max_bin_len=0, max_ext_len=0, list_hook=counted, object_hook=counted)
 
 
 def _scalar(u: msgpack.Unpacker, frame) -> Any:

@@ -101,6 +101,27 @@ def test_nested_lists_are_refused_before_they_are_built(frame):
     assert peak < 4 * 2**20, f"decoding took {peak / 2**20:.0f} MiB"
 
 
+def test_a_refused_frame_is_read_again_for_its_request_id_under_the_same_caps():
+    """A refusal goes back with the frame's request id, so the gateway reads a small refused frame (<= 64 KiB)
+    again for it: that read built 64 K lists of a frame of nested empty lists, 14 ms of the loop per stranger's
+    frame that the decoder itself refused in microseconds."""
+    import tracemalloc
+
+    from gateway.server import _request_id_of
+
+    n = (64 * 1024 - 32) // 8
+    frame = _HEAD + b"\xdd" + n.to_bytes(4, "big") + (b"\x97" + b"\x90" * 7) * n
+    tracemalloc.start()
+    try:
+        assert _request_id_of(frame) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 512 * 2**10, f"reading it again took {peak / 2**10:.0f} KiB"
+    stranger = P.encode(P.SubmitRequest("stranger", 4, prompt_token_ids=[1] * 1000, request_id="r-7"))
+    assert _request_id_of(stranger) == "r-7"
+
+
 @pytest.mark.parametrize("body,why", [
     ({"job_id": "j", "attempt": 1, "index": 0, "token_ids": [1, True]}, "wrong type"),  # a bool is no token id
     ({"job_id": "j", "attempt": 1, "index": 0, "token_ids": [1, 2.0]}, "wrong type"),
