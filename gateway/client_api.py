@@ -49,7 +49,13 @@ class ClientApi:
         job_id = uuid.uuid4().hex
         t = adm.tenant
         span.set_attributes(tracing.request_attributes(job_id, adm.tier_requested.value, t.name))
-        quota = (QuotaSpec(t.p0_rate_per_s, t.p0_burst, t.on_quota_exhausted)
+        # A P0 the quota would downgrade must fit P1's share of the workers' KV cache too (admission checked it as a
+        # P0, which may also use the P0 reserve): admitted as a P1 past it, it failed on the worker, though it was
+        # runnable as the P0 it asked to be. Such a job is refused with a retry-after instead, as the quota is.
+        p1_limit = self.workers.tier_max_tokens(Tier.P1.value)
+        on_exhausted = ("refuse" if p1_limit is not None and len(adm.prompt_token_ids) + req.max_tokens > p1_limit
+                        else t.on_quota_exhausted)
+        quota = (QuotaSpec(t.p0_rate_per_s, t.p0_burst, on_exhausted)
                  if adm.tier_requested is Tier.P0 and t.p0_rate_per_s else None)
         # The job's later spans (queue, dispatch, worker) are children of this admission span.
         parent = tracing.carrier()
