@@ -62,15 +62,43 @@ class Dispatcher:
                 self.counters["dispatched"] += 1
 
     def _plan_by_credit(self) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """As many jobs as there are free slots, each to the worker with the most credit left."""
-        ids = self.queue.peek(list(ALL_TIERS), self.workers.total_credit())
-        by_worker: dict[str, list[str]] = {}
-        planned: Counter = Counter()
-        for job_id in ids:
-            w = max(self.workers.workers.values(), key=lambda w: w.credit - planned[w.hello.worker_id])
-            by_worker.setdefault(w.hello.worker_id, []).append(job_id)
-            planned[w.hello.worker_id] += 1
-        return by_worker, dict.fromkeys(ids, "credit")
+        """As many jobs as there are free slots, each to the worker with the most credit left that it fits. A job
+        whose workers are all full waits in Redis, and the queue behind it goes on (read further, to
+        PREEMPTION_SCAN_MAX)."""
+        credit = self.workers.total_credit()
+        limit = credit
+        while True:
+            ids = self.queue.peek(list(ALL_TIERS), limit)
+            places = self._places(ids)
+            by_worker: dict[str, list[str]] = {}
+            planned: Counter = Counter()
+            for job_id in ids:
+                where = [w for w in self.workers.workers.values()
+                         if job_id not in places or w.hello.worker_id in places[job_id]]
+                w = max(where, key=lambda w: w.credit - planned[w.hello.worker_id])
+                if w.credit - planned[w.hello.worker_id] > 0:
+                    by_worker.setdefault(w.hello.worker_id, []).append(job_id)
+                    planned[w.hello.worker_id] += 1
+            if sum(planned.values()) >= credit or len(ids) < limit or limit >= PREEMPTION_SCAN_MAX:
+                return by_worker, {j: "credit" for js in by_worker.values() for j in js}
+            limit = min(PREEMPTION_SCAN_MAX, 4 * limit)
+
+    def _places(self, ids: list[str]) -> dict[str, set[str]]:
+        """The workers each of ``ids`` may go to, for the jobs that fit some of them and not others (by prompt +
+        max_tokens, at the tier the job was admitted at: the hellos' tier_max_tokens). Sent where it does not fit,
+        it failed there, though another worker could run it. Left out (may go anywhere): a job every worker fits
+        (workers alike: nothing is read), and one no worker that is not draining fits: nothing here can run it
+        now, and rather than wait for a worker that may never come (a P3 has no queue timeout), it is sent on and
+        fails with the reason."""
+        if not ids or not self.workers.uneven():
+            return {}
+        live = [w for w in self.workers.workers.values() if not w.draining]
+        out = {}
+        for job_id, info in self.estimator.job_infos(ids).items():
+            fit = {w.hello.worker_id for w in live if w.fits(info.tier, info.prompt_tokens + info.max_tokens)}
+            if fit and len(fit) < len(self.workers.workers):
+                out[job_id] = fit
+        return out
 
     def _plan_preemptions(self, now: float) -> tuple[dict[str, list[str]], dict[str, str]]:
         """Every worker is full: a P0/P1 job goes only to a worker with a running job it may preempt
@@ -89,8 +117,9 @@ class Dispatcher:
         candidates = self._urgent_candidates(most)
         starts = self.estimator.starts_s(sorted({t for _, t in candidates}, key=lambda t: t.rank), now) \
             if candidates else {}
+        places = self._places([j for j, _ in candidates])
         for job_id, tier in candidates:
-            fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0]
+            fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0 and wid in places.get(job_id, room)]
             if not fits:
                 continue
             wid = min(fits, key=lambda wid: (starts.get(wid, {}).get(tier, 0.0), room[wid][tier] <= guarded[wid][tier],

@@ -218,6 +218,10 @@ class WaitEstimator:
                                     age if step is not None else 0.0))
         return views
 
+    def job_infos(self, ids: list[str]) -> dict[str, JobInfo]:
+        """Tier granted and token counts of the given jobs (those still known: memory, else Redis)."""
+        return self._infos(ids)
+
     def _infos(self, ids: list[str]) -> dict[str, JobInfo]:
         """Token counts of the given jobs: from memory, else read once from their payloads in Redis."""
         out = {i: self._jobs[i] for i in ids if i in self._jobs}

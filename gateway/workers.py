@@ -131,6 +131,12 @@ class WorkerState:
                    if len(e) > 6 and e[1] == 0 and isinstance(e[5], int) and (e[5] >> tier.rank) & 1
                    and reported_guard(e))
 
+    def fits(self, tier: Tier, tokens: int) -> bool:
+        """A job of ``tier`` holding ``tokens`` (prompt + max_tokens) fits here, as the hello says (a worker that
+        does not say is taken to: it refuses what does not, and the job fails with why)."""
+        limit = (self.hello.tier_max_tokens or {}).get(tier.value)
+        return limit is None or tokens <= limit
+
     @property
     def preemption_cost_s(self) -> float:
         return self.load.preemption_cost_s if self.load is not None else 0.0
@@ -162,6 +168,10 @@ class WorkerRegistry:
         for wid in gone:
             del self.workers[wid]
         return gone
+
+    def uneven(self) -> bool:
+        """The workers' hellos give different tier limits: a job may fit some of them and not the others."""
+        return len({tuple(sorted((w.hello.tier_max_tokens or {}).items())) for w in self.workers.values()}) > 1
 
     def total_credit(self) -> int:
         return sum(w.credit for w in self.workers.values())
