@@ -190,7 +190,10 @@ class WorkerRegistry:
         return min(sizes) if sizes else None
 
     def tier_max_tokens(self, tier: str) -> int | None:
-        """Largest prompt + max_tokens every worker that says accepts for ``tier`` (None: none says)."""
-        limits = [w.hello.tier_max_tokens[tier] for w in self.workers.values()
-                  if w.hello.tier_max_tokens and tier in w.hello.tier_max_tokens]
-        return min(limits) if limits else None
+        """Largest prompt + max_tokens some worker that says accepts for ``tier``, of those not draining where any
+        says (None: none says). Not the smallest worker's: dispatch sends a job only to workers it fits
+        (gateway/dispatch.py), and one small worker (or one whose P0 reserve leaves the lower tiers little) made
+        every job past its share refused, though the others could run it."""
+        said = [w for w in self.workers.values() if w.hello.tier_max_tokens and tier in w.hello.tier_max_tokens]
+        live = [w for w in said if not w.draining] or said
+        return max(w.hello.tier_max_tokens[tier] for w in live) if live else None

@@ -14,7 +14,7 @@ import zmq
 
 from common import protocol as P
 from common.sockets import make_socket
-from gateway.sdk import JobFailed, QuotaExceeded
+from gateway.sdk import InvalidRequest, JobFailed, QuotaExceeded
 from tests.durable_cluster import DurableCluster
 
 pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
@@ -155,3 +155,25 @@ def test_a_queued_job_no_worker_left_can_run_fails_with_the_reason_rather_than_w
             big.result(timeout=60)
         assert big_worker.received == []
         lab.close()
+
+
+def test_a_job_one_worker_fits_is_admitted_though_a_smaller_worker_serves_beside_it(tmp_path, tiny_model_dir):
+    """Admission took the smallest worker's limit for the whole cluster: one small worker (or one whose P0 reserve
+    or low-tier share leaves the lower tiers little) made every job past its share refused (TierLimitExceeded),
+    though the other workers could run it. Dispatch sends a job only where it fits, so a job some worker that is
+    not draining fits is admitted, and runs there."""
+    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
+        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
+        try:
+            big_worker.free.set()
+            c.worker_ids.append("wk-big")
+            c.wait_workers("gw-0")
+            start_small_worker(c)
+            lab = c.client("lab-co", timeout_s=60.0)
+            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+            assert big.result(timeout=60).token_ids == [7] * 100
+            with pytest.raises(InvalidRequest, match="2048"):  # past every worker's limit (the context): refused
+                lab.submit(prompt_token_ids=[5] * 100, max_tokens=1949)
+            lab.close()
+        finally:
+            big_worker.stop()
