@@ -6,6 +6,7 @@ A mixin of gateway.server.Gateway.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import msgpack
@@ -39,8 +40,9 @@ class Dispatcher:
             for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
                                         lease_ms=_ms(self.config.lease_s)):
                 body = msgpack.unpackb(rec.payload)
+                # Span times are Unix times: ``now`` is the loop's monotonic clock, good for intervals only.
                 ctx = self.spans.dispatched(rec, body.get("trace_context") or {}, wid, reason[rec.id],
-                                            int(now * 1e9))
+                                            time.time_ns())
                 # The worker preempts by the tier the job was admitted at: aging only moved it up the queue.
                 # Its tokens come back here (reply_to): this gateway holds the lease and writes the token log.
                 # A re-dispatch goes on from what earlier attempts streamed (the token log, read into this gateway's

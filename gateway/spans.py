@@ -76,7 +76,9 @@ class GatewaySpans:
             to_tier = f"P{rec.tier_granted.rank - 1}"  # a promise moves a job up one tier from where it was admitted
             queue.add_event("promised start", {"to_tier": to_tier}, timestamp=int(promoted) * 1_000_000)
         queue.end(end_time=now_ns)
-        metrics.dispatched(rec.tier_granted.value, (now_ns - start_ms * 1_000_000) / 1e9)
+        # The wait on Redis's clock at both ends (claim.lua's dispatched_at_ms), as the queue's own times are.
+        end_ms = rec.dispatched_at_ms if rec.dispatched_at_ms is not None else now_ns // 1_000_000
+        metrics.dispatched(rec.tier_granted.value, (end_ms - start_ms) / 1e3)
         span = self.tracer.start_span("gateway.dispatch", context=ctx, kind=SpanKind.PRODUCER, start_time=now_ns,
                                       attributes=attrs | {"dispatch.worker": worker, "dispatch.reason": reason,
                                                           "dispatch.attempt": rec.attempt})

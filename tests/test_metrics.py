@@ -115,6 +115,28 @@ def test_counts_move_exactly_with_the_workload(cluster):
     assert total(gw1, "ts_queue_depth") == 0
 
 
+
+def test_queue_wait_is_the_wait_in_redis(cluster):
+    """ts_queue_wait_seconds observes each dispatch's wait since admission. It was fed the gateway's monotonic
+    loop clock less a Unix time (negative, floored to 0): every wait was observed as 0 s."""
+    from tests.cluster_helpers import job_hash
+
+    gw0 = scrape(cluster["metrics"][0])
+    with GatewayClient(cluster["gateway"], cluster["tenants"]["lab-co"]["api_key"]) as lab:
+        # Two slots, three jobs: the third waits in Redis until one of the first two ends.
+        jobs = [lab.submit(prompt_token_ids=[3, 4, i], max_tokens=120, ignore_eos=True, seed=i) for i in range(3)]
+        for j in jobs:
+            j.result(timeout=120)
+    gw1 = scrape(cluster["metrics"][0])
+    waits = []
+    for j in jobs:
+        h = job_hash(cluster, j.id)
+        assert h["attempt"] == "1", h
+        waits.append((int(h["dispatched_at_ms"]) - int(h["enqueued_at_ms"])) / 1e3)
+    assert max(waits) > 0.05, waits  # one really waited, or nothing was tested
+    observed = total(gw1, "ts_queue_wait_seconds_sum", tier="P3") - total(gw0, "ts_queue_wait_seconds_sum", tier="P3")
+    assert observed == pytest.approx(sum(waits), abs=0.005), (observed, waits)
+
 # -- a real Prometheus server with the compose deployment's scrape configuration ---------------------------------
 
 

@@ -234,3 +234,32 @@ def test_explain_on_a_queued_p0_request_names_what_was_ahead(traced_run, tmp_pat
         assert explain.main([job, "--jaeger", jaeger.url, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
     assert data["tier"] == "P0" and any(c["kind"] == "queue" for c in data["blame"])
+
+
+def test_gateway_spans_are_on_the_unix_clock_and_explain_totals_are_real(traced_run, tmp_path, capsys):
+    """The gateway's loop clock is monotonic: its queue spans ended, and its dispatch spans began, at a
+    monotonic time (hours since boot), so every queue span ran backwards, every dispatch span lasted 56 years,
+    and explain told a total of 1.8e9 s, of which 'in transit (dispatch)' all but the running time."""
+    spans = traced_run["spans"]
+    first = min(int(s["startTimeUnixNano"]) for s in spans)
+    last = max(int(s["endTimeUnixNano"]) for s in spans)
+    assert (last - first) / 1e9 < 600, "spans stretch over more than the run"
+    for s in spans:
+        assert int(s["endTimeUnixNano"]) >= int(s["startTimeUnixNano"]), (s["name"], s["attrs"])
+    by_id = {s["spanId"]: s for s in spans}
+    for d in (s for s in spans if s["name"] == "gateway.dispatch"):
+        queue = next(s for s in spans if s["name"] == "gateway.queue" and s["attrs"]["request.id"] == d["attrs"]
+                     ["request.id"] and s["attrs"]["queue.attempt"] == d["attrs"]["dispatch.attempt"])
+        assert queue["endTimeUnixNano"] == d["startTimeUnixNano"]
+        assert by_id[d["parentSpanId"]]["name"] == "gateway.admit"
+    spans_file = tmp_path / "spans.jsonl"
+    spans_file.write_text("".join(json.dumps({"resourceSpans": [rs]}) + "\n" for rs in traced_run["resource_spans"]))
+    # The flood's last two P3 jobs waited in Redis for a slot (two slots, four jobs, then the P0s came).
+    waited = traced_run["flood"][2:]
+    for rid in [traced_run["urgent"], *traced_run["flood"]]:
+        assert explain.main([rid, "--spans", str(spans_file), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert 0 < d["total_s"] < 300, d["total_s"]
+        assert d["transit"]["dispatch"] < 1.0, d["transit"]
+        if rid in waited:
+            assert d["queued_s"] > 0.1, d
