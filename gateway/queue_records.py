@@ -114,6 +114,7 @@ class JobRecord:
     reason: str | None  # why it expired, died, was cancelled (or failed, if complete() said)
     finished_at_ms: int | None
     result: dict[str, bytes] = field(default_factory=dict)  # the fields given to complete()
+    released_attempt: int | None = None  # the last attempt its worker handed back (release.lua), if any
 
     @classmethod
     def from_redis(cls, raw: Mapping[bytes, bytes] | Sequence[bytes]) -> JobRecord:
@@ -136,6 +137,7 @@ class JobRecord:
             worker=text("worker"), gateway=text("gateway"), dispatched_at_ms=integer("dispatched_at_ms"),
             reason=text("reason"), finished_at_ms=integer("finished_at_ms"),
             result={k: v for k, v in d.items() if k not in _CORE_FIELDS},
+            released_attempt=integer("released_attempt"),
         )  # fmt: skip
 
 

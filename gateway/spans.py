@@ -85,6 +85,9 @@ class GatewaySpans:
         lost = rec.result.get("lost_worker")
         if rec.attempt > 1 and lost:
             span.set_attribute("dispatch.lost_worker", lost.decode() if isinstance(lost, bytes) else str(lost))
+        if rec.attempt > 1:  # why the previous attempt ended: its worker handed it back (draining), or it was lost
+            released = rec.released_attempt == rec.attempt - 1
+            span.set_attribute("dispatch.requeue_cause", "released" if released else "lease_expired")
         carrier = tracing.carrier_of(span)
         span.end()
         return carrier

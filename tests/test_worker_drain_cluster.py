@@ -7,6 +7,7 @@ Real redis-server, gateway and worker processes; the bench model, so that jobs l
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -88,3 +89,38 @@ def test_sigterm_finishes_the_short_job_hands_back_the_long_one_and_takes_no_new
         assert requeues == {'ts_requeues_total{cause="lease_expired",outcome="queued"}': 0.0,
                             'ts_requeues_total{cause="released",outcome="queued"}': 1.0}, requeues
         lab.close()
+
+
+def test_explain_tells_a_hand_back_from_a_lost_lease(tmp_path, bench_model_dir, capsys):
+    """A job a draining worker handed back and another resumed: explain said "lease expired on worker wk-0 ...
+    (3.05 s lost on wk-0)". No lease expired, and those seconds were not lost: wk-0 ran the job then (its
+    worker.request span counts them as running) and wk-1 went on from its tokens."""
+    from scripts import explain
+
+    spans = tmp_path / "spans.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "otlp_json_file", "TS_SPANS_FILE": str(spans), "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with DurableCluster(tmp_path, bench_model_dir, gateways=1, workers=1, max_running=2, lease_s=LEASE_S,
+                        gateway_env=env) as c:  # TS_WORKER_DRAIN_TIMEOUT_S=0: SIGTERM hands running jobs back
+        with c.client("lab-co", timeout_s=30.0) as lab:
+            job = lab.submit(prompt_token_ids=[4, 5, 6], max_tokens=300, seed=7, ignore_eos=True)  # ~5 s
+            next(lab.job(job.id).stream(timeout=120))
+            time.sleep(0.5)  # running for a while on wk-0
+            os.kill(c.procs["wk-0"].pid, signal.SIGTERM)
+            c.worker_ids.append("wk-1")
+            c.start_process("wk-1")
+            assert len(job.result(timeout=240).token_ids) == 300
+        h = c.job(job.id)
+        assert h["attempt"] == b"2" and h["releases"] == b"1" and h["lost_worker"] == b"wk-0", h
+    # The cluster has stopped: every process flushed its spans.
+    assert explain.main([job.id, "--spans", str(spans)]) == 0
+    text = capsys.readouterr().out
+    assert "worker wk-0 handed it back (shutting down); attempt 2 on worker wk-1" in text, text
+    assert "lease expired" not in text and "lost" not in text, text
+    assert explain.main([job.id, "--spans", str(spans), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    redispatch = [b for b in d["blame"] if b["kind"] == "redispatch"]
+    assert [b["detail"]["cause"] for b in redispatch] == ["released"], d["blame"]
+    assert d["workers"] == ["wk-0", "wk-1"] and d["attempts"] == 2
+    assert d["transit"]["lost"] == 0 and d["other_s"] < 0.002, d["transit"]
+    parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
+    assert parts == pytest.approx(d["total_s"], abs=0.002), d

@@ -137,14 +137,24 @@ class _Analyser:
                 requeue = [q for q in queues if (i == 0 or q.start_ns >= dispatches[i - 1].start_ns)
                            and q.start_ns <= d.start_ns]
                 at = requeue[-1].start_ns if requeue and i > 0 else d.start_ns
+                # A draining worker hands its job back (gateway.dispatch says so since it can): its time on that
+                # worker is in its worker.request span, and the next attempt goes on from its tokens.
+                released = attr_str(d.get("dispatch.requeue_cause")) == "released"
+                prev = prev or attr_str(d.get("dispatch.lost_worker"))
                 # Time between handing it to the previous worker and the lease expiring: lost work.
-                lost = (at - dispatches[i - 1].end_ns) / 1e9 if i > 0 and requeue else None
-                text = (f"lease expired on worker {prev}; attempt {attempt} on worker {worker}" if prev
-                        else f"attempt {attempt} on worker {worker} (an earlier attempt's lease expired)")
+                lost = (at - dispatches[i - 1].end_ns) / 1e9 if i > 0 and requeue and not released else None
+                if released:
+                    text = (f"worker {prev or '?'} handed it back (shutting down); attempt {attempt} on worker "
+                            f"{worker}")
+                elif prev:
+                    text = f"lease expired on worker {prev}; attempt {attempt} on worker {worker}"
+                else:
+                    text = f"attempt {attempt} on worker {worker} (an earlier attempt's lease expired)"
                 if lost is not None and lost > 0:
                     text += f" ({lost:.2f} s lost on {prev})"
                 add(1, Cause(self.rel(at), "redispatch", text, lost,
-                             detail={"attempt": attempt, "previous_worker": prev, "worker": worker}))
+                             detail={"attempt": attempt, "previous_worker": prev, "worker": worker,
+                                     "cause": "released" if released else "lease_expired"}))
             if attr_str(d.get("dispatch.reason")) == "cheapest_preemption":
                 add(5, Cause(self.rel(d.start_ns), "dispatch",
                              f"dispatched to worker {worker} with no free credit anywhere: it had the cheapest "
