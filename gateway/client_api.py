@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import uuid
 
 import msgpack
@@ -151,6 +152,8 @@ class ClientApi:
         if rec is None:
             return
         before = self.queue.cancel(req.job_id)
+        if before is not None and before.state == "queued":
+            self.spans.left_queue(before, "cancelled", time.time_ns())
         if before is not None and before.state == "dispatched":
             w = self.workers.workers.get(before.worker)
             if w is not None:

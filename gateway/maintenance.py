@@ -40,8 +40,9 @@ class Maintenance:
         for _, left in self.queue.promote(now_ms):
             metrics.promoted(left.value)
             self._dirty = True
-        for job_id in self.queue.expire(now_ms):
-            self._finish_stream(job_id, "expired", None, "queue timeout exceeded")
+        for rec in self.queue.expire_records(now_ms):
+            self.spans.left_queue(rec, "expired", now_ms * 1_000_000)
+            self._finish_stream(rec.id, "expired", None, "queue timeout exceeded")
         self._measured_rates = {t: st.rate_per_s for t, st in self.queue.drain_stats(now_ms).items()}
         for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:
             del self.enqueued_at[job_id]

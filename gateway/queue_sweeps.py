@@ -7,7 +7,7 @@ script (common/lua/*.lua) that receives those jobs' keys and re-verifies what wa
 from __future__ import annotations
 
 from common.tiers import Tier
-from gateway.queue_records import Settled
+from gateway.queue_records import JobRecord, Settled
 from gateway.timeutil import time_ms
 
 SWEEP_LIMIT = 500  # most jobs one requeue_expired / age / promote / expire call settles
@@ -62,12 +62,17 @@ class QueueSweeps:
         return [(job_id.decode(), Tier(old.decode())) for job_id, old in zip(flat[0::2], flat[1::2])]
 
     def expire(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[str]:
-        """End queued jobs past the queue timeout of the tier granted at admission."""
+        """End queued jobs past the queue timeout of the tier granted at admission; their ids."""
+        return [rec.id for rec in self.expire_records(now_ms, limit=limit)]
+
+    def expire_records(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[JobRecord]:
+        """As expire(), returning each job as it was before (its payload holds its trace context)."""
         ids = self._due(self.keys.deadlines, now_ms, limit)
         if not ids:
             return []
         keys = [*self.keys.queues(), self.keys.aging, self.keys.deadlines, *(self.keys.job(i) for i in ids)]
-        return [i.decode() for i in self._scripts["expire"](keys=keys, args=[str(now_ms), self._retention_ms, *ids])]
+        out = self._scripts["expire"](keys=keys, args=[str(now_ms), self._retention_ms, *ids])
+        return [JobRecord.from_redis(before) for _, before in out]
 
     def _due(self, index: str, max_score: int, limit: int) -> list[str]:
         return [i.decode() for i in self.client.zrangebyscore(index, "-inf", max_score, start=0, num=limit)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgpack
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -59,22 +60,8 @@ class GatewaySpans:
         """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join."""
         ctx = tracing.context_from(parent)
         attrs = tracing.request_attributes(rec.id, rec.tier.value, rec.tenant)
-        requeued = rec.result.get("requeued_at_ms")
-        start_ms = int(requeued) if rec.attempt > 1 and requeued else rec.enqueued_at_ms
-        queue = self.tracer.start_span("gateway.queue", context=ctx, start_time=start_ms * 1_000_000,
-                                       attributes=attrs | {"queue.tier": rec.tier.value,
-                                                           "queue.tier_granted": rec.tier_granted.value,
-                                                           "queue.attempt": rec.attempt})
-        tiers = [rec.tier_granted.value] + [t.value for t in sorted(ALL_TIERS, key=lambda t: -t.rank)
-                                            if t.rank < rec.tier_granted.rank]
-        for before, after in zip(tiers, tiers[1:]):
-            at = rec.result.get(f"aged_to_{after}")
-            if at is not None:
-                queue.add_event("aged", {"from_tier": before, "to_tier": after}, timestamp=int(at) * 1_000_000)
-        promoted = rec.result.get("promoted_at_ms")
-        if promoted is not None:  # its promised start fell due (gateway/promises.py): no newer job went first since
-            to_tier = f"P{rec.tier_granted.rank - 1}"  # a promise moves a job up one tier from where it was admitted
-            queue.add_event("promised start", {"to_tier": to_tier}, timestamp=int(promoted) * 1_000_000)
+        start_ms = self._queue_start_ms(rec)
+        queue = self._queue_span(rec, ctx, attrs, start_ms, rec.attempt)
         queue.end(end_time=now_ns)
         # The wait on Redis's clock at both ends (claim.lua's dispatched_at_ms), as the queue's own times are.
         end_ms = rec.dispatched_at_ms if rec.dispatched_at_ms is not None else now_ns // 1_000_000
@@ -91,3 +78,42 @@ class GatewaySpans:
         carrier = tracing.carrier_of(span)
         span.end()
         return carrier
+
+    def left_queue(self, rec, outcome: str, end_ns: int) -> None:
+        """The queue-wait span of a job that left its queue without a dispatch (``outcome``: cancelled, expired):
+        without it, its trace held no wait at all, and explain told a job that waited out its queue timeout that
+        nothing held it up. ``rec``: the job as it was before (its payload holds its trace context)."""
+        try:
+            body = msgpack.unpackb(rec.payload) if rec.payload else {}
+        except (ValueError, msgpack.UnpackException):
+            body = {}
+        parent = body.get("trace_context") if isinstance(body, dict) else None
+        ctx = tracing.context_from(parent if isinstance(parent, dict) else {})
+        attrs = tracing.request_attributes(rec.id, rec.tier.value, rec.tenant)
+        # The attempt that waited: a requeued job waits for attempt + 1 (the next claim adds 1).
+        queue = self._queue_span(rec, ctx, attrs, self._queue_start_ms(rec), rec.attempt + 1)
+        queue.set_attribute("queue.outcome", outcome)
+        queue.end(end_time=max(end_ns, self._queue_start_ms(rec) * 1_000_000))
+
+    @staticmethod
+    def _queue_start_ms(rec) -> int:
+        """When its wait for this attempt began: admission, or the requeue after a lost or handed-back attempt."""
+        requeued = rec.result.get("requeued_at_ms")  # set by requeue.lua only
+        return int(requeued) if requeued else rec.enqueued_at_ms
+
+    def _queue_span(self, rec, ctx, attrs: dict, start_ms: int, attempt: int) -> trace.Span:
+        queue = self.tracer.start_span("gateway.queue", context=ctx, start_time=start_ms * 1_000_000,
+                                       attributes=attrs | {"queue.tier": rec.tier.value,
+                                                           "queue.tier_granted": rec.tier_granted.value,
+                                                           "queue.attempt": attempt})
+        tiers = [rec.tier_granted.value] + [t.value for t in sorted(ALL_TIERS, key=lambda t: -t.rank)
+                                            if t.rank < rec.tier_granted.rank]
+        for before, after in zip(tiers, tiers[1:]):
+            at = rec.result.get(f"aged_to_{after}")
+            if at is not None:
+                queue.add_event("aged", {"from_tier": before, "to_tier": after}, timestamp=int(at) * 1_000_000)
+        promoted = rec.result.get("promoted_at_ms")
+        if promoted is not None:  # its promised start fell due (gateway/promises.py): no newer job went first since
+            to_tier = f"P{rec.tier_granted.rank - 1}"  # a promise moves a job up one tier from where it was admitted
+            queue.add_event("promised start", {"to_tier": to_tier}, timestamp=int(promoted) * 1_000_000)
+        return queue

@@ -263,3 +263,37 @@ def test_gateway_spans_are_on_the_unix_clock_and_explain_totals_are_real(traced_
         assert d["transit"]["dispatch"] < 1.0, d["transit"]
         if rid in waited:
             assert d["queued_s"] > 0.1, d
+
+
+def test_explain_tells_the_wait_of_a_job_cancelled_or_expired_in_its_queue(tiny_model_dir, tmp_path, capsys):
+    """A job that left its queue undispatched (cancelled, or its queue timeout ran out) had no gateway.queue span
+    (the gateway made it at dispatch only): explain told a job that waited out its whole timeout 'total 0.00 s'
+    and 'nothing held it up'."""
+    import time
+
+    from tests.durable_cluster import DurableCluster
+
+    spans = tmp_path / "spans.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "otlp_json_file", "TS_SPANS_FILE": str(spans), "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 1}'}
+    # No worker: nothing is dispatched, and with no measured capacity the wait estimate refuses nothing.
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, gateway_env=env) as c:
+        with c.client("batch-co", timeout_s=30.0) as batch:
+            expiring = batch.submit(prompt_token_ids=[5], max_tokens=1, tier="P2")
+            waiting = batch.submit(prompt_token_ids=[6], max_tokens=1, tier="P3")
+            wait_for(lambda: c.state(expiring.id) == "expired", 30, "the P2 job to expire")
+            time.sleep(0.5)
+            assert batch.cancel(waiting.id) and c.state(waiting.id) == "cancelled"
+        waited = {j: (int(c.job(j)["finished_at_ms"]) - int(c.job(j)["enqueued_at_ms"])) / 1e3
+                  for j in (expiring.id, waiting.id)}
+    for job_id, outcome in ((expiring.id, "then expired: its queue timeout ran out"),
+                            (waiting.id, "then cancelled while queued")):
+        assert explain.main([job_id, "--spans", str(spans)]) == 0
+        text = capsys.readouterr().out
+        assert outcome in text and "nothing held it up" not in text, text
+        assert explain.main([job_id, "--spans", str(spans), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["queued_s"] == pytest.approx(waited[job_id], abs=0.05), (d, waited)
+        assert [b["detail"]["outcome"] for b in d["blame"] if b["kind"] == "queue"] == [outcome.split()[1].rstrip(":")]
+        parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
+        assert parts == pytest.approx(d["total_s"], abs=0.002) and d["other_s"] < 0.002, d

@@ -10,7 +10,7 @@
 -- ARGV[2]     retention of the finished job hash, ms
 -- ARGV[3..]   job ids, in the order of KEYS[7..]
 --
--- Returns: the ids of the jobs expired.
+-- Returns: for each job expired, {id, its HGETALL as it was before} (the gateway ends its queue span with it).
 
 local now, retention_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local expired = {}
@@ -21,6 +21,7 @@ for i = 7, #KEYS do
     local deadline = tonumber(f[4])
     if f[1] == 'queued' and deadline and deadline <= now then
         local timeout_s = (deadline - tonumber(f[6] or f[5])) / 1000  -- a requeue restarts the wait (requeue.lua)
+        local before = redis.call('HGETALL', job_key)
         redis.call('ZREM', KEYS[tonumber(string.sub(f[2], 2)) + 1], job_id)
         redis.call('ZREM', KEYS[5], job_id)
         redis.call('ZREM', KEYS[6], job_id)
@@ -29,7 +30,7 @@ for i = 7, #KEYS do
             .. f[3] .. ' exceeded')
         redis.call('HDEL', job_key, 'payload')
         redis.call('PEXPIRE', job_key, retention_ms)
-        expired[#expired + 1] = job_id
+        expired[#expired + 1] = {job_id, before}
     elseif f[1] ~= 'queued' then
         redis.call('ZREM', KEYS[6], job_id)  -- not queued: the index entry is stale
     end

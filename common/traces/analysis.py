@@ -180,9 +180,14 @@ class _Analyser:
             estimate = attr_float(admit.get("admission.estimated_wait_s")) if admit is not None and i == 0 else None
             if estimate:
                 text += f"; estimated {estimate:.2f} s at admission"
-            if dur >= self.min_wait_s or jobs:
+            outcome = attr_str(q.get("queue.outcome"))  # it left the queue undispatched (gateway.spans.left_queue)
+            if outcome == "expired":
+                text += "; then expired: its queue timeout ran out"
+            elif outcome:
+                text += f"; then {outcome} while queued"
+            if dur >= self.min_wait_s or jobs or outcome:
                 add(2, Cause(self.rel(q.start_ns), "queue", text, dur,
-                             {"jobs_ahead": jobs, "ahead": ahead, "estimated_wait_s": estimate,
+                             {"jobs_ahead": jobs, "ahead": ahead, "estimated_wait_s": estimate, "outcome": outcome,
                               "tier": attr_str(q.get("queue.tier")),
                               "tier_granted": attr_str(q.get("queue.tier_granted"))}))
             for ev in q.events:
