@@ -367,7 +367,8 @@ def test_p3_preempted_twice_by_p0_requests(spans, capsys):
     # Every interval between the spans is named: nothing is left as "other".
     assert data["other_s"] == pytest.approx(0.0) and data["transit_s"] == pytest.approx(0.12)
     assert data["transit"] == pytest.approx({"to_gateway": 0.010, "admission": 0.002, "dispatch": 0.003,
-                                             "to_worker": 0.005, "lost": 0.0, "delivery": 0.1, "other": 0.0})
+                                             "to_worker": 0.005, "lost": 0.0, "hand_back": 0.0, "delivery": 0.1,
+                                             "other": 0.0})
     assert "in transit 0.12 s (to gateway 0.01, to worker 0.01, delivery 0.10) + other 0.00 s" in out
     to_worker = next(c for c in data["blame"] if c["kind"] == "to_worker")
     assert to_worker["duration_s"] == pytest.approx(0.005)

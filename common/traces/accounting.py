@@ -9,17 +9,21 @@ named here by the spans on either side of it:
 - ``dispatch``: inside ``gateway.dispatch``;
 - ``to_worker``: from a dispatch to the worker's ``worker.request`` (the frame in flight, and the
   step the worker was running when it arrived: the worker reads new jobs between steps);
-- ``lost``: from a dispatch to a re-queue of the same job (the worker died or its lease expired);
+- ``lost``: from a dispatch (or the last span its worker sent) to a re-queue of the same job (the worker died
+  or its lease expired);
+- ``hand_back``: from the last span of a worker that handed the job back (it was shutting down:
+  worker/drain.py) to its re-queue (the hand-back in flight);
 - ``delivery``: after the worker's last span (the result on its way back to the client);
 - ``other``: anything else (it should be nothing).
 """
 
 from __future__ import annotations
 
-from common.traces.schema import GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT, WORKER_REQUEST
+from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT, WORKER_REQUEST,
+                                  attr_str)
 from common.traces.spans import Span
 
-TRANSIT_KINDS = ("to_gateway", "admission", "dispatch", "to_worker", "lost", "delivery", "other")
+TRANSIT_KINDS = ("to_gateway", "admission", "dispatch", "to_worker", "lost", "hand_back", "delivery", "other")
 # Spans whose time is already counted as queued, running or suspended.
 _ACCOUNTED = (GATEWAY_QUEUE, WORKER_REQUEST)
 
@@ -54,4 +58,10 @@ def _gap_kind(timed: list[Span], at: float) -> str:
         return "admission"
     if prev == GATEWAY_DISPATCH:
         return "to_worker" if nxt.startswith("worker.") else "lost" if nxt == GATEWAY_QUEUE else "other"
+    if prev.startswith("worker.") and nxt == GATEWAY_QUEUE:
+        # The attempt ended there and the job was queued again: handed back, as the next dispatch says
+        # (dispatch.requeue_cause), or lost with its worker.
+        redispatch = min((s for s in after if s.name == GATEWAY_DISPATCH), key=lambda s: s.start_ns, default=None)
+        released = redispatch is not None and attr_str(redispatch.get("dispatch.requeue_cause")) == "released"
+        return "hand_back" if released else "lost"
     return "other"
