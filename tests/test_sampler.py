@@ -115,3 +115,16 @@ def test_one_host_transfer_per_call():
         Sampler(CPU).sample(logits, reqs)
     syncs = sum(e.count for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense"))
     assert syncs == 0  # .tolist() reads the result in one go; no per-row .item()
+
+
+@pytest.mark.parametrize("temperature", [3.5e38, 1e300, 1.7e308])
+def test_a_temperature_past_float32s_range_keeps_top_k_and_top_p(temperature):
+    """Above float32's largest value the temperature became inf on its way to the device, and a token top-k had
+    masked (-inf) divided by it was NaN: every row with top-k drew token 0 whatever its logits, a result silently
+    wrong (the gateway accepts any finite temperature). A huge temperature is a uniform draw among the kept."""
+    logits = torch.arange(64, dtype=torch.float32)[None]  # token 0 is the least likely
+    for params, kept in ((SamplingParams(temperature=temperature, top_k=4), set(range(60, 64))),
+                         (SamplingParams(temperature=temperature, top_k=1), {63}),
+                         (SamplingParams(temperature=temperature, top_k=8, top_p=0.5), set(range(56, 64)))):
+        got = draws(logits[0], params, range(200))
+        assert set(got) <= kept and len(set(got)) > 1 or set(got) == kept == {63}, (params, sorted(set(got)))

@@ -10,6 +10,8 @@ set of batched ops over all sampled rows.
 Edge cases handled by construction:
 - temperature near 0: logits are shifted so the row maximum is 0 before the
   division, so the quotient is at most 0 and never overflows to inf/NaN;
+- temperature past float32's range: clamped to its largest value, not inf, so a
+  token top-k masked stays -inf (-inf / inf would be NaN);
 - the exponential noise is never 0: draws are clamped to the smallest normal
   float, so ``p / E`` is finite (and a masked token, p = 0, stays at 0 instead
   of 0/0 = NaN, which argmax would pick);
@@ -73,8 +75,10 @@ class Sampler:
         top_ks = [min(r.params.top_k, vocab) for _, r in sampled if r.params.top_k is not None]
         if top_ks and min(top_ks) < vocab:
             x = _top_k(x, cols[_TOP_K], max(top_ks))
-        # [n, 1]; a temperature below float32's range would become 0 (and 0/0 NaN): clamp it to the smallest.
-        temp = cols[_TEMP:_TEMP + 1].view(torch.float64).T.float().clamp_min_(torch.finfo(torch.float32).tiny)
+        # [n, 1]; a temperature below float32's range would become 0 (and 0/0 NaN), one above it inf (and a token
+        # top-k masked, -inf / inf, NaN: the row drew token 0): clamp it into the range.
+        f32 = torch.finfo(torch.float32)
+        temp = cols[_TEMP:_TEMP + 1].view(torch.float64).T.float().clamp_(f32.tiny, f32.max)
         # Shift first: the quotient is <= 0, so a temperature near 0 sends the rest to -inf, never to NaN.
         x = (x - x.amax(dim=-1, keepdim=True)) / temp
         if any(r.params.top_p < 1.0 for _, r in sampled):
