@@ -240,6 +240,7 @@ class WorkerService(Draining):
         if self.engine.abort(job_id):
             self.jobs.pop(job_id, None)
             self.rates.forget(job_id)
+            self._beat_soon()  # its slot is free: a gateway counts it busy, and the job held, until a report
 
     def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
         # Kept either way: one the gateway's full queue refused is due again at once, and goes to every gateway
