@@ -56,7 +56,6 @@ class WorkerService(Draining):
         ident = config.worker_id.encode()
         self.sockets = [make_socket(self.ctx, zmq.DEALER, identity=ident) for _ in config.gateways]
         self.routes = GatewayRoutes(self.sockets)  # which gateways are connected (worker/routes.py)
-        self.by_gateway: dict[str, zmq.Socket] = {}
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
         # Every socket use, from the step loop and the heartbeat thread; reentrant: a dispatch read under it may be
@@ -187,7 +186,7 @@ class WorkerService(Draining):
                 self.unconfirmed.confirmed(msg.job_id, msg.attempt)
                 self.unconfirmed_releases.confirmed(msg.job_id, msg.attempt)
             elif isinstance(msg, P.GatewayWelcome):
-                self.by_gateway[msg.gateway_id] = sock
+                pass  # nothing to learn: a job's tokens go back on the socket its dispatch came in on
             elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
                 # The gateway restarted, or forgot this worker: what was sent to it meanwhile is lost.
                 self._hello([sock])
@@ -199,7 +198,9 @@ class WorkerService(Draining):
                 self.counters["unexpected"] += 1
 
     def _dispatch(self, sock: zmq.Socket, msg: P.DispatchJob) -> None:
-        reply = self.by_gateway.get(msg.reply_to, sock)
+        # The socket it came in on: reply_to names that gateway. Looked up by the id gateways welcomed this worker
+        # with, a welcome naming another gateway's id (a buggy one, or two started with one id) took its tokens.
+        reply = sock
         newest = max([a for j, a in self.unconfirmed.attempts() if j == msg.job_id]
                      + ([self.jobs[msg.job_id].attempt] if msg.job_id in self.jobs else []), default=0)
         if msg.attempt <= newest:
