@@ -1,10 +1,15 @@
-"""What every long-running process of the cluster shares: its command line and its stop signal."""
+"""What every long-running process of the cluster shares: its command line, its stop signal, and (started by a
+launcher) its death with that launcher."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
 import signal
+import sys
+import threading
 from collections.abc import Callable
 
 from common import settings
@@ -43,3 +48,26 @@ def serve_until_signalled(serve: Callable[[Callable[[], bool]], None], close: Ca
     finally:
         close()
     return 0
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for Popen: the child is sent ``signum`` when this process dies, even by SIGKILL, so a
+    launcher killed outright orphans nothing. None (the child outlives a killed parent) off Linux, and off the
+    main thread: Linux sends the signal when the forking *thread* ends, and a helper thread's end would stop the
+    child of a process that lives on."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl took: nobody will send the signal
+            os._exit(1)
+    return preexec

@@ -25,6 +25,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.ports import free_port
+from common.process import die_with_parent
 
 
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
@@ -193,8 +194,9 @@ class RedisServer:
             "--logfile", str(self.dir / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
+        # Dies with its starter, even one killed by SIGKILL: "always stopped on exit".
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, cwd=self.dir)
+                                      stderr=subprocess.DEVNULL, cwd=self.dir, preexec_fn=die_with_parent())
         # No client-side retries: this loop owns the timing.
         probe = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=0.5,
                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))

@@ -7,8 +7,10 @@ file names the key files), and Redis gets a random password, passed to redis-ser
 gateways through files and the environment, never on a command line. When every worker has
 registered, the state file is written (JSON: gateway, redis, tenants, spans_file, keys; readable
 by its owner only: it holds the keys and the Redis URL) and the cluster runs until Ctrl-C or
-SIGTERM, which stops every process it started. The state file also holds http (the HTTP front
-door's base URL or null) and metrics (every process's /metrics URL).
+SIGTERM, which stops every process it started (at once, during start-up too) and removes the state
+file: it exists while the cluster is up. The state file also holds http (the HTTP front door's base
+URL or null) and metrics (every process's /metrics URL). Killed outright (SIGKILL), up.py takes its
+processes with it on Linux (each gets SIGTERM), but leaves its state file and secrets folder.
 
 Files: the logs and spans go to --logs-dir (default: a new ts-cluster-* folder in the temporary
 directory), which is kept after the cluster stops, for reading. The secrets (CURVE keys, the Redis
@@ -43,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from common import keys as curve_keys  # noqa: E402
 from common.redis_server import RedisServer, redact_url  # noqa: E402
 from common.ports import free_port  # noqa: E402
+from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
@@ -84,6 +87,12 @@ def write_state(path: Path, state: dict) -> None:
     tmp.touch(mode=0o600)  # readable by its owner only: it holds the key paths and the Redis URL
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(path)  # atomic: readers never see half a file
+
+
+def remove_state(path: Path) -> None:
+    """Remove a state file (a regular file only: --state-file /dev/null stays)."""
+    if path.is_file():
+        path.unlink(missing_ok=True)
 
 
 class Cluster:
@@ -201,8 +210,10 @@ class Cluster:
         self.commands[name] = (cmd, env, log)
         # Appending: a restarted process's log follows its predecessor's.
         with log.open("a") as out:
+            # A session of its own (a Ctrl-C reaches up.py alone, which stops the processes in order), and a death
+            # with up.py: killed outright, it would leave them running, holding their ports and CPU.
             self.procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+                                                start_new_session=True, preexec_fn=die_with_parent())
         return self.procs[name]
 
     def restart(self, name: str):
@@ -345,16 +356,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # The state file says "this cluster is up": one left by a killed run must not pass for the new cluster.
+    remove_state(args.state_file)
     cluster = Cluster(args)
-    stopping = {"now": False}
+    stopping = {"now": False, "up": False}
 
     def on_signal(signum, frame):
+        if stopping["now"]:
+            return  # a second Ctrl-C: stop() is already stopping everything; interrupting it would orphan some
         stopping["now"] = True
+        if not stopping["up"]:  # start-up waits up to --ready-timeout for the workers: stop now, not then
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         state = cluster.start()
+        stopping["up"] = True
         write_state(args.state_file, state)
         print(f"cluster up: gateway {state['gateway']}, redis {redact_url(state['redis'])}, "
               f"logs in {state['logs']}", flush=True)
@@ -366,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"up.py: {e}", file=sys.stderr)
         return 1
     finally:
+        stopping["now"] = True  # an error stops too: a signal now must not cut stop() short
+        remove_state(args.state_file)  # before stopping: nobody reads a dying cluster's state as a live one's
         cluster.stop()
     return 0
 

@@ -49,10 +49,12 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
         state["state_file"] = state_file
         yield state
     finally:
+        # The pids as they are now (the supervisor may have restarted some): up.py removes the file as it stops.
+        st = json.loads(state_file.read_text()) if state_file.exists() else None
         stop_process(proc, timeout=30)
         log.close()
-        if state_file.exists():
-            st = json.loads(state_file.read_text())
+        if st is not None:
+            assert not state_file.exists(), "a stopped cluster's state file was left to pass for a live one"
             for pid in [w["pid"] for w in st["workers"]] + st["gateway_pids"]:
                 assert not process_running(pid), f"process {pid} left behind"
             # The keys, the Redis password and the tenants' API keys outlive no cluster; its logs stay for reading.
