@@ -110,7 +110,7 @@ class WaitEstimator:
         score = self.queue.client.zscore(self.queue.keys.queue(tier), job_id)
         if score is None:
             return 0.0  # dispatched (or gone) meanwhile
-        info = self._infos([job_id]).get(job_id)
+        info = self.job_infos([job_id]).get(job_id)
         return self._estimate(info.tier if info else tier, job_id, score, now)
 
     def starts_s(self, tiers: list[Tier], now: float) -> dict[str, dict[Tier, float]]:
@@ -143,7 +143,7 @@ class WaitEstimator:
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
         per_queue, counts, now_ms = self._queued(tier, score)
-        infos = self._infos([i for found in per_queue for i, _ in found])
+        infos = self.job_infos([i for found in per_queue for i, _ in found])
         works: dict[tuple, Work] = {}  # jobs alike (most of a flood) share one: this runs per admission
         queued: list[Queued] = []
         unread: dict[Tier, tuple[int, Work]] = {}
@@ -187,7 +187,7 @@ class WaitEstimator:
                     if w.load is not None and w.load.prefill_tps > 0 and w.load.decode_tps > 0]
         default = (Rates(sum(p for p, _ in measured) / len(measured), sum(d for _, d in measured) / len(measured))
                    if measured else FALLBACK_RATES)
-        pending = self._infos([j for w in ws for j in w.pending])
+        pending = self.job_infos([j for w in ws for j in w.pending])
         views = []
         for w in ws:
             load = w.load
@@ -219,11 +219,8 @@ class WaitEstimator:
         return views
 
     def job_infos(self, ids: list[str]) -> dict[str, JobInfo]:
-        """Tier granted and token counts of the given jobs (those still known: memory, else Redis)."""
-        return self._infos(ids)
-
-    def _infos(self, ids: list[str]) -> dict[str, JobInfo]:
-        """Token counts of the given jobs: from memory, else read once from their payloads in Redis."""
+        """Tier granted and token counts of the given jobs (those still known): from memory, else read once from
+        their payloads in Redis."""
         out = {i: self._jobs[i] for i in ids if i in self._jobs}
         missing = [i for i in ids if i not in out]
         if missing:

@@ -6,39 +6,22 @@ with heartbeats far apart, so a report that comes is one the step loop sent, not
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from common import protocol as P
-from tests.test_worker_drain import FakeGateway, is_
+from tests.test_worker_drain import FakeGateway, is_, serving_worker
 
 HEARTBEAT_S = 6.0
 
 
 @pytest.fixture
 def slow_beating_worker(bench_model_dir):
-    from worker import Engine, EngineConfig
-    from worker.service import WorkerService
-    from worker.service_config import WorkerConfig
-
     gateway = FakeGateway()
-    engine = Engine.from_pretrained(str(bench_model_dir), EngineConfig(max_num_seqs=2, p0_reserve_slots=0))
-    service = WorkerService(WorkerConfig(worker_id="wk-cancel", gateways=[f"tcp://127.0.0.1:{gateway.port}"],
-                                         model="bench", heartbeat_interval_s=HEARTBEAT_S), engine)
-    service.connect()
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-    gateway.receive(is_(P.WorkerHello))
-    try:
+    with serving_worker(bench_model_dir, [gateway], worker_id="wk-cancel", heartbeat_interval_s=HEARTBEAT_S) as (
+            service, _):
         yield service, gateway
-    finally:
-        stop.set()
-        thread.join(30)
-        service.close()
-        gateway.close()
 
 
 def test_a_cancelled_jobs_slot_is_offered_in_the_next_report_not_a_heartbeat_later(slow_beating_worker):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -73,30 +74,40 @@ def is_(kind, job_id: str | None = None):
     return lambda m: isinstance(m, kind) and (job_id is None or m.job_id == job_id)
 
 
-@pytest.fixture
-def draining_worker(bench_model_dir):
-    """A worker service serving on a thread (max 2 running), its fake gateway, and a function that starts the
-    drain as the signal handler would."""
+@contextmanager
+def serving_worker(model_dir, gateways: list[FakeGateway], **config):
+    """A real WorkerService (max 2 running) connected to ``gateways``, serving on a thread once each has its
+    hello; yields (service, thread) and stops and closes it all after."""
     from worker import Engine, EngineConfig
     from worker.service import WorkerService
     from worker.service_config import WorkerConfig
 
-    gateway = FakeGateway()
-    engine = Engine.from_pretrained(str(bench_model_dir), EngineConfig(max_num_seqs=2, p0_reserve_slots=0))
-    service = WorkerService(WorkerConfig(worker_id="wk-drain", gateways=[f"tcp://127.0.0.1:{gateway.port}"],
-                                         model="bench", drain_timeout_s=2.0), engine)
+    engine = Engine.from_pretrained(str(model_dir), EngineConfig(max_num_seqs=2, p0_reserve_slots=0))
+    service = WorkerService(WorkerConfig(gateways=[f"tcp://127.0.0.1:{g.port}" for g in gateways], model="bench",
+                                         **config), engine)
     service.connect()
     stop = threading.Event()
     thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
     thread.start()
-    gateway.receive(is_(P.WorkerHello))
+    for g in gateways:
+        g.receive(is_(P.WorkerHello))
     try:
-        yield service, gateway, thread
+        yield service, thread
     finally:
         stop.set()
         thread.join(30)
         service.close()
-        gateway.close()
+        for g in gateways:
+            g.close()
+
+
+@pytest.fixture
+def draining_worker(bench_model_dir):
+    """A worker service serving on a thread (max 2 running), its fake gateway, and a function that starts the
+    drain as the signal handler would."""
+    gateway = FakeGateway()
+    with serving_worker(bench_model_dir, [gateway], worker_id="wk-drain", drain_timeout_s=2.0) as (service, thread):
+        yield service, gateway, thread
 
 
 def test_a_draining_worker_hands_back_what_has_not_started_then_what_runs_out_of_time(draining_worker):

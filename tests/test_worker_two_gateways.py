@@ -6,39 +6,19 @@ A real WorkerService (bench model, real ZeroMQ) facing two gateway sockets the t
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from common import protocol as P
-from tests.test_worker_drain import FakeGateway, is_
+from tests.test_worker_drain import FakeGateway, is_, serving_worker
 
 
 @pytest.fixture
 def two_gateways(bench_model_dir):
-    from worker import Engine, EngineConfig
-    from worker.service import WorkerService
-    from worker.service_config import WorkerConfig
-
     a, b = FakeGateway(), FakeGateway()
-    engine = Engine.from_pretrained(str(bench_model_dir), EngineConfig(max_num_seqs=2, p0_reserve_slots=0))
-    service = WorkerService(WorkerConfig(worker_id="wk-two", model="bench",
-                                         gateways=[f"tcp://127.0.0.1:{g.port}" for g in (a, b)]), engine)
-    service.connect()
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-    a.receive(is_(P.WorkerHello))
-    b.receive(is_(P.WorkerHello))
-    try:
+    with serving_worker(bench_model_dir, [a, b], worker_id="wk-two") as (service, _):
         yield service, a, b
-    finally:
-        stop.set()
-        thread.join(30)
-        service.close()
-        a.close()
-        b.close()
 
 
 def test_a_welcome_naming_another_gateways_id_does_not_take_its_jobs_tokens(two_gateways):

@@ -198,9 +198,6 @@ class WorkerService(Draining):
                 self.counters["unexpected"] += 1
 
     def _dispatch(self, sock: zmq.Socket, msg: P.DispatchJob) -> None:
-        # The socket it came in on: reply_to names that gateway. Looked up by the id gateways welcomed this worker
-        # with, a welcome naming another gateway's id (a buggy one, or two started with one id) took its tokens.
-        reply = sock
         newest = max([a for j, a in self.unconfirmed.attempts() if j == msg.job_id]
                      + ([self.jobs[msg.job_id].attempt] if msg.job_id in self.jobs else []), default=0)
         if msg.attempt <= newest:
@@ -223,13 +220,16 @@ class WorkerService(Draining):
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
                                     trace_context=msg.trace_context, output_token_ids=msg.resume_token_ids)
         except InvalidRequest as e:
-            self._finish(reply, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
+            self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
         # Resumed: its output so far (as the engine kept it) is the start of what it streams and returns.
         resumed = list(self.engine.get_request(msg.job_id).output_token_ids)
         if resumed:
             log.info("job %s attempt %d resumes after %d tokens", msg.job_id, msg.attempt, len(resumed))
-        self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, reply, self.clock(), resumed)
+        # Its tokens go back on the socket the dispatch came in on (reply_to names that gateway). Looked up by the id
+        # gateways welcomed this worker with, a welcome naming another gateway's id (a buggy one, or two started with
+        # one id) took its tokens.
+        self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, sock, self.clock(), resumed)
         self.rates.added(msg.job_id)
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
 
