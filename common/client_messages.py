@@ -126,6 +126,13 @@ class InfoReply:
     workers: list[str]
     queue_depths: dict[str, int]
     request_id: str | None = None
+    # For the asking tenant, per tier it is entitled to: the largest prompt + max_tokens that tier admits now
+    # (the model's context, the tier's share of the workers' KV cache, and for a P0 that a spent quota would
+    # downgrade, P1's share too), so a client can size max_tokens to the room its prompt leaves. None from
+    # older gateways.
+    tier_token_limits: dict[str, int] | None = None
+    # The largest max_tokens any request may ask for (the gateway's max_tokens_limit); None from older gateways.
+    max_tokens_limit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -141,11 +141,28 @@ class ClientApi:
                                                       estimate, rec.reason))
 
     def on_info(self, ident: bytes, req: P.InfoRequest) -> None:
-        if self.tenants.lookup(req.api_key) is None:
+        tenant = self.tenants.lookup(req.api_key)
+        if tenant is None:
             self._reply_error(ident, Unauthorized("unknown API key"))
             return
         depths = {t.value: n for t, n in self.queue.depths().items()}
-        self._send(self.clients, ident, P.InfoReply(self.config.gateway_id, sorted(self.workers.workers), depths))
+        self._send(self.clients, ident, P.InfoReply(self.config.gateway_id, sorted(self.workers.workers), depths,
+                                                    tier_token_limits=self._token_limits(tenant),
+                                                    max_tokens_limit=self.config.max_tokens_limit))
+
+    def _token_limits(self, tenant) -> dict[str, int]:
+        """Per tier of ``tenant``: the largest prompt + max_tokens _admit takes from it now. The same limits as
+        admission.check, and P1's for a P0 that a spent quota would downgrade (such a P0 past P1's share is
+        refused, not downgraded), so a request sized to this is never refused where a smaller one passes."""
+        context = self.workers.max_model_len() or self.config.max_model_len
+        p1 = self.workers.tier_max_tokens(Tier.P1.value)
+        limits = {}
+        for tier in sorted(tenant.tiers, key=lambda t: t.rank):
+            share = [self.workers.tier_max_tokens(tier.value)]
+            if tier is Tier.P0 and tenant.p0_rate_per_s and tenant.on_quota_exhausted == "downgrade":
+                share.append(p1)
+            limits[tier.value] = min([context] + [s for s in share if s is not None])
+        return limits
 
     def on_cancel(self, ident: bytes, req: P.CancelRequest) -> None:
         rec = self._own_job(ident, req.api_key, req.job_id)

@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from common.errors import ServingError, Unauthorized
-from common.tiers import ALL_TIERS
+from common.errors import InvalidRequest, ServingError, Unauthorized
+from common.tiers import ALL_TIERS, parse_tier
 from gateway.http import errors, idempotency, metrics
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
@@ -39,6 +39,9 @@ from gateway.sdk import GatewayClient
 log = logging.getLogger("gateway.http")
 
 HEALTH_TIMEOUT_S = 2.0
+# How long the door sizes defaulted max_tokens by a gateway's limits before asking again; limits that moved
+# meanwhile cost a refused submission and one retry (FrontDoor._submit).
+LIMITS_MAX_AGE_S = 5.0
 
 
 class ClientGone(Exception):
@@ -103,8 +106,9 @@ class FrontDoor:
                                 f"server serves {self.model!r}", param="model", code="model_not_found")
             ids = self.prompts.chat(body.messages) if chat else (
                 self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt))
-            max_tokens = body.requested_max_tokens() or self.config.default_max_tokens
-            return await self._submit_and_answer(request, key, body, chat, ids, tier, max_tokens, idem)
+            prompt_param = "messages" if chat else "prompt"
+            job = await self._submit(key, body, ids, tier, idem, prompt_param)
+            return await self._answer(request, key, body, chat, ids, job, idem, prompt_param)
         except ValidationError as e:
             return _validation_error(e).response()
         except HttpError as e:
@@ -136,23 +140,47 @@ class FrontDoor:
             raise ClientGone from None
         return b"".join(chunks)
 
-    async def _submit_and_answer(self, request: Request, key: str, body, chat: bool, ids: list[int], tier,
-                                 max_tokens: int, idem: str | None) -> Response:
-        prompt_param = "messages" if chat else "prompt"
+    async def _submit(self, key: str, body, ids: list[int], tier: str | None, idem: str | None, prompt_param: str):
+        """The job, submitted with the client's max_tokens or, without one, the default that fits (max_tokens_for)."""
+        asked = body.requested_max_tokens()
         try:
-            # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
-            async with self.upstream.client(key) as up:
-                job = await up.client.submit(
-                    prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
-                    top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
-                    ignore_eos=body.ignore_eos, idempotency_key=idem)
+            max_tokens = asked if asked is not None else await self._default_max_tokens(
+                key, body, ids, tier, prompt_param, LIMITS_MAX_AGE_S)
+            try:
+                return await self._submit_once(key, body, ids, tier, max_tokens, idem)
+            except InvalidRequest as e:
+                if asked is not None or e.field != "max_tokens":
+                    raise
+                # The limits held had moved (a worker left, or began draining): the gateway's limits of now, once.
+                again = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
+                if again >= max_tokens:
+                    raise
+                return await self._submit_once(key, body, ids, tier, again, idem)
         except Unauthorized as e:
             self.upstream.forget(key)
             raise errors.from_serving_error(e) from None
         except ServingError as e:
-            raise errors.from_serving_error(e, prompt_param) from None
+            raise errors.from_serving_error(e, prompt_param, body.max_tokens_param()) from None
         except TimeoutError:
             raise _no_gateway() from None
+
+    async def _submit_once(self, key: str, body, ids: list[int], tier: str | None, max_tokens: int,
+                           idem: str | None):
+        # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
+        async with self.upstream.client(key) as up:
+            return await up.client.submit(
+                prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
+                top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
+                ignore_eos=body.ignore_eos, idempotency_key=idem)
+
+    async def _default_max_tokens(self, key: str, body, ids: list[int], tier: str | None, prompt_param: str,
+                                  max_age_s: float) -> int:
+        info = await self.upstream.info(key, max_age_s)
+        return max_tokens_for(body.default_max_tokens(self.config.default_max_tokens), len(ids), tier,
+                              info.tier_token_limits, info.max_tokens_limit, prompt_param)
+
+    async def _answer(self, request: Request, key: str, body, chat: bool, ids: list[int], job, idem: str | None,
+                      prompt_param: str) -> Response:
         headers = {"X-Request-Id": job.id, "X-Tier": job.tier,
                    "X-Estimated-Wait-Seconds": f"{job.estimated_wait_s:.3f}"}
         if job.duplicate:
@@ -242,6 +270,27 @@ class FrontDoor:
         task = asyncio.get_running_loop().create_task(cancel())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def max_tokens_for(cap: int, prompt_len: int, tier: str | None, limits: dict[str, int] | None,
+                   max_tokens_limit: int | None, prompt_param: str) -> int:
+    """max_tokens for a request that sets none: the room its prompt leaves in the largest prompt + max_tokens
+    its tier admits (``limits``, from the gateway's info), at most ``cap`` (the door's default_max_tokens, or
+    OpenAI's 16 for a completion without the field: the room alone would reserve, and count in every wait
+    estimate, the whole context for each such request) and the gateway's max_tokens_limit. So such a request is
+    refused only for its prompt, never for a max_tokens the client did not send. ``limits`` None (an older
+    gateway): ``cap``, as before."""
+    if limits is None:
+        return cap
+    # No tier asked: the gateway takes the tenant's highest, which it says by saying only the tenant's tiers.
+    tier = tier or min(limits, key=lambda t: parse_tier(t).rank, default=None)
+    if tier not in limits:  # a tier the tenant may not use: the gateway answers 403, whatever the max_tokens
+        return cap
+    room = limits[tier] - prompt_len
+    if room < 1:
+        raise errors.invalid(f"the prompt ({prompt_len} tokens) leaves no room for a completion: a {tier} request "
+                             f"holds at most {limits[tier]} tokens, prompt and completion together", prompt_param)
+    return min(cap, room, max_tokens_limit or cap)
 
 
 def _info(endpoint: str, key: str):

@@ -44,9 +44,11 @@ def seconds_header(s: float) -> str:
     return str(max(0, math.ceil(s))) if math.isfinite(s) else "3600"
 
 
-def from_serving_error(e: ServingError, prompt_param: str = "prompt") -> HttpError:
+def from_serving_error(e: ServingError, prompt_param: str = "prompt",
+                       max_tokens_param: str = "max_tokens") -> HttpError:
     """The HTTP answer for a refusal or an unsuccessful end reported by the gateway (``prompt_param``: what
-    the client called the prompt: ``prompt`` or ``messages``)."""
+    the client called the prompt: ``prompt`` or ``messages``; ``max_tokens_param``: and the limit:
+    ``max_tokens`` or ``max_completion_tokens``)."""
     if isinstance(e, Unauthorized):
         return HttpError(401, "authentication_error", str(e), code="invalid_api_key")
     if isinstance(e, Forbidden):
@@ -54,7 +56,8 @@ def from_serving_error(e: ServingError, prompt_param: str = "prompt") -> HttpErr
     if isinstance(e, InvalidRequest) and e.field == "idempotency_key":  # the key names another request's job
         return HttpError(422, "invalid_request_error", str(e), code="idempotency_key_reused")
     if isinstance(e, InvalidRequest):
-        return invalid(str(e), prompt_param if _param(e.field) == "prompt" else _param(e.field))
+        param = _param(e.field)
+        return invalid(str(e), {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(param, param))
     if isinstance(e, QuotaExceeded):
         return HttpError(429, "rate_limit_error", str(e), code="p0_quota_exceeded",
                          headers={"Retry-After": seconds_header(e.retry_after_s)})

@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from common.tiers import ALL_TIERS
 
+# The max_tokens of a /v1/completions body that leaves the field out (OpenAI's, and vLLM's, default).
+OPENAI_COMPLETION_MAX_TOKENS = 16
+
 Priority = Annotated[int, Field(ge=0, le=len(ALL_TIERS) - 1)]
 
 
@@ -179,7 +182,15 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
     def requested_max_tokens(self) -> int | None:
+        """What the client asked for; None: the door sizes it (gateway/http/app.py)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        """The name the client gave the limit, for an error about it (OpenAI's newer name wins, as in vLLM)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def default_max_tokens(self, door_default: int) -> int:
+        return door_default
 
     def unhonoured(self) -> tuple[str, str] | None:
         for i, m in enumerate(self.messages):
@@ -196,7 +207,8 @@ class CompletionRequest(_Sampling):
     prompt: (str | Annotated[list[StrictInt], Field(min_length=1)]
              | Annotated[list[str], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # Absent (or null): OpenAI's 16, at most the room the prompt leaves (gateway/http/app.py, max_tokens_for).
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="after")
     def _unwrap(self) -> CompletionRequest:
@@ -206,3 +218,9 @@ class CompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def default_max_tokens(self, door_default: int) -> int:
+        return OPENAI_COMPLETION_MAX_TOKENS

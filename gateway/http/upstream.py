@@ -10,10 +10,13 @@ other answer. Nothing here outlives a restart: jobs live in the gateways' Redis.
 
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from common import protocol as P
 from common.errors import Unauthorized
 from gateway.sdk import AsyncGatewayClient
 
@@ -23,6 +26,8 @@ class _Entry:
         self.client = client
         self.users = 0
         self.known = False  # a gateway said it knows this key
+        self.info: P.InfoReply | None = None  # a gateway's latest answer to this key's info call
+        self.info_at = -math.inf  # when it came (monotonic)
 
 
 class Upstream:
@@ -63,12 +68,21 @@ class Upstream:
             self._entries.move_to_end(api_key)
             return
         try:
-            async with self.client(api_key) as entry:
-                await entry.client.info()
-                entry.known = True
+            await self.info(api_key, max_age_s=0.0)
         except Unauthorized:
             self.forget(api_key)
             raise
+
+    async def info(self, api_key: str, max_age_s: float) -> P.InfoReply:
+        """A gateway's info for ``api_key`` (its token limits: gateway/http/app.py), asked again when the one held
+        is older than ``max_age_s``. Raises as check does."""
+        entry = self._entries.get(api_key)
+        if entry is not None and entry.info is not None and time.monotonic() - entry.info_at <= max_age_s:
+            return entry.info
+        async with self.client(api_key) as entry:
+            info = await entry.client.info()
+            entry.known, entry.info, entry.info_at = True, info, time.monotonic()
+            return info
 
     def forget(self, api_key: str) -> None:
         """Drop the client of a key the gateway did not know."""
