@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+import redis
+
 from common import protocol as P
 from gateway import metrics
 
@@ -63,3 +65,16 @@ class Maintenance:
                 self._send(self.worker_sock, w.identity, P.CancelJob(one.job_id, one.attempt))
             if one.state == "dead":
                 self._finish_stream(one.job_id, "dead", None, "lease expired too many times")
+        for one in settled:  # after every lease is settled here: a Redis error cannot leave one half done
+            if one.state == "dead":
+                self._dead_letter_span(one, cause)
+
+    def _dead_letter_span(self, one, cause: str) -> None:
+        """The lost last attempt's span (GatewaySpans.dead_lettered): its trace context is in the stored job."""
+        try:
+            rec = self.queue.get(one.job_id)
+        except redis.RedisError as e:
+            log.warning("job %s dead-lettered; its span is lost (Redis: %s)", one.job_id, e)
+            return
+        if rec is not None and rec.finished_at_ms is not None:  # None: already trimmed from the dead letters
+            self.spans.dead_lettered(rec, one.attempt, one.worker, cause, rec.finished_at_ms * 1_000_000)

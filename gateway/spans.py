@@ -83,17 +83,36 @@ class GatewaySpans:
         """The queue-wait span of a job that left its queue without a dispatch (``outcome``: cancelled, expired):
         without it, its trace held no wait at all, and explain told a job that waited out its queue timeout that
         nothing held it up. ``rec``: the job as it was before (its payload holds its trace context)."""
-        try:
-            body = msgpack.unpackb(rec.payload) if rec.payload else {}
-        except (ValueError, msgpack.UnpackException):
-            body = {}
-        parent = body.get("trace_context") if isinstance(body, dict) else None
-        ctx = tracing.context_from(parent if isinstance(parent, dict) else {})
+        ctx = self._stored_context(rec)
         attrs = tracing.request_attributes(rec.id, rec.tier.value, rec.tenant)
         # The attempt that waited: a requeued job waits for attempt + 1 (the next claim adds 1).
         queue = self._queue_span(rec, ctx, attrs, self._queue_start_ms(rec), rec.attempt + 1)
         queue.set_attribute("queue.outcome", outcome)
         queue.end(end_time=max(end_ns, self._queue_start_ms(rec) * 1_000_000))
+
+    def dead_lettered(self, rec, attempt: int, worker: str, cause: str, end_ns: int) -> None:
+        """The end of a job's last allowed attempt, which lost its lease: it was dead-lettered. An earlier lost
+        attempt is told by the next dispatch's span (dispatch.requeue_cause); the last has no next dispatch, and
+        without this span its trace stopped at its dispatch, saying neither why it failed nor where its time went.
+        ``rec``: the job as stored after (its payload holds its trace context); ``end_ns``: when, on Redis's clock."""
+        attrs = tracing.request_attributes(rec.id, rec.tier.value, rec.tenant) | {
+            "dead_letter.attempt": attempt, "dead_letter.cause": cause, "dead_letter.lost_worker": worker}
+        if rec.reason:
+            attrs["dead_letter.reason"] = rec.reason
+        span = self.tracer.start_span("gateway.dead_letter", context=self._stored_context(rec), start_time=end_ns,
+                                      attributes=attrs)
+        span.set_status(Status(StatusCode.ERROR, rec.reason or "dead-lettered"))
+        span.end(end_time=end_ns)
+
+    @staticmethod
+    def _stored_context(rec):
+        """The admission's context, stored in the job's payload: the parent of the spans made after it."""
+        try:
+            body = msgpack.unpackb(rec.payload) if rec.payload else {}
+        except (ValueError, msgpack.UnpackException):
+            body = {}
+        parent = body.get("trace_context") if isinstance(body, dict) else None
+        return tracing.context_from(parent if isinstance(parent, dict) else {})
 
     @staticmethod
     def _queue_start_ms(rec) -> int:

@@ -257,11 +257,12 @@ def render_png(exp: Explanation, out: str | Path) -> None:
         ax.text((p.start_s + p.end_s) / 2, ypos["suspended"] + 0.42, p.label, ha="center", va="bottom",
                 fontsize=8, color="#c62828")
     for c in exp.blame:
-        if c.kind == "redispatch":  # a lease expiry (the work on the previous worker was lost), or a hand-back
+        if c.kind in ("redispatch", "dead_letter"):  # a lease expiry (the work on that worker was lost), a hand-back
             what = "handed back by" if c.detail.get("cause") == "released" else "lease expired on"
+            who = c.detail.get("previous_worker") if c.kind == "redispatch" else c.detail.get("worker")
+            tail = ": dead-lettered" if c.kind == "dead_letter" else ""
             ax.axvline(c.at_s, linestyle="--", color="#6a1b9a", linewidth=1)
-            ax.text(c.at_s, len(rows) - 0.55, f" {what} {c.detail.get('previous_worker') or '?'}",
-                    fontsize=8, color="#6a1b9a", va="bottom")
+            ax.text(c.at_s, len(rows) - 0.55, f" {what} {who or '?'}{tail}", fontsize=8, color="#6a1b9a", va="bottom")
     ax.set_yticks([ypos[r] for r in rows], labels=[ROW_NAMES[r] for r in rows])
     ax.set_ylim(-0.7, len(rows) - 0.1 + (0.4 if suspended else 0.2))
     ax.set_xlim(0, end * 1.02)

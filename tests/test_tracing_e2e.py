@@ -297,3 +297,34 @@ def test_explain_tells_the_wait_of_a_job_cancelled_or_expired_in_its_queue(tiny_
         assert [b["detail"]["outcome"] for b in d["blame"] if b["kind"] == "queue"] == [outcome.split()[1].rstrip(":")]
         parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
         assert parts == pytest.approx(d["total_s"], abs=0.002) and d["other_s"] < 0.002, d
+
+
+def test_explain_names_the_lost_last_attempt_of_a_dead_lettered_job(tiny_model_dir, tmp_path, capsys):
+    """A lease lost on the last allowed attempt dead-letters the job. Earlier lost attempts are told by the next
+    dispatch's span (dispatch.requeue_cause, dispatch.lost_worker), but the last one has no next dispatch: its trace
+    ended at its dispatch, and explain could not say why the job failed nor where its time went after it."""
+    from tests.durable_cluster import DurableCluster
+
+    spans = tmp_path / "spans.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "otlp_json_file", "TS_SPANS_FILE": str(spans), "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "TS_GATEWAY_MAX_ATTEMPTS": "1"}
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, lease_s=2.0, gateway_env=env) as c:
+        with c.client("batch-co", timeout_s=30.0) as batch:
+            job = batch.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P2")
+            wait_for(lambda: c.state(job.id) == "dispatched" and c.redis.exists(f"ts:{{c}}:tok:{job.id}"), 60,
+                     "the job to stream")
+            c.kill("wk-0")  # its lease runs out, on the only attempt it may have
+            wait_for(lambda: c.state(job.id) == "dead", 30, "the job to be dead-lettered")
+            dead = c.job(job.id)
+    assert explain.main([job.id, "--spans", str(spans), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    [cause] = [b for b in d["blame"] if b["kind"] == "dead_letter"]
+    assert {k: cause["detail"].get(k) for k in ("attempt", "worker", "cause")} == \
+        {"attempt": 1, "worker": "wk-0", "cause": "lease_expired"}, cause
+    # Its time runs to the dead-lettering (Redis's clock, as the queue's spans), the lost part named as lost.
+    end_s = (int(dead["finished_at_ms"]) * 1_000_000 - d["start_unix_ns"]) / 1e9
+    assert d["total_s"] == pytest.approx(end_s, abs=0.01), d
+    assert d["transit"]["lost"] > 1.0 and d["other_s"] < 0.002, d
+    assert explain.main([job.id, "--spans", str(spans)]) == 0
+    text = capsys.readouterr().out
+    assert "lease expired on worker wk-0" in text and "dead-lettered" in text, text

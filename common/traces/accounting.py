@@ -9,8 +9,8 @@ named here by the spans on either side of it:
 - ``dispatch``: inside ``gateway.dispatch``;
 - ``to_worker``: from a dispatch to the worker's ``worker.request`` (the frame in flight, and the
   step the worker was running when it arrived: the worker reads new jobs between steps);
-- ``lost``: from a dispatch (or the last span its worker sent) to a re-queue of the same job (the worker died
-  or its lease expired);
+- ``lost``: from a dispatch (or the last span its worker sent) to a re-queue of the same job, or to its
+  dead-lettering (the worker died or its lease expired);
 - ``hand_back``: from the last span of a worker that handed the job back (it was shutting down:
   worker/drain.py) to its re-queue (the hand-back in flight);
 - ``delivery``: after the worker's last span (the result on its way back to the client);
@@ -19,8 +19,8 @@ named here by the spans on either side of it:
 
 from __future__ import annotations
 
-from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT, WORKER_REQUEST,
-                                  attr_str)
+from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT,
+                                  WORKER_REQUEST, attr_str)
 from common.traces.spans import Span
 
 TRANSIT_KINDS = ("to_gateway", "admission", "dispatch", "to_worker", "lost", "hand_back", "delivery", "other")
@@ -56,6 +56,8 @@ def _gap_kind(timed: list[Span], at: float) -> str:
         return "delivery"
     if prev == GATEWAY_ADMIT:
         return "admission"
+    if nxt == GATEWAY_DEAD_LETTER and (prev == GATEWAY_DISPATCH or prev.startswith("worker.")):
+        return "lost"  # its last allowed attempt: the lease ran out and nothing came after
     if prev == GATEWAY_DISPATCH:
         return "to_worker" if nxt.startswith("worker.") else "lost" if nxt == GATEWAY_QUEUE else "other"
     if prev.startswith("worker.") and nxt == GATEWAY_QUEUE:

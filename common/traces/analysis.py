@@ -18,11 +18,11 @@ from dataclasses import asdict
 
 from common.traces import accounting
 from common.traces.model import Cause, Decision, Explanation, NoSchedulingSpans, Phase, Suspension
-from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, PHASES, PREEMPTION_DECLINED,
-                                  REQUEST_ID, REQUEST_TIER, SCHEDULING_SPANS, SDK_SUBMIT, STEP_BEFORE_END,
-                                  STEP_BEFORE_REQUESTS, STEP_BEFORE_START, STEP_BEFORE_TOKENS, TENANT_ID, WORKER_DECODE,
-                                  WORKER_PREFILL, WORKER_QUEUE, WORKER_REQUEST, WORKER_SUSPENDED, attr_float,
-                                  attr_int, attr_str, per_tier)
+from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, PHASES,
+                                  PREEMPTION_DECLINED, REQUEST_ID, REQUEST_TIER, SCHEDULING_SPANS, SDK_SUBMIT,
+                                  STEP_BEFORE_END, STEP_BEFORE_REQUESTS, STEP_BEFORE_START, STEP_BEFORE_TOKENS,
+                                  TENANT_ID, WORKER_DECODE, WORKER_PREFILL, WORKER_QUEUE, WORKER_REQUEST,
+                                  WORKER_SUSPENDED, attr_float, attr_int, attr_str, per_tier)
 from common.traces.select import RequestSpans, select_request_spans
 from common.traces.spans import Span
 
@@ -160,6 +160,8 @@ class _Analyser:
                              f"dispatched to worker {worker} with no free credit anywhere: it had the cheapest "
                              f"preemption", detail={"worker": worker, "attempt": attempt}))
 
+        self._dead_letter_causes(dispatches, add)
+
         # Gateway queue waits and aging.
         for i, q in enumerate(queues):
             src = q if any(k.startswith("queue.ahead.") or k == "queue.position" for k in q.attributes) else \
@@ -291,6 +293,26 @@ class _Analyser:
             attempts=max(attempts, 1 if self.own else 0),
             workers=workers, blame=[c for _, _, c in sorted(causes, key=lambda x: (x[0], x[1]))],
             phases=self._phases(dispatches, suspensions), suspensions=suspensions, decisions=decisions)
+
+    def _dead_letter_causes(self, dispatches: list[Span], add) -> None:
+        """Its last allowed attempt lost its lease: the job was dead-lettered (no next dispatch tells of it)."""
+        for s in self.spans(GATEWAY_DEAD_LETTER):
+            before = [d for d in dispatches if d.end_ns <= s.start_ns]
+            worker = attr_str(s.get("dead_letter.lost_worker")) or \
+                (attr_str(before[-1].get("dispatch.worker")) if before else None)
+            attempt = attr_int(s.get("dead_letter.attempt"))
+            cause = attr_str(s.get("dead_letter.cause")) or "lease_expired"
+            lost = (s.start_ns - before[-1].end_ns) / 1e9 if before else None
+            how = "handed back by" if cause == "released" else "lease expired on"
+            text = f"{how} worker {worker or '?'}" + (f" (attempt {attempt})" if attempt else "") + \
+                ": dead-lettered, no attempt left"
+            if attr_str(s.get("dead_letter.reason")):
+                text += f" ({s.get('dead_letter.reason')})"
+            if lost is not None and lost > 0:
+                text += f"; {lost:.2f} s lost on {worker or '?'}"
+            add(1, Cause(self.rel(s.start_ns), "dead_letter", text, lost,
+                         {"attempt": attempt, "worker": worker, "cause": cause,
+                          "reason": attr_str(s.get("dead_letter.reason"))}))
 
     def _to_worker_causes(self, dispatches: list[Span], add) -> None:
         """A hand-over to a worker that took a while: the step the worker was running when the job came."""

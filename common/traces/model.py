@@ -67,6 +67,7 @@ class Cause:
     at_s: float  # seconds since the request's first span started
     # quota | queue | aging | promise | dispatch | redispatch | to_worker | worker_queue | declined | suspended
     # | preempted (a decision without a recorded suspended period) | preempting (it was the beneficiary)
+    # | dead_letter (its last allowed attempt lost its lease)
     kind: str
     text: str
     duration_s: float | None = None

@@ -15,6 +15,7 @@ SDK_SUBMIT = "sdk.submit"
 GATEWAY_ADMIT = "gateway.admit"
 GATEWAY_QUEUE = "gateway.queue"
 GATEWAY_DISPATCH = "gateway.dispatch"
+GATEWAY_DEAD_LETTER = "gateway.dead_letter"  # instant: its last allowed attempt lost its lease (gateway/spans.py)
 WORKER_REQUEST = "worker.request"
 WORKER_QUEUE = "worker.queue"
 WORKER_PREFILL = "worker.prefill"
@@ -32,8 +33,8 @@ STEP_BEFORE_TOKENS = "worker.step_before.tokens"
 
 DECISION_SPANS = frozenset({PREEMPTION, PREEMPTION_DECLINED})
 # Spans that say something about scheduling; a trace with none of them cannot be explained.
-SCHEDULING_SPANS = frozenset({GATEWAY_ADMIT, GATEWAY_QUEUE, GATEWAY_DISPATCH, WORKER_REQUEST, WORKER_QUEUE,
-                              WORKER_PREFILL, WORKER_DECODE, WORKER_SUSPENDED}) | DECISION_SPANS
+SCHEDULING_SPANS = frozenset({GATEWAY_ADMIT, GATEWAY_QUEUE, GATEWAY_DISPATCH, GATEWAY_DEAD_LETTER, WORKER_REQUEST,
+                              WORKER_QUEUE, WORKER_PREFILL, WORKER_DECODE, WORKER_SUSPENDED}) | DECISION_SPANS
 # Gantt rows, top to bottom (suspended periods are drawn over them, hatched).
 PHASES = {GATEWAY_QUEUE: "queue", GATEWAY_DISPATCH: "dispatch", WORKER_QUEUE: "worker_queue",
           WORKER_PREFILL: "prefill", WORKER_DECODE: "decode", WORKER_SUSPENDED: "suspended"}
