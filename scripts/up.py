@@ -10,7 +10,8 @@ by its owner only: it holds the keys and the Redis URL) and the cluster runs unt
 SIGTERM, which stops every process it started (at once, during start-up too) and removes the state
 file: it exists while the cluster is up. The state file also holds http (the HTTP front door's base
 URL or null) and metrics (every process's /metrics URL). Killed outright (SIGKILL), up.py takes its
-processes with it on Linux (each gets SIGTERM), but leaves its state file and secrets folder.
+processes with it on Linux (each gets SIGTERM), and a helper of its own (scripts/leftovers.py) removes its
+state file, its secrets folder and Redis's folder as soon as it dies.
 
 Files: the logs and spans go to --logs-dir (default: a new ts-cluster-* folder in the temporary
 directory), which is kept after the cluster stops, for reading. The secrets (CURVE keys, the Redis
@@ -47,6 +48,7 @@ from common.redis_server import RedisServer, redact_url  # noqa: E402
 from common.ports import free_port  # noqa: E402
 from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
+from scripts.leftovers import LeftoversGuard  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
 DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
@@ -106,12 +108,15 @@ class Cluster:
             args.logs_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = args.logs_dir or Path(tempfile.mkdtemp(prefix="ts-cluster-"))  # logs and spans: kept
         self.secrets = Path(tempfile.mkdtemp(prefix="ts-cluster-secrets-"))  # removed by stop()
+        self.guard = LeftoversGuard()  # removes it (and Redis's folder, the state file) if we are killed outright
+        self.guard.remove_dir(self.secrets)
 
     def start(self) -> dict:
         a = self.args
         model = resolve_model(a.model)
         self.redis = RedisServer(appendonly=True, password=secrets.token_hex(24))
         self.redis.start()
+        self.guard.remove_dir(self.redis.dir)  # redis.conf holds its password, the AOF the jobs
         password_file = self.secrets / "redis-password"
         password_file.touch(mode=0o600)
         password_file.write_text(self.redis.password)
@@ -267,6 +272,7 @@ class Cluster:
         if self.redis is not None:
             self.redis.stop()
         shutil.rmtree(self.secrets, ignore_errors=True)
+        self.guard.forget()
         if remove_logs:
             shutil.rmtree(self.tmp, ignore_errors=True)
         else:
@@ -373,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = cluster.start()
         stopping["up"] = True
+        cluster.guard.remove_state(args.state_file, cluster.secrets / "keys")
         write_state(args.state_file, state)
         print(f"cluster up: gateway {state['gateway']}, redis {redact_url(state['redis'])}, "
               f"logs in {state['logs']}", flush=True)

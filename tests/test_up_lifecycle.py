@@ -53,21 +53,29 @@ def test_a_kill_9d_launcher_takes_its_cluster_with_it(tmp_path, tiny_model_dir):
     # on, orphaned, holding their ports and CPU.
     proc, state_file = up(tmp_path, tiny_model_dir)
     pids: list[int] = []
+    leftovers: list[Path] = []
     try:
         wait_for(lambda: state_file.exists() or proc.poll() is not None, 120, "the cluster to start")
         assert proc.poll() is None, (tmp_path / "up.log").read_text()
         st = json.loads(state_file.read_text())
         pids = list(st["pids"].values())
         assert len(pids) == 4 and all(process_running(p) for p in pids)
+        # Key material on disk: the CURVE keys and API keys, and Redis's folder (its password, the jobs' AOF).
+        leftovers += [Path(st["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{st['pids']['redis']}/cwd"))]
+        assert all(p.is_dir() for p in leftovers) and any(leftovers[0].rglob("*.key_secret"))
         proc.kill()
         proc.wait()
         wait_for(lambda: not any(process_running(p) for p in pids), 30, "every process of the cluster to exit")
+        # up.py could remove nothing itself: its secrets stayed readable on disk, and its state file passed
+        # for a running cluster's.
+        wait_for(lambda: not state_file.exists() and not any(p.exists() for p in leftovers), 30,
+                 f"the state file and {leftovers} to be removed")
     finally:
         proc.kill()
         proc.wait()
         reap_orphans(pids)
-        if state_file.exists():  # a kill -9 lets up.py remove nothing itself
-            shutil.rmtree(Path(json.loads(state_file.read_text())["keys"]["dir"]).parent, ignore_errors=True)
+        for d in leftovers:  # a failing run must not leave keys behind
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
