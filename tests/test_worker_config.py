@@ -119,3 +119,23 @@ def test_the_worker_process_refuses_an_out_of_range_engine_key(tiny_model_dir):
     done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--max-num-seqs", "x"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "--max-num-seqs" in done.stderr
+
+
+@pytest.mark.parametrize("matrix, pair", [({"P2": ["P0"]}, "P2 may not preempt P0"),
+                                          ({"P0": ["P2"], "P1": ["P1"]}, "P1 may not preempt P1"),
+                                          ({"P3": ["P3", "P2"]}, "P3 may not preempt P")])
+def test_a_preemption_matrix_that_lets_a_tier_preempt_its_own_or_a_higher_one_is_refused(matrix, pair):
+    """Such a matrix was taken as it came: a P2 preempting a P0 inverts the tiers, and a tier preempting itself lets
+    two requests of one tier take each other's slot in turn (the anti-ping-pong guard only slows that down)."""
+    from common.tiers import Tier
+    from worker.preemption import PreemptionConfig
+
+    with pytest.raises(ValueError, match=pair):
+        EngineConfig(preemption_matrix=matrix).validate()  # before a model is loaded
+    parsed = {Tier(k): frozenset(Tier(v) for v in vs) for k, vs in matrix.items()}
+    with pytest.raises(ValueError, match=pair):
+        PreemptionConfig(matrix=parsed).validate()
+    with pytest.raises(ValueError, match="P9"):
+        EngineConfig(preemption_matrix={"P0": ["P9"]}).validate()
+    EngineConfig(preemption_matrix={"P0": ["P1", "P2", "P3"], "P1": ["P2", "P3"], "P2": ["P3"]}).validate()
+    EngineConfig(preemption_matrix={}).validate()  # nothing preempts: allowed

@@ -20,6 +20,16 @@ def check_p0_reserve_slots(reserve: int, max_num_seqs: int) -> None:
                           f"got {reserve} with max_num_seqs {max_num_seqs}")
 
 
+def check_preemption_matrix(matrix) -> None:
+    """A tier preempts only lower tiers: a lower one preempting a higher inverts the tiers, and a tier preempting
+    itself lets two of its requests take each other's slot in turn. ``matrix``: Tier -> set of Tiers."""
+    for attacker, victims in matrix.items():
+        for victim in sorted(victims, key=lambda t: t.rank):
+            if victim.rank <= attacker.rank:
+                raise ConfigError(f"preemption_matrix: {attacker.value} may not preempt {victim.value}: a tier "
+                                  f"preempts only lower tiers (P0 is the highest)")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Most sequences in one forward step (the batch "slots").
@@ -110,7 +120,6 @@ class EngineConfig:
 
     def preemption_config(self, bytes_per_block: int):
         """The scheduler's PreemptionConfig for a model whose KV block takes ``bytes_per_block``."""
-        from common.tiers import parse_tier
         from worker.preemption import PreemptionConfig
 
         fields = dict(min_residency_steps=self.min_residency_steps, guard_remaining_tokens=self.guard_remaining_tokens,
@@ -121,16 +130,24 @@ class EngineConfig:
                       recompute_tokens_per_s=self.recompute_tokens_per_s or CPU_RECOMPUTE_TOKENS_PER_S,
                       bytes_per_block=bytes_per_block)
         if self.preemption_matrix is not None:
-            try:
-                fields["matrix"] = {parse_tier(k): frozenset(parse_tier(v) for v in vs)
-                                    for k, vs in self.preemption_matrix.items()}
-            except ValueError as e:
-                raise ConfigError(f"preemption_matrix: {e}") from None
+            fields["matrix"] = self._parsed_matrix()
         config = PreemptionConfig(**fields)
         config.validate()
         return config
 
+    def _parsed_matrix(self):
+        from common.tiers import parse_tier
+
+        try:
+            matrix = {parse_tier(k): frozenset(parse_tier(v) for v in vs) for k, vs in self.preemption_matrix.items()}
+        except ValueError as e:
+            raise ConfigError(f"preemption_matrix: {e}") from None
+        check_preemption_matrix(matrix)
+        return matrix
+
     def validate(self) -> None:
+        if self.preemption_matrix is not None:
+            self._parsed_matrix()  # before a model is loaded
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 0:

@@ -70,8 +70,9 @@ class PreemptionConfig:
     bytes_per_block: int = 0
 
     def validate(self) -> None:
-        from worker.config import ConfigError
+        from worker.config import ConfigError, check_preemption_matrix
 
+        check_preemption_matrix(self.matrix)
         if self.min_residency_steps < 0 or self.guard_remaining_tokens < 0 or self.p0_reserve_blocks < 0:
             raise ConfigError("min_residency_steps, guard_remaining_tokens and p0_reserve_blocks must be >= 0")
         if not 0.0 < self.low_tier_kv_share <= 1.0:
