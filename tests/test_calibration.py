@@ -149,3 +149,23 @@ def test_a_completion_sent_late_says_how_long_ago_its_prefill_started(tiny_model
     finally:
         service.close()
         gateway.close(linger=0)
+
+
+def test_a_resumed_request_counts_its_earlier_output_as_prefill_not_as_decode(tiny_model_dir):
+    # A re-dispatched job comes with the output its earlier attempts made (resume_token_ids): the engine prefills
+    # prompt + that output in its first steps and draws the next token at the end, as a fresh request draws its
+    # first. The held work said one token less than that prefill; the prefill rate was the prompt alone over the
+    # whole prefill's time (too slow), and the decode rate counted the earlier output as decoded here (too fast).
+    ticks = iter(range(1000))
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_num_seqs=2, num_kv_blocks=64))
+    tracker = RateTracker(engine, clock=lambda: next(ticks) * 0.5)  # a step: 0.5 s, then 0.5 s between steps
+    engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True), tier="P3",
+                       output_token_ids=list(range(10, 40)))
+    tracker.added("r")
+    assert tracker.work()["r"][2:4] == [35, 30]  # prefill left: 5 prompt + 30 earlier tokens
+    tracker.before_step()
+    tracker.after_step(engine.step())
+    assert engine.last_batched_tokens == 35 and tracker.work()["r"][2:4] == [0, 31]
+    run(engine, tracker)
+    # 35 tokens prefilled in one 0.5 s step; then 9 tokens, one a second.
+    assert tracker.rates() == (pytest.approx(70.0), pytest.approx(1.0))

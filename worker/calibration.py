@@ -4,7 +4,8 @@ The gateway's wait estimate (gateway/estimate.py) turns work (tokens) into secon
 rates every worker reports in its heartbeats. Both rates are per sequence, under the load the
 worker actually ran with, because that is how long a job holds a batch slot:
 
-- prefill: a request's prompt tokens over the time from its first prefill chunk to its first token;
+- prefill: a request's prompt tokens (and the output a re-dispatched job came with, prefilled with its prompt)
+  over the time from its first prefill chunk to its first token;
 - decode: its further output tokens over the time from the first token to the end,
   less any time it spent suspended.
 
@@ -127,11 +128,13 @@ class RateTracker:
             if t.first_token is None and out.new_token_ids:
                 t.first_token = now
                 t.suspended_at_first_token = req.suspended_total_s
-                if t.prefill_start is not None:
-                    self.prefill.add(req.num_prompt_tokens, now - t.prefill_start - req.suspended_total_s)
+                if t.prefill_start is not None:  # a resumed request prefilled the output it came with too
+                    self.prefill.add(req.num_prompt_tokens + req.added_output_tokens,
+                                     now - t.prefill_start - req.suspended_total_s)
             if out.finished and t.first_token is not None:
                 suspended = req.suspended_total_s - t.suspended_at_first_token
-                self.decode.add(out.num_output_tokens - 1, now - t.first_token - suspended)
+                decoded = out.num_output_tokens - req.added_output_tokens - 1  # here, after its first token here
+                self.decode.add(decoded, now - t.first_token - suspended)
 
     def _flush_step(self, now: float) -> None:
         if self._last_step is None:
@@ -162,7 +165,11 @@ class RateTracker:
         out = {}
         for r in sched.running + sched.waiting:
             mask = sum(1 << a.rank for a in ALL_TIERS if r.tier in matrix.get(a, ()))
-            prefill_left = max(0, r.num_tokens - r.num_computed_tokens - (1 if r.output_token_ids else 0))
+            # Its next step batches every token not yet computed and draws one at the end. A decoding request's
+            # one such token (its last output) is that decode step, not prefill; a resumed one (re-dispatched, or
+            # recomputed after a preemption) prefills its prompt and all its output, as a fresh one its prompt.
+            left = r.num_tokens - r.num_computed_tokens
+            prefill_left = 0 if r.output_token_ids and left <= 1 else left
             out[r.request_id] = [r.tier.rank, STATUS_CODES.get(r.status, 2), prefill_left,
                                  len(r.output_token_ids), r.params.max_tokens, mask,
                                  sched.preemption.protected_tokens(r), r.num_computed_tokens]
