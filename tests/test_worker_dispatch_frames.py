@@ -42,3 +42,21 @@ def test_an_older_attempts_dispatch_after_a_newer_one_is_dropped(draining_worker
     assert not tokens_of(gateway, "job", 1) and not [m for _, m in gateway.seen if isinstance(m, P.JobFinished)
                                                      and m.attempt == 1]
     assert service.counters["stale_dispatches"] == 1
+
+
+def test_a_dispatch_with_an_attempt_below_one_is_answered_as_failed(draining_worker):  # noqa: F811
+    """Attempts count from 1 (claim.lua): one of 0 or less is a buggy gateway's frame. It was dropped as stale,
+    with no answer, and the job waited out its lease in silence; it is answered as an invalid job is: failed, with
+    the reason, and nothing runs. A job of the same id running here is left alone."""
+    service, gateway, _ = draining_worker
+    gateway.dispatch("running", 200, attempt=1)
+    gateway.receive(is_(P.JobTokens, "running"))
+    for job_id, attempt in (("zero", 0), ("negative", -3), ("running", 0)):
+        gateway.dispatch(job_id, 20, attempt=attempt)
+        done = gateway.receive(lambda m: isinstance(m, P.JobFinished) and m.job_id == job_id
+                               and m.attempt == attempt, timeout_s=10)
+        assert done.state == "failed" and "attempt" in done.reason and done.num_tokens == 0, done
+    done = gateway.receive(lambda m: isinstance(m, P.JobFinished) and m.job_id == "running" and m.attempt == 1,
+                           timeout_s=120)
+    assert (done.state, done.num_tokens) == ("done", 200)
+    assert not [m for _, m in gateway.seen if isinstance(m, P.JobTokens) and m.job_id in ("zero", "negative")]

@@ -198,6 +198,13 @@ class WorkerService(Draining):
                 self.counters["unexpected"] += 1
 
     def _dispatch(self, sock: zmq.Socket, msg: P.DispatchJob) -> None:
+        if msg.attempt < 1:
+            # Attempts count from 1 (claim.lua): a buggy gateway's frame. Taken for a stale copy, it got no answer
+            # and the job waited out its lease in silence; answered as an invalid job is, and nothing here touched.
+            self.counters["invalid_dispatches"] += 1
+            self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0,
+                                             f"invalid dispatch: attempt must be >= 1, got {msg.attempt}", []))
+            return
         newest = max([a for j, a in self.unconfirmed.attempts() if j == msg.job_id]
                      + ([self.jobs[msg.job_id].attempt] if msg.job_id in self.jobs else []), default=0)
         if msg.attempt <= newest:
