@@ -32,6 +32,14 @@ class Dispatcher:
             return
         if self.workers.total_credit() > 0:
             by_worker, reason = self._plan_by_credit()
+            if self.workers.uneven():
+                # A P0/P1 that fits only full workers found no credit it fits, and credit elsewhere does not
+                # serve it: it preempts there now, rather than wait behind their low-tier work until a slot frees.
+                planned = {j for js in by_worker.values() for j in js}
+                more, why = self._plan_preemptions(now, skip=planned)
+                for wid, job_ids in more.items():
+                    by_worker.setdefault(wid, []).extend(job_ids)
+                reason.update(why)
         else:
             by_worker, reason = self._plan_preemptions(now)
         for wid, job_ids in by_worker.items():
@@ -102,21 +110,23 @@ class Dispatcher:
                 out[job_id] = fit
         return out
 
-    def _plan_preemptions(self, now: float) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """Every worker is full: a P0/P1 job goes only to a worker with a running job it may preempt
+    def _plan_preemptions(self, now: float, skip: frozenset[str] | set[str] = frozenset(),
+                          ) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Every worker is full (or every worker a job fits, on uneven workers; ``skip``: the jobs the credit
+        pass placed): a P0/P1 job goes only to a full worker with a running job it may preempt
         (as reported, less the urgent jobs already sent there and not yet reported, plus the jobs it may preempt
         sent there since), to the worker where the wait model expects it to start first (a worker reads a job
         after the step in progress, and one may be midway through a long prompt's chunk while the other decodes);
         a job with no such victim anywhere stays in Redis, where aging, queue timeouts and wait estimates still
         apply to it."""
         room = {wid: w.victims_left(self._urgent_sent, self.estimator.tier_of)
-                for wid, w in self.workers.workers.items()}
+                for wid, w in self.workers.workers.items() if w.credit == 0}
         # Where the starts tie, a worker with a victim no preemption guard protects now goes first, then the one
         # with the most victims, then the one this pass has sent fewer to.
         guarded = {wid: {t: w.guarded_victims(t) for t in PREEMPTING_TIERS} for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())
         by_worker: dict[str, list[str]] = {}
-        candidates = self._urgent_candidates(most)
+        candidates = self._urgent_candidates(most, skip)
         starts = self.estimator.starts_s(sorted({t for _, t in candidates}, key=lambda t: t.rank), now) \
             if candidates else {}
         places = self._places([j for j, _ in candidates])
@@ -131,16 +141,17 @@ class Dispatcher:
                 room[wid][t] -= 1
         return by_worker, {j: "preemption" for js in by_worker.values() for j in js}
 
-    def _urgent_candidates(self, most: int) -> list[tuple[str, Tier]]:
+    def _urgent_candidates(self, most: int, skip: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, Tier]]:
         """Up to ``most`` queued jobs admitted as P0 or P1, in dispatch order, with their tiers. Jobs aged up
         from P2/P3 share the P1 queue, ahead of newer P1s, but wait for a free slot like the tier they were
         admitted at: they are passed over here, so however many there are, they cannot hide a P1 from the
         victims it may preempt (the scan reads further until it finds enough, to PREEMPTION_SCAN_MAX)."""
         limit = most
         while limit > 0:
-            ids = self.queue.peek(list(PREEMPTING_TIERS), limit)
+            peeked = self.queue.peek(list(PREEMPTING_TIERS), limit)
+            ids = [i for i in peeked if i not in skip]
             found = [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in PREEMPTING_TIERS]
-            if len(found) >= most or len(ids) < limit or limit >= PREEMPTION_SCAN_MAX:
+            if len(found) >= most or len(peeked) < limit or limit >= PREEMPTION_SCAN_MAX:
                 return found[:most]
             limit = min(PREEMPTION_SCAN_MAX, 4 * limit)
         return []

@@ -15,6 +15,7 @@ import zmq
 from common import protocol as P
 from common.sockets import make_socket
 from gateway.sdk import InvalidRequest, JobFailed, QuotaExceeded
+from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 
 pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
@@ -177,3 +178,37 @@ def test_a_job_one_worker_fits_is_admitted_though_a_smaller_worker_serves_beside
             lab.close()
         finally:
             big_worker.stop()
+
+
+class UnevenCluster(DurableCluster):
+    """One gateway and two real workers: wk-0 small (4 KV blocks of 16 tokens: 64 a job, two slots), wk-big with
+    the default pool and a single slot, so one long job fills it."""
+
+    def __init__(self, tmp_path, model_dir) -> None:
+        super().__init__(tmp_path, model_dir, gateways=1, workers=0)
+        self.worker_ids += ["wk-0", "wk-big"]
+
+    def _cmd(self, name: str) -> list[str]:
+        extra = {"wk-0": ["--num-kv-blocks", "4"], "wk-big": ["--max-num-seqs", "1"]}.get(name, [])
+        return super()._cmd(name) + extra
+
+
+def test_an_urgent_job_only_the_full_big_worker_fits_preempts_there_while_the_small_worker_has_slots(
+        tmp_path, tiny_model_dir):
+    """A P0 too large for the small worker, with the big worker full of P3 work: the credit pass found no worker it
+    fits with credit, and the preemption pass ran only when no worker anywhere had credit, so the small worker's
+    idle slots kept the P0 queued behind the P3 until it finished by itself (a priority inversion). It must preempt
+    the P3 on the big worker at once, as it would were the small worker full too."""
+    with UnevenCluster(tmp_path, tiny_model_dir) as c:
+        lab, chat = c.client("lab-co", timeout_s=60.0), c.client("chat-co", timeout_s=60.0)
+        p3 = lab.submit(prompt_token_ids=[5] * 10, max_tokens=2000, ignore_eos=True)  # fits wk-big only
+        wait_for(lambda: c.state(p3.id) == "dispatched" and c.redis.exists(f"ts:{{c}}:tok:{p3.id}"), 60,
+                 "the P3 to stream on wk-big", interval=0.05)
+        p0 = chat.submit(prompt_token_ids=[5] * 60, max_tokens=40, tier="P0", ignore_eos=True)  # 100 > 64: wk-big
+        assert len(p0.result(timeout=60).token_ids) == 40
+        assert c.job(p0.id)["worker"] == b"wk-big"
+        assert c.state(p3.id) == "dispatched", "the P0 waited for the P3 to finish"
+        done = p3.result(timeout=120)
+        assert len(done.token_ids) == 2000 and done.preemptions >= 1
+        lab.close()
+        chat.close()
