@@ -68,9 +68,11 @@ class ClientApi:
         })
         # A P0 the quota may downgrade is shed, and told its wait, as the P1 it becomes: the P0 wait counts none of
         # the P1 queue. Estimated first, so the estimate dump holds the P0's (as the job was asked for).
-        downgrade = (self.estimator.for_new(t.name, Tier.P1, now)
+        # On workers of different sizes, only the slots of those the job fits serve it.
+        tokens = len(adm.prompt_token_ids) + req.max_tokens
+        downgrade = (self.estimator.for_new(t.name, Tier.P1, now, tokens)
                      if quota is not None and quota.on_exhausted == "downgrade" else None)
-        estimate = self.estimator.for_new(t.name, adm.tier_requested, now)
+        estimate = self.estimator.for_new(t.name, adm.tier_requested, now, tokens)
         # No worker known, no capacity behind the estimate: nothing to promise on.
         promise = promises.promise_s(adm.tier_requested, estimate if self.workers.workers else None,
                                      self.config.promise_factor, self.config.promise_lead_s,

@@ -101,9 +101,10 @@ class WaitEstimator:
 
     # -- estimates --------------------------------------------------------------------------------------------------
 
-    def for_new(self, tenant: str, tier: Tier, now: float) -> float:
-        """The wait of a job admitted now at ``tier``: it goes last in its tier."""
-        return self._estimate(tier, None, None, now)
+    def for_new(self, tenant: str, tier: Tier, now: float, tokens: int | None = None) -> float:
+        """The wait of a job admitted now at ``tier``: it goes last in its tier. ``tokens``: its prompt +
+        max_tokens (None: not known), by which only the workers it fits serve it (workers of different sizes)."""
+        return self._estimate(tier, None, None, now, tokens)
 
     def for_queued(self, job_id: str, tier: Tier, now: float) -> float:
         """The wait still ahead of a queued job, from where it stands in the queues now."""
@@ -111,7 +112,8 @@ class WaitEstimator:
         if score is None:
             return 0.0  # dispatched (or gone) meanwhile
         info = self.job_infos([job_id]).get(job_id)
-        return self._estimate(info.tier if info else tier, job_id, score, now)
+        return self._estimate(info.tier if info else tier, job_id, score, now,
+                              info.prompt_tokens + info.max_tokens if info else None)
 
     def starts_s(self, tiers: list[Tier], now: float) -> dict[str, dict[Tier, float]]:
         """Per worker and tier: seconds until a job of that tier sent there now would start, by the wait model on
@@ -138,8 +140,9 @@ class WaitEstimator:
         clock, *found = pipe.execute()
         return [[(i.decode(), s) for i, s in ids] for ids in found[0::2]], found[1::2], time_ms(clock)
 
-    def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float) -> float:
-        views = self._worker_views(now)
+    def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float,
+                  tokens: int | None = None) -> float:
+        views = self._worker_views(now, None if tokens is None else (tier, tokens))
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
         per_queue, counts, now_ms = self._queued(tier, score)
@@ -178,7 +181,13 @@ class WaitEstimator:
         return Work(info.tier, info.prompt_tokens if prefill is None else prefill,
                     self.lengths.expected(info.tenant, info.tier, info.max_tokens, generated))
 
-    def _worker_views(self, now: float) -> list[WorkerView]:
+    def _worker_views(self, now: float, fit: tuple[Tier, int] | None = None) -> list[WorkerView]:
+        return list(self._views_by_worker(now, fit).values())
+
+    def _views_by_worker(self, now: float, fit: tuple[Tier, int] | None = None) -> dict[str, WorkerView]:
+        """Per worker id, the worker as the wait model sees it. ``fit`` (a job's tier, prompt + max_tokens): only
+        the workers such a job fits, where it fits some and not others: dispatch sends it nowhere else, so the
+        others' slots never serve it. Where it fits all (workers alike) or none (it is sent on and fails), all."""
         # A draining worker takes no new job and hands back what it has not started; a worker silent for a lease
         # takes none until it reports again, and its leased jobs come back to the queue: none of their slots is
         # capacity for queued work.
@@ -188,8 +197,9 @@ class WaitEstimator:
         default = (Rates(sum(p for p, _ in measured) / len(measured), sum(d for _, d in measured) / len(measured))
                    if measured else FALLBACK_RATES)
         pending = self.job_infos([j for w in ws for j in w.pending])
-        views = []
-        for w in ws:
+        fitting = [w for w in ws if w.fits(*fit)] if fit is not None else ws
+        views = {}
+        for w in fitting if fitting else ws:
             load = w.load
             rates = (Rates(load.prefill_tps, load.decode_tps) if load is not None and load.prefill_tps > 0
                      and load.decode_tps > 0 else default)
@@ -213,9 +223,9 @@ class WaitEstimator:
                     info = pending[job_id]
                     held.append(Held(self._work(info), RUNNING, PREEMPTED_BY[info.tier]))
             wid = w.hello.worker_id
-            views.append(WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(wid, busy=True),
+            views[wid] = WorkerView(w.hello.max_num_seqs, rates, held, self.handoffs.of(wid, busy=True),
                                     self.handoffs.of(wid, busy=False), step_tokens(w.hello), step,
-                                    age if step is not None else 0.0))
+                                    age if step is not None else 0.0)
         return views
 
     def job_infos(self, ids: list[str]) -> dict[str, JobInfo]:

@@ -212,3 +212,20 @@ def test_an_urgent_job_only_the_full_big_worker_fits_preempts_there_while_the_sm
         assert len(done.token_ids) == 2000 and done.preemptions >= 1
         lab.close()
         chat.close()
+
+
+def test_a_job_only_the_busy_big_worker_fits_is_told_the_wait_there_not_the_small_workers_free_slots(
+        tmp_path, tiny_model_dir):
+    """Admission's estimate counted every worker's slots: a job only the big worker fits, queued behind the long P3
+    that worker runs, was told no wait because the small worker had free slots it can never use."""
+    with UnevenCluster(tmp_path, tiny_model_dir) as c:
+        lab = c.client("lab-co", timeout_s=60.0)
+        p3 = lab.submit(prompt_token_ids=[5] * 10, max_tokens=2000, ignore_eos=True)  # fits wk-big only
+        wait_for(lambda: c.state(p3.id) == "dispatched" and c.redis.exists(f"ts:{{c}}:tok:{p3.id}"), 60,
+                 "the P3 to stream on wk-big", interval=0.05)
+        big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+        small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
+        assert c.state(p3.id) == "dispatched"
+        assert big.estimated_wait_s > 1.0 and small.estimated_wait_s < 0.5
+        assert len(big.result(timeout=120).token_ids) == 100 and len(small.result(timeout=60).token_ids) == 20
+        lab.close()
