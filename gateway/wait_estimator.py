@@ -120,8 +120,7 @@ class WaitEstimator:
         that worker's report alone (nothing queued before it, nothing to come): the rest of the step in progress,
         a waiting prompt's chunk, a guard. Where every worker is full, the dispatcher sends an urgent job where it
         starts first, as the model expects it to."""
-        views = self._worker_views(now)
-        return {wid: {t: wait_s(t, [v]) for t in tiers} for wid, v in zip(self.workers.workers, views)}
+        return {wid: {t: wait_s(t, [v]) for t in tiers} for wid, v in self._views_by_worker(now).items()}
 
     def _queued(self, tier: Tier, score: float | None) -> tuple[list[list[tuple[str, float]]], list[int], float]:
         """The queued jobs that may go before a job of ``tier`` enqueued at ``score`` (None: now), with their

@@ -5,6 +5,7 @@ their hellos and load reports."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -75,3 +76,22 @@ def test_a_new_job_is_told_the_wait_of_the_workers_it_fits(server):
 def test_workers_alike_are_estimated_as_before(server):
     _, est = estimator(server, small_limit=2048)
     assert est.for_new("t", Tier.P3, NOW, tokens=1100) == est.for_new("t", Tier.P3, NOW) < 1
+
+
+def test_each_workers_start_is_its_own_when_a_worker_before_it_takes_no_job(server):
+    """starts_s paired the registry's worker ids with the views of the workers that take jobs: a draining worker
+    first in the registry shifted every view onto the worker before it, and the last worker got none (a start of 0,
+    the best). An urgent job then went to the worker whose victim a guard protects, to wait for it, though the other
+    worker's victim would give way at once."""
+    from tests.test_dispatch_guards import P3_RUNNING as RUN, Plan
+
+    d = Plan(server)
+    d.worker("wk-a", {"a3": RUN})
+    d.workers.load(replace(d.workers.workers["wk-a"].load, draining=True), NOW)  # takes no job, leaves no view
+    d.worker("wk-b", {"b3": RUN + [0]})
+    d.worker("wk-c", {"c3": RUN + [200]})  # resumed a moment ago: 200 tokens of residency left, 4 s
+    starts = d.estimator.starts_s([Tier.P0], NOW)
+    assert set(starts) == {"wk-b", "wk-c"}
+    assert starts["wk-b"][Tier.P0] < 1 < starts["wk-c"][Tier.P0]
+    job = d.admit(Tier.P0)
+    assert d._plan_preemptions(NOW)[0] == {"wk-b": [job]}
