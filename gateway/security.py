@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
+from collections.abc import Container
 
 import zmq
 
@@ -23,6 +25,7 @@ from common.sockets import (CLIENTS_DOMAIN, WORKERS_DOMAIN, Authenticator, Socke
 log = logging.getLogger("gateway.security")
 HELLO_ASK_EVERY_S = 1.0
 HELLO_ASK_MEMORY = 1024  # peers remembered as asked: a stranger's made-up identities cannot grow it further
+WORKER_KEY_MEMORY = 4096  # worker ids remembered with their key, besides the registered ones (never forgotten)
 
 
 def check_config(config) -> None:
@@ -56,6 +59,7 @@ def secure_sockets(gw, config) -> Authenticator | None:
     try:
         if config.authorized_workers_dir:
             curve_server(gw.worker_sock, config.curve_secret_key_file, WORKERS_DOMAIN)
+            gw.worker_keys = WorkerKeys()
         if config.client_curve:
             curve_server(gw.clients, config.curve_secret_key_file, CLIENTS_DOMAIN)
     except KeyFileError as e:
@@ -90,12 +94,56 @@ class HelloPolicy:
         return None
 
 
+class WorkerKeys:
+    """The CURVE key each worker id first said hello with, on this gateway. ZeroMQ's ROUTER refuses a second
+    connection with an identity in use, but not a later one: without this, a holder of any listed key could connect
+    as a worker whose connection was gone (restarted, cut off) and, with or without a hello, hold its leases and
+    send its jobs' results. Bounded: the oldest ids not registered are forgotten past ``memory``."""
+
+    def __init__(self, memory: int = WORKER_KEY_MEMORY) -> None:
+        self.memory = memory
+        self.keys: OrderedDict[str, str] = OrderedDict()
+
+    def claim(self, worker_id: str, key: str | None, registered: Container[str]) -> str | None:
+        """Bind ``worker_id`` to ``key`` if it is free or already bound to it; else the key it is bound to."""
+        bound = self.keys.get(worker_id)
+        if bound is not None and bound != key:
+            return bound
+        self.keys[worker_id] = key
+        self.keys.move_to_end(worker_id)
+        if len(self.keys) > self.memory:
+            for old in [w for w in self.keys if w not in registered][:len(self.keys) - self.memory]:
+                del self.keys[old]
+        return None
+
+    def matches(self, worker_id: str, key: str | None) -> bool:
+        return key is not None and self.keys.get(worker_id) == key
+
+
+def recv_with_key(sock: zmq.Socket) -> tuple[list[bytes], str | None]:
+    """``recv_multipart(NOBLOCK)``, and the CURVE key (z85, the ZAP handler's User-Id) the message came with. Only
+    the body is received as a zmq.Frame: a whole message so costs as much as before (the ids are short)."""
+    parts = [sock.recv(zmq.NOBLOCK)]
+    last = None
+    while sock.rcvmore:
+        last = sock.recv(copy=False)
+        parts.append(last.bytes)
+    if last is None:
+        return parts, None
+    try:
+        return parts, last.get("User-Id")
+    except zmq.ZMQError:  # no ZAP reply gave one: no key, and so no worker id of anyone's
+        return parts, None
+
+
 def from_registered_worker(gw, ident: bytes) -> bool:
     """True if ``ident`` is a worker that completed hello; anything else is dropped and counted, and the peer
     asked (at most once a second) to say hello: a worker this gateway forgot, by a restart or a worker timeout,
     would otherwise wait for its next periodic hello while its frames and its jobs' leases went unheard."""
-    w = gw.workers.workers.get(ident.decode(errors="replace"))
-    if w is not None and w.identity == ident:
+    worker_id = ident.decode(errors="replace")
+    w = gw.workers.workers.get(worker_id)
+    if w is not None and w.identity == ident and (gw.worker_keys is None or
+                                                  gw.worker_keys.matches(worker_id, gw.frame_key)):
         return True
     gw.counters["dropped_no_hello"] += 1
     if gw.counters["dropped_no_hello"] in (1, 10, 100, 1000) or gw.counters["dropped_no_hello"] % 10_000 == 0:

@@ -90,6 +90,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._last_maintenance = 0.0
         self._listening_since = self.clock()  # when this gateway last began to hear workers (maintenance.py)
         self._hello_asked: OrderedDict[bytes, float] = OrderedDict()  # worker peers asked to say hello, and when
+        self.worker_keys: security.WorkerKeys | None = None  # with CURVE on the worker socket (security.py)
+        self.frame_key: str | None = None  # CURVE key (z85) of the worker frame being handled, with worker_keys
         self._measured_rates: dict[Tier, float] = {}  # measured jobs/s per tier, refreshed by maintenance()
         self.token_log = TokenLog(queue.client, queue.keys)
         self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds
@@ -197,7 +199,10 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             if sock is self.clients and self._dirty and time.monotonic() - started >= CLIENT_DRAIN_BUDGET_S:
                 return  # a slot may be free: dispatch first (the rest wait in the socket, and the loop comes back)
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if sock is self.worker_sock and self.worker_keys is not None:
+                    frames, self.frame_key = security.recv_with_key(sock)
+                else:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 2:

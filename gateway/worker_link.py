@@ -40,6 +40,14 @@ class WorkerLink:
             self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
             self._hello_asked[ident] = math.inf  # asking it for another would only repeat the refusal
             return
+        if self.worker_keys is not None and (
+                bound := self.worker_keys.claim(msg.worker_id, self.frame_key, self.workers.workers)) is not None:
+            self.counters["hello_wrong_key"] += 1
+            log.warning("refused hello from %s: it said hello with key %s here, this one is %s", msg.worker_id,
+                        bound, self.frame_key)
+            self._send(self.worker_sock, ident, P.ErrorReply("forbidden", "hello refused: this worker id belongs "
+                                                                           "to another key"))
+            return
         self._hello_asked.pop(ident, None)
         self.workers.hello(msg, ident, self.clock())
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
