@@ -210,6 +210,67 @@ def test_redis_flags_and_healthcheck_on_a_real_redis_server(compose, env_example
         assert wrong.returncode != 0
 
 
+# Quotes, backslashes, a newline (that once began a second directive), shell and redis.conf syntax: the password is
+# the operator's, and reaches Redis byte for byte or the container does not start.
+AWKWARD_PASSWORDS = ["plain-Pw_0", 'a"b\\c', "ends with \\", 'x"\nrequirepass ""', "tab\t'single' $HOME `id` #",
+                     "\\x41 \\n \\\"", "p\u00e4ss\u2603"]
+
+
+@pytest.mark.parametrize("password", AWKWARD_PASSWORDS)
+def test_the_redis_entrypoint_hands_any_password_to_a_real_redis_server(compose, tmp_path, password):
+    """The compose entrypoint script, run by sh as the container runs it, then a real redis-server. Stand-ins for the
+    image's own parts only: chown (the test is not root) and docker-entrypoint.sh (which only drops privileges)."""
+    try:
+        binary = find_redis_server()
+    except RedisServerError as e:
+        pytest.skip(str(e))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "chown").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "docker-entrypoint.sh").write_text('#!/bin/sh\nexec "$@"\n')
+    for stub in ("chown", "docker-entrypoint.sh"):
+        (bin_dir / stub).chmod(0o755)
+    (bin_dir / "redis-server").symlink_to(binary)
+    conf = tmp_path / "redis.conf"
+    script = compose["services"]["redis"]["entrypoint"][2].replace("/tmp/redis.conf", str(conf))
+    port = free_port()
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REDIS_PASSWORD": password, "HOME": str(tmp_path)}
+    log = (tmp_path / "redis.out").open("w")
+    proc = subprocess.Popen(["sh", "-c", script, "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path), "--save", "", "--daemonize", "no"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    import redis as redis_py
+
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, f"redis-server exited: {(tmp_path / 'redis.out').read_text()[-2000:]}"
+            try:
+                assert redis_py.Redis(port=port, password=password, retry=None, socket_timeout=2).ping()
+                break
+            except redis_py.AuthenticationError:
+                raise AssertionError("redis-server took another password than the one given") from None
+            except redis_py.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not answer"
+                time.sleep(0.1)
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port, password=password + "x", retry=None, socket_timeout=2).ping()
+        assert conf.stat().st_mode & 0o077 == 0, "the password file must be its owner's only"
+    finally:
+        stop_process(proc, timeout=15)
+        log.close()
+
+
+@pytest.mark.parametrize("password", [" lead", "trail ", "trail\n"])
+def test_the_redis_entrypoint_refuses_a_password_the_gateway_would_read_otherwise(compose, tmp_path, password):
+    """The gateway strips white space from the ends of its secret file: Redis would get a password nobody sends."""
+    script = compose["services"]["redis"]["entrypoint"][2].replace("/tmp/redis.conf", str(tmp_path / "redis.conf"))
+    out = subprocess.run(["sh", "-c", script, "redis-server"], env={"PATH": os.environ["PATH"],
+                         "REDIS_PASSWORD": password}, capture_output=True, text=True, timeout=10)
+    assert out.returncode == 2 and "REDIS_PASSWORD begins or ends with white space" in out.stderr, out
+    assert not (tmp_path / "redis.conf").exists()
+
+
 # --- jaeger -----------------------------------------------------------------------------------------------
 
 def test_jaeger(compose):
