@@ -118,6 +118,10 @@ class InfoRequest:
 
     api_key: str
     request_id: str | None = None
+    # True: the reply also carries the asking tenant's token limits (InfoReply.tier_token_limits,
+    # max_tokens_limit). Asked for, not always sent: an older SDK refuses reply fields it does not know. A gateway
+    # older than the field refuses the request as a protocol error (the SDK then asks without it).
+    limits: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,8 +132,8 @@ class InfoReply:
     request_id: str | None = None
     # For the asking tenant, per tier it is entitled to: the largest prompt + max_tokens that tier admits now
     # (the model's context, the tier's share of the workers' KV cache, and for a P0 that a spent quota would
-    # downgrade, P1's share too), so a client can size max_tokens to the room its prompt leaves. None from
-    # older gateways.
+    # downgrade, P1's share too), so a client can size max_tokens to the room its prompt leaves. Only when
+    # asked for (InfoRequest.limits); None from older gateways.
     tier_token_limits: dict[str, int] | None = None
     # The largest max_tokens any request may ask for (the gateway's max_tokens_limit); None from older gateways.
     max_tokens_limit: int | None = None

@@ -67,10 +67,33 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
 
 
 def encode(msg: Any) -> bytes:
+    """The frame of ``msg``. A field left at its default is not sent: a peer of an older release, whose decoder
+    refuses fields it does not know, reads every message that does not use what was added since (a new SDK's
+    StreamRequest without ``unsubscribe``, a new gateway's InfoReply to a caller that asked for no limits)."""
     kind = type(msg).__name__
     if MESSAGES.get(kind) is not type(msg):
         raise TypeError(f"not a protocol message: {type(msg)!r}")
-    return msgpack.packb({"v": SCHEMA_VERSION, "k": kind, "b": dataclasses.asdict(msg)}, use_bin_type=True)
+    body = {}
+    for name, optional, default in _encoding(type(msg)):
+        value = getattr(msg, name)  # plain types, no nested dataclasses: nothing to copy or convert
+        # Left out only as the default's own type too (0 == False == 0.0 in Python).
+        if not optional or not (value is default or (type(value) is type(default) and value == default)):
+            body[name] = value
+    return msgpack.packb({"v": SCHEMA_VERSION, "k": kind, "b": body}, use_bin_type=True)
+
+
+@functools.cache
+def _encoding(cls: type) -> tuple[tuple[str, bool, Any], ...]:
+    """Per field of ``cls``, in order: (name, has a default, the default)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out.append((f.name, True, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((f.name, True, f.default_factory()))
+        else:
+            out.append((f.name, False, None))
+    return tuple(out)
 
 
 def decode(frame: bytes, *, authorize: Callable[[str], object] | None = None) -> Any:

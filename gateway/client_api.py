@@ -148,9 +148,10 @@ class ClientApi:
             self._reply_error(ident, Unauthorized("unknown API key"))
             return
         depths = {t.value: n for t, n in self.queue.depths().items()}
+        limits = {"tier_token_limits": self._token_limits(tenant),
+                  "max_tokens_limit": self.config.max_tokens_limit} if req.limits else {}
         self._send(self.clients, ident, P.InfoReply(self.config.gateway_id, sorted(self.workers.workers), depths,
-                                                    tier_token_limits=self._token_limits(tenant),
-                                                    max_tokens_limit=self.config.max_tokens_limit))
+                                                    **limits))
 
     def _token_limits(self, tenant) -> dict[str, int]:
         """Per tier of ``tenant``: the largest prompt + max_tokens _admit takes from it now. The same limits as

@@ -52,10 +52,13 @@ def chat_of(tokenizer, tokens: int) -> tuple[list[dict], int]:
 
 def test_gateway_says_each_tiers_limit(cluster):
     with GatewayClient(cluster["gateway"], key(cluster, "api-co"), timeout_s=10) as sdk:
-        info = sdk.info()
+        info = sdk.info(limits=True)
+        plain = sdk.info()
     # The asking tenant's tiers only (api-co has no P0): the door reads its default tier from them.
     assert info.tier_token_limits == {t: cluster["limit"] for t in ("P1", "P2", "P3")}
     assert info.max_tokens_limit == 4096
+    # Not asked for, not sent: an older SDK refuses reply fields it does not know (tests/test_wire_compat.py).
+    assert plain.tier_token_limits is None and plain.max_tokens_limit is None and plain.workers == info.workers
 
 
 def test_chat_without_max_tokens_gets_the_room_its_prompt_leaves(cluster, tiny_model_dir):

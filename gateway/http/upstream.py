@@ -80,7 +80,7 @@ class Upstream:
         if entry is not None and entry.info is not None and time.monotonic() - entry.info_at <= max_age_s:
             return entry.info
         async with self.client(api_key) as entry:
-            info = await entry.client.info()
+            info = await entry.client.info(limits=True)
             entry.known, entry.info, entry.info_at = True, info, time.monotonic()
             return info
 

@@ -71,6 +71,12 @@ def raise_for(reply) -> None:
     raise ServingError(f"{code}: {msg}")
 
 
+def refused_as_unknown(e: ServingError) -> bool:
+    """Did the gateway refuse the request's frame as a protocol error (raise_for's plain ServingError), as one older
+    than a field the request sent does? Then the call can be made again without that field."""
+    return type(e) is ServingError and str(e).startswith("protocol: ")
+
+
 def to_result(done: P.JobDone) -> JobResult:
     if done.state == "expired":
         raise JobExpired(f"job {done.job_id} expired: {done.reason}")

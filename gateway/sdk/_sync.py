@@ -13,11 +13,12 @@ import zmq
 from opentelemetry import trace
 
 from common import protocol as P
+from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
                                  auto_idempotency_key, client_settings, endpoint_list, failed_at, new_request_id,
-                                 on_submit_reply, raise_for, submit_request, submit_span, to_result, to_status,
-                                 with_request_id)
+                                 on_submit_reply, raise_for, refused_as_unknown, submit_request, submit_span,
+                                 to_result, to_status, with_request_id)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -218,8 +219,15 @@ class GatewayClient:
     def cancel(self, job_id: str) -> bool:
         return self._call(P.CancelRequest(self.api_key, job_id)).cancelled
 
-    def info(self) -> P.InfoReply:
-        """Gateway id, connected workers and queue depths per tier."""
+    def info(self, limits: bool = False) -> P.InfoReply:
+        """Gateway id, connected workers and queue depths per tier; with ``limits``, also this key's token limits
+        per tier (``tier_token_limits``, ``max_tokens_limit``; None from a gateway too old to say them)."""
+        if limits:
+            try:
+                return self._call(P.InfoRequest(self.api_key, limits=True))
+            except ServingError as e:
+                if not refused_as_unknown(e):
+                    raise
         return self._call(P.InfoRequest(self.api_key))
 
     def close(self) -> None:
