@@ -6,6 +6,8 @@ script (common/lua/*.lua) that receives those jobs' keys and re-verifies what wa
 
 from __future__ import annotations
 
+import time
+
 from common.tiers import Tier
 from gateway.queue_records import JobRecord, Settled
 from gateway.timeutil import time_ms
@@ -17,8 +19,11 @@ class QueueSweeps:
     """Needs the queue's ``client``, ``keys``, ``_scripts``, ``_retention_ms`` and ``dead_letter_max``."""
 
     def server_ms(self) -> int:
-        """Redis's clock, in ms: the one clock the sweeps and statistics use."""
-        return time_ms(self.client.time())
+        """Redis's clock, in ms: the one clock the sweeps and statistics use. Kept with the monotonic time it was
+        read by (RedisQueue.admit's deadline)."""
+        now_ms = time_ms(self.client.time())
+        self.clock_sample = (now_ms, time.monotonic())
+        return now_ms
 
     def requeue_expired(self, now_ms: int, max_attempts: int, *, limit: int = SWEEP_LIMIT) -> list[Settled]:
         """Settle expired leases: back to the queue (original score) or, after max_attempts, dead."""

@@ -12,6 +12,7 @@ a dispatched job is in ``inflight`` and in no queue; a finished job is in neithe
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 
 import redis
@@ -35,6 +36,12 @@ DEFAULT_DEAD_LETTER_MAX = 10_000
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
+# An admission's script runs only this long before its caller would give up on the reply at the latest (admit.lua's
+# ARGV[24]): a reply still on its way when the socket times out is the one case left where a job refused as
+# unavailable is stored anyway, and it needs Redis to stall within this margin after running the script.
+ADMIT_REPLY_MARGIN_S = 0.25
+# A reading of Redis's clock older than this is not trusted to place the deadline (a stepped clock); no deadline then.
+CLOCK_SAMPLE_MAX_AGE_S = 30.0
 
 
 def _now(now_ms: int | None) -> str:
@@ -92,6 +99,9 @@ class RedisQueue(QueueSweeps):
         self._scripts = load_scripts(client)
         # Apart from the idempotency TTL: a long deduplication window need not keep every output that long.
         self._retention_ms = str((result_ttl_s or idempotency_ttl_s) * 1000)
+        # How long a command's reply is waited for (None: forever), and Redis's clock as server_ms() last read it.
+        self._reply_timeout_s = client.connection_pool.connection_kwargs.get("socket_timeout")
+        self.clock_sample: tuple[int, float] | None = None
 
     # --- admission -------------------------------------------------------------------------
     def admit(
@@ -137,6 +147,7 @@ class RedisQueue(QueueSweeps):
             "" if promise_s is None else str(int(promise_s * 1000)),
             fingerprint or "",
             "" if downgrade_estimate_s is None else repr(float(downgrade_estimate_s)),
+            self._admit_by_ms(),
         ]
         try:
             reply = self._scripts["admit"](keys=keys, args=args)
@@ -145,6 +156,8 @@ class RedisQueue(QueueSweeps):
                 return StoreFull(str(e))
             raise
         kind = reply[0].decode()
+        if kind == "late":  # as the timeout it came close to: the caller hears "unavailable", and nothing was stored
+            raise redis.TimeoutError("the admission reached Redis as its caller gave up on it; nothing was stored")
         if kind == "admitted":
             return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]),
                             dict(zip(ALL_TIERS, (int(n) for n in reply[4:8]))), int(reply[8]) if reply[8] else None)
@@ -162,6 +175,20 @@ class RedisQueue(QueueSweeps):
         if kind == "tenant_full":
             return TenantFull(int(reply[1]))
         raise RuntimeError(f"admit.lua returned {reply!r}")
+
+    def _admit_by_ms(self) -> str:
+        """admit.lua's ARGV[24]: in Redis's clock, a moment before this call's reply is given up on (a timeout). A
+        Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the commands it received once it goes
+        on: past this moment the admission was already answered "unavailable, nothing was stored", so it must store
+        nothing. Redis's clock at any moment after the sample is at least the sample plus the monotonic time since
+        it was read; "" (no deadline) without a timeout or a recent sample."""
+        if not self._reply_timeout_s or self.clock_sample is None:
+            return ""
+        sampled_ms, read_by = self.clock_sample
+        now = time.monotonic()
+        if now - read_by > CLOCK_SAMPLE_MAX_AGE_S:
+            return ""
+        return str(sampled_ms + int((now - read_by + self._reply_timeout_s - ADMIT_REPLY_MARGIN_S) * 1000))
 
     def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
         """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""

@@ -28,6 +28,7 @@
 -- ARGV[22]    optional: the request's fingerprint (no spaces), stored with the idempotency key; "": none
 -- ARGV[23]    optional: the caller's wait estimate in s for the job as a P1, used instead of ARGV[20] when the quota
 --             downgrades it (ARGV[20] is the P0 wait, which counts no P1 job); "": the estimate below
+-- ARGV[24]    optional: Redis TIME in ms after which the caller no longer waits for the reply; "": none
 --
 -- Returns one of:
 --   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms}
@@ -39,11 +40,17 @@
 --   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
 --   {"exists"}                                       the job id is already in use
 --   {"tenant_full", cap}                             the tenant holds cap unfinished jobs
+--   {"late"}                                         run after ARGV[24] (Redis stood still meanwhile): the caller
+--                                                    was told nothing was stored, so nothing is
 -- (floats are returned as strings: a Lua number would be truncated to an integer.)
 --
 -- Estimate: sum over the tiers r at or above the job's tier of depth(r) / rate(r): each
 -- backlog ahead drains at the rate its own tier is being served. Lower tiers do not count
 -- (the job goes ahead of them, preempting where allowed). The job goes last in its tier.
+
+if ARGV[24] and ARGV[24] ~= '' and clock_ms('') > tonumber(ARGV[24]) then
+    return {'late'}
+end
 
 local job_id, tenant, tier_requested = ARGV[1], ARGV[2], ARGV[3]
 local tier, payload = ARGV[4], ARGV[5]

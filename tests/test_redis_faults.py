@@ -1,0 +1,103 @@
+"""Redis misbehaving under a live cluster: frozen (SIGSTOP), on real processes (tests/durable_cluster.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+import zmq
+
+from common import protocol as P
+from common.redis_keys import KeySpace, load_scripts
+from common.redis_server import RedisServer
+from common.sockets import make_socket
+from common.tiers import ALL_TIERS, Tier
+from gateway.redis_queue import Admitted, RedisQueue
+from tests.cluster_helpers import wait_for
+from tests.durable_cluster import DurableCluster, settle, wait_states
+from tests.redis_proxy import HoldingProxy
+from tests.test_security_redis import _Gateway
+
+pytestmark = pytest.mark.faults
+
+
+def test_a_frozen_redis_costs_no_running_job_its_lease(tmp_path, bench_model_dir):
+    """Redis stands still (SIGSTOP) longer than a lease while a job runs, then goes on. Leases are judged by
+    Redis's clock, which ran on meanwhile, and no heartbeat could extend them: no gateway may take that as a
+    sign the worker died (maintenance.py: leases are judged only after a whole lease_s of listening). Two gateways:
+    gw-1 holds no job and has nothing to write but its maintenance, and must not requeue the job gw-0 holds either.
+    (A regression guard: this held when it was written.)"""
+    lease_s = 10.0
+    with DurableCluster(tmp_path, bench_model_dir, gateways=2, workers=1, max_running=1, lease_s=lease_s) as c:
+        with c.client("lab-co", "gw-0") as lab:
+            job = lab.submit(prompt_token_ids=[3, 1, 4], max_tokens=1500, seed=7, ignore_eos=True)
+            wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to run")
+            pid = c.procs["redis"].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                settle(1.5 * lease_s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            settle(2.0)  # the gateways' first maintenance passes after the stall
+            assert c.job(job.id)["attempt"] == b"1", (c.log_tail("gw-0"), c.log_tail("gw-1"))
+            assert c.state(job.id) in {"dispatched", "done"}
+            assert lab.cancel(job.id) or c.state(job.id) == "done"
+        wait_states(c, [job.id], {"done", "cancelled"}, 60)
+
+
+def test_an_admission_refused_as_unavailable_stores_nothing_even_if_redis_runs_it_late(tmp_path):
+    """Redis stalls while an admission's script is on its way: the gateway's read times out (2 s) and it tells the
+    client "unavailable; nothing was stored, retry". Redis then wakes and runs the script it had received. The job
+    must not be admitted then: the client was told it was not (and retries, or gives up), so it would run twice,
+    or run and charge the tenant's quota unasked. (admit.lua writes all or nothing: no job, no charge.)"""
+    with RedisServer(extra_args=["--maxmemory-policy", "noeviction"]) as s:
+        proxy = HoldingProxy(s.port)
+        gw = _Gateway(tmp_path, proxy)
+        r = s.client()
+        try:
+            with gw.client("chat-co", timeout_s=20.0) as c:
+                c.submit(prompt_token_ids=[1, 2], max_tokens=2)  # scripts loaded, the path known to work
+                jobs = set(r.scan_iter(match=f"{gw.prefix}:*:job:*"))
+                proxy.hold(load_scripts(r)["admit"].sha.encode(), 4.0)
+                # A raw request, as the HTTP door's or any client's that gets no SDK retry under the same key.
+                raw = make_socket(zmq.Context.instance(), zmq.DEALER)
+                raw.connect(gw.endpoint)
+                raw.send(P.encode(P.SubmitRequest(gw.tenants["chat-co"]["api_key"], 2, prompt_token_ids=[1, 2, 3])))
+                assert raw.poll(20_000), "no answer while Redis stalls"
+                reply = P.decode(raw.recv())
+                raw.close(linger=0)
+                assert isinstance(reply, P.ErrorReply) and reply.code == "unavailable", reply
+                assert proxy.held.is_set()
+                assert proxy.released.wait(10)
+                time.sleep(0.5)  # Redis has run what it was sent
+                assert set(r.scan_iter(match=f"{gw.prefix}:*:job:*")) == jobs, "a job refused as unavailable ran"
+                # Redis answers again: the next admission goes through.
+                assert c.submit(prompt_token_ids=[1, 2, 3], max_tokens=2).id
+        finally:
+            gw.stop()
+            proxy.close()
+            r.close()
+
+
+def test_an_admission_run_past_its_deadline_writes_nothing():
+    """The queue layer of the test above: admit.lua run after the moment its caller gives up (here: a clock sample
+    that places it in the past) stores nothing, and the caller hears a timeout, as if the reply never came."""
+    with RedisServer() as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="late"), tier_timeouts_s={t: None for t in ALL_TIERS})
+        admit = dict(tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key="k",
+                     quota=None, drain_rate_per_s={})
+        q.server_ms()
+        assert q.clock_sample is not None
+        assert isinstance(q.admit(job_id="on-time", **admit | {"idempotency_key": "k0"}), Admitted)
+        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+        now_ms, read_by = q.clock_sample
+        q.clock_sample = (now_ms - 10_000, read_by)  # Redis ran it 10 s after the caller stopped waiting
+        with pytest.raises(redis.TimeoutError, match="nothing was stored"):
+            q.admit(job_id="late", **admit)
+        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        q.clock_sample = None  # no reading of Redis's clock: no deadline
+        assert isinstance(q.admit(job_id="unbounded", **admit), Admitted)
+        q.client.close()
