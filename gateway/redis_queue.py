@@ -36,10 +36,11 @@ DEFAULT_DEAD_LETTER_MAX = 10_000
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
-# An admission's script runs only this long before its caller would give up on the reply at the latest (admit.lua's
-# ARGV[24]): a reply still on its way when the socket times out is the one case left where a job refused as
-# unavailable is stored anyway, and it needs Redis to stall within this margin after running the script.
-ADMIT_REPLY_MARGIN_S = 0.25
+# An admission's or a claim's script runs only this long before its caller would give up on the reply at the latest
+# (_reply_deadline_ms): a reply still on its way when the socket times out is the one case left where a job refused
+# as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs Redis to stall within
+# this margin after running the script.
+REPLY_MARGIN_S = 0.25
 # A reading of Redis's clock older than this is not trusted to place the deadline (a stepped clock); no deadline then.
 CLOCK_SAMPLE_MAX_AGE_S = 30.0
 
@@ -147,7 +148,7 @@ class RedisQueue(QueueSweeps):
             "" if promise_s is None else str(int(promise_s * 1000)),
             fingerprint or "",
             "" if downgrade_estimate_s is None else repr(float(downgrade_estimate_s)),
-            self._admit_by_ms(),
+            self._reply_deadline_ms(),
         ]
         try:
             reply = self._scripts["admit"](keys=keys, args=args)
@@ -176,19 +177,20 @@ class RedisQueue(QueueSweeps):
             return TenantFull(int(reply[1]))
         raise RuntimeError(f"admit.lua returned {reply!r}")
 
-    def _admit_by_ms(self) -> str:
-        """admit.lua's ARGV[24]: in Redis's clock, a moment before this call's reply is given up on (a timeout). A
-        Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the commands it received once it goes
-        on: past this moment the admission was already answered "unavailable, nothing was stored", so it must store
-        nothing. Redis's clock at any moment after the sample is at least the sample plus the monotonic time since
-        it was read; "" (no deadline) without a timeout or a recent sample."""
+    def _reply_deadline_ms(self) -> str:
+        """admit.lua's ARGV[24], claim.lua's ARGV[5]: in Redis's clock, a moment before this call's reply is given up
+        on (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the commands it
+        received once it goes on: past this moment the admission was already answered "unavailable, nothing was
+        stored", and the claimed jobs were sent to no worker, so the script must change nothing. Redis's clock at
+        any moment after the sample is at least the sample plus the monotonic time since it was read; "" (no
+        deadline) without a timeout or a recent sample."""
         if not self._reply_timeout_s or self.clock_sample is None:
             return ""
         sampled_ms, read_by = self.clock_sample
         now = time.monotonic()
         if now - read_by > CLOCK_SAMPLE_MAX_AGE_S:
             return ""
-        return str(sampled_ms + int((now - read_by + self._reply_timeout_s - ADMIT_REPLY_MARGIN_S) * 1000))
+        return str(sampled_ms + int((now - read_by + self._reply_timeout_s - REPLY_MARGIN_S) * 1000))
 
     def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
         """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""
@@ -229,7 +231,8 @@ class RedisQueue(QueueSweeps):
             return []
         keys = [*self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines, self.keys.promises,
                 *(self.keys.job(i) for i in ids)]  # fmt: skip
-        rows = self._scripts["claim"](keys=keys, args=[worker, gateway, _now(now_ms), str(lease_ms), *ids])
+        rows = self._scripts["claim"](keys=keys, args=[worker, gateway, _now(now_ms), str(lease_ms),
+                                                       self._reply_deadline_ms(), *ids])
         return [JobRecord.from_redis(row) for row in rows]
 
     def extend_leases(self, worker: str, job_ids: Sequence[str], now_ms: int | None, lease_ms: int) -> int:

@@ -13,7 +13,8 @@ from common.ports import free_port
 class HoldingProxy:
     """Forwards every connection to ``upstream_port``. Once ``hold(marker, s)`` is armed, the first chunk a client
     sends that contains ``marker`` reaches Redis only ``s`` seconds later, even if the client has given up and
-    closed its connection meanwhile (the kernel of a stalled Redis keeps what was sent the same way)."""
+    closed its connection meanwhile (the kernel of a stalled Redis keeps what was sent the same way); and so does
+    whatever any connection sends meanwhile, after it: Redis stood still for everyone."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port, self.port = upstream_port, free_port()
@@ -23,6 +24,7 @@ class HoldingProxy:
         self.released = threading.Event()  # set once it has reached Redis
         self._server = socket.create_server(("127.0.0.1", self.port))
         self._stop = False
+        self._gate = threading.Lock()  # held while Redis "stands still"
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -54,12 +56,17 @@ class HoldingProxy:
                     break
                 if to_redis and self._marker is not None and self._marker in chunk:
                     self._marker = None
-                    self.held.set()
-                    time.sleep(self._hold_s)
-                    dst.sendall(chunk)
+                    with self._gate:
+                        self.held.set()
+                        time.sleep(self._hold_s)
+                        dst.sendall(chunk)
                     self.released.set()
                     continue
-                dst.sendall(chunk)
+                if to_redis:
+                    with self._gate:
+                        dst.sendall(chunk)
+                else:
+                    dst.sendall(chunk)
         except OSError:
             pass
         finally:

@@ -18,6 +18,7 @@ from common.tiers import ALL_TIERS, Tier
 from gateway.redis_queue import Admitted, RedisQueue
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster, settle, wait_states
+from tests.test_durability import Adversary
 from tests.redis_proxy import HoldingProxy
 from tests.test_security_redis import _Gateway
 
@@ -82,9 +83,10 @@ def test_an_admission_refused_as_unavailable_stores_nothing_even_if_redis_runs_i
             r.close()
 
 
-def test_an_admission_run_past_its_deadline_writes_nothing():
-    """The queue layer of the test above: admit.lua run after the moment its caller gives up (here: a clock sample
-    that places it in the past) stores nothing, and the caller hears a timeout, as if the reply never came."""
+def test_an_admission_or_a_claim_run_past_its_deadline_writes_nothing():
+    """The queue layer of the tests here: admit.lua or claim.lua run after the moment its caller gives up (here: a
+    clock sample that places it in the past) changes nothing; an admission's caller hears a timeout, as if the
+    reply never came, a claim's claims nothing."""
     with RedisServer() as s:
         q = RedisQueue(s.client(), KeySpace(prefix="late"), tier_timeouts_s={t: None for t in ALL_TIERS})
         admit = dict(tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key="k",
@@ -98,6 +100,49 @@ def test_an_admission_run_past_its_deadline_writes_nothing():
         with pytest.raises(redis.TimeoutError, match="nothing was stored"):
             q.admit(job_id="late", **admit)
         assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        assert [r.id for r in q.claim(["on-time"], worker="w", gateway="g", lease_ms=10_000)] == []
+        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
         q.clock_sample = None  # no reading of Redis's clock: no deadline
         assert isinstance(q.admit(job_id="unbounded", **admit), Admitted)
+        assert [r.id for r in q.claim(["on-time"], worker="w", gateway="g", lease_ms=10_000)] == ["on-time"]
         q.client.close()
+
+
+class _ProxiedCluster(DurableCluster):
+    """A DurableCluster whose gateways reach its redis-server through a HoldingProxy."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.proxy = HoldingProxy(self.redis_port)
+
+    @property
+    def redis_url(self) -> str:
+        return self.proxy.url
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.proxy.close()
+
+
+def test_a_dispatch_given_up_on_leases_nothing_when_redis_runs_it_late(tmp_path, tiny_model_dir):
+    """Redis stalls while a dispatch's claim is on its way: the gateway gives up on it (2 s) and sends the worker
+    nothing. Redis then runs the claim it had received. The job must still be queued then, and go to the worker as
+    its first attempt once Redis answers: not sit leased to a worker that never got it until the lease runs out
+    (lease_s), come back as attempt 2 (one of max_attempts spent on nothing) and mark an innocent worker lost."""
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=10.0) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
+        try:
+            worker.load([], free=1)
+            claim = load_scripts(c.redis)["claim"]
+            c.redis.script_load(claim.script)  # as after any earlier dispatch: the held EVALSHA finds its script
+            c.proxy.hold(claim.sha.encode(), 4.0)
+            with c.client("lab-co") as lab:
+                job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
+            assert c.proxy.held.wait(10), "no claim reached Redis"
+            assert c.proxy.released.wait(10)
+            d = worker.recv(P.DispatchJob, timeout_s=8.0, beat=[])  # well within the 10 s lease
+            assert (d.job_id, d.attempt) == (job.id, 1), d
+        finally:
+            worker.close()

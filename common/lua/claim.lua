@@ -11,15 +11,20 @@
 -- ARGV[2]     gateway id
 -- ARGV[3]     now, ms; empty: Redis TIME
 -- ARGV[4]     lease, ms
--- ARGV[5..]   the candidates' job ids, in the order of KEYS[9..]
+-- ARGV[5]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
+-- ARGV[6..]   the candidates' job ids, in the order of KEYS[9..]
 --
--- Returns: one flat {field, value, ...} array (HGETALL) per claimed job, in candidate order.
+-- Returns: one flat {field, value, ...} array (HGETALL) per claimed job, in candidate order; none when run past
+-- ARGV[5] (Redis stood still meanwhile): the caller sent the worker nothing, so nothing may be leased to it.
 
+if ARGV[5] ~= '' and clock_ms('') > tonumber(ARGV[5]) then
+    return {}
+end
 local worker, gateway = ARGV[1], ARGV[2]
 local now, lease_ms = clock_ms(ARGV[3]), tonumber(ARGV[4])
 local claimed = {}
 for i = 9, #KEYS do
-    local job_key, job_id = KEYS[i], ARGV[i - 4]
+    local job_key, job_id = KEYS[i], ARGV[i - 3]
     local fields = redis.call('HMGET', job_key, 'state', 'tier')
     if fields[1] == 'queued' then
         local queue = KEYS[tonumber(string.sub(fields[2], 2)) + 1]
