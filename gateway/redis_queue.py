@@ -36,10 +36,10 @@ DEFAULT_DEAD_LETTER_MAX = 10_000
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
-# An admission's or a claim's script runs only this long before its caller would give up on the reply at the latest
-# (_reply_deadline_ms): a reply still on its way when the socket times out is the one case left where a job refused
-# as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs Redis to stall within
-# this margin after running the script.
+# An admission's, a claim's or a cancel's script runs only this long before its caller would give up on the reply at
+# the latest (_reply_deadline_ms): a reply still on its way when the socket times out is the one case left where a
+# job refused as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs Redis to
+# stall within this margin after running the script.
 REPLY_MARGIN_S = 0.25
 # A reading of Redis's clock older than this is not trusted to place the deadline (a stepped clock); no deadline then.
 CLOCK_SAMPLE_MAX_AGE_S = 30.0
@@ -178,12 +178,13 @@ class RedisQueue(QueueSweeps):
         raise RuntimeError(f"admit.lua returned {reply!r}")
 
     def _reply_deadline_ms(self) -> str:
-        """admit.lua's ARGV[24], claim.lua's ARGV[5]: in Redis's clock, a moment before this call's reply is given up
-        on (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the commands it
-        received once it goes on: past this moment the admission was already answered "unavailable, nothing was
-        stored", and the claimed jobs were sent to no worker, so the script must change nothing. Redis's clock at
-        any moment after the sample is at least the sample plus the monotonic time since it was read; "" (no
-        deadline) without a timeout or a recent sample."""
+        """admit.lua's ARGV[24], claim.lua's and cancel.lua's ARGV[5]: in Redis's clock, a moment before this call's
+        reply is given up on (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the
+        commands it received once it goes on: past this moment the admission was already answered "unavailable,
+        nothing was stored", the claimed jobs were sent to no worker, the cancel was answered "unavailable" (the
+        retry would be told the job was not cancelled) and its worker not told, so the script must change nothing.
+        Redis's clock at any moment after the sample is at least the sample plus the monotonic time since it was
+        read; "" (no deadline) without a timeout or a recent sample."""
         if not self._reply_timeout_s or self.clock_sample is None:
             return ""
         sampled_ms, read_by = self.clock_sample
@@ -283,7 +284,10 @@ class RedisQueue(QueueSweeps):
         """Cancel a queued or dispatched job; returns it as it was, or None if unknown or final."""
         keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
                 self.keys.tokens(job_id)]  # fmt: skip
-        raw = self._scripts["cancel"](keys=keys, args=[job_id, _now(now_ms), self._retention_ms, reason])
+        raw = self._scripts["cancel"](keys=keys, args=[job_id, _now(now_ms), self._retention_ms, reason,
+                                                       self._reply_deadline_ms()])
+        if raw == b"late":  # as the timeout it came close to: the caller retries, and its retry cancels
+            raise redis.TimeoutError("the cancel reached Redis as its caller gave up on it; nothing was changed")
         return JobRecord.from_redis(raw) if raw else None
 
     def get(self, job_id: str) -> JobRecord | None:

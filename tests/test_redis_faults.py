@@ -83,10 +83,10 @@ def test_an_admission_refused_as_unavailable_stores_nothing_even_if_redis_runs_i
             r.close()
 
 
-def test_an_admission_or_a_claim_run_past_its_deadline_writes_nothing():
-    """The queue layer of the tests here: admit.lua or claim.lua run after the moment its caller gives up (here: a
-    clock sample that places it in the past) changes nothing; an admission's caller hears a timeout, as if the
-    reply never came, a claim's claims nothing."""
+def test_an_admission_a_claim_or_a_cancel_run_past_its_deadline_writes_nothing():
+    """The queue layer of the tests here: admit.lua, claim.lua or cancel.lua run after the moment its caller gives
+    up (here: a clock sample that places it in the past) changes nothing; an admission's or a cancel's caller hears
+    a timeout, as if the reply never came, a claim's claims nothing."""
     with RedisServer() as s:
         q = RedisQueue(s.client(), KeySpace(prefix="late"), tier_timeouts_s={t: None for t in ALL_TIERS})
         admit = dict(tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key="k",
@@ -101,10 +101,13 @@ def test_an_admission_or_a_claim_run_past_its_deadline_writes_nothing():
             q.admit(job_id="late", **admit)
         assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
         assert [r.id for r in q.claim(["on-time"], worker="w", gateway="g", lease_ms=10_000)] == []
+        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+            q.cancel("on-time")
         assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
         q.clock_sample = None  # no reading of Redis's clock: no deadline
         assert isinstance(q.admit(job_id="unbounded", **admit), Admitted)
         assert [r.id for r in q.claim(["on-time"], worker="w", gateway="g", lease_ms=10_000)] == ["on-time"]
+        assert q.cancel("on-time").state == "dispatched"
         q.client.close()
 
 
@@ -144,5 +147,30 @@ def test_a_dispatch_given_up_on_leases_nothing_when_redis_runs_it_late(tmp_path,
             assert c.proxy.released.wait(10)
             d = worker.recv(P.DispatchJob, timeout_s=8.0, beat=[])  # well within the 10 s lease
             assert (d.job_id, d.attempt) == (job.id, 1), d
+        finally:
+            worker.close()
+
+
+def test_a_cancel_answered_unavailable_is_not_run_late_behind_its_retry(tmp_path, tiny_model_dir):
+    """Redis stalls while a cancel of a running job is on its way: the gateway gives up on it (2 s), tells the
+    client "unavailable" and tells the worker nothing. Redis then runs the cancel it had received. The SDK's retry
+    must find the job still running and cancel it (True, and the worker told to stop): not find it cancelled
+    already (False: "not cancelled", to a caller whose cancel took) while the worker computes it to the end."""
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=10.0) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
+        try:
+            worker.load([], free=1)
+            with c.client("lab-co", timeout_s=20.0) as lab:
+                job = lab.submit(prompt_token_ids=[1, 2], max_tokens=50, ignore_eos=True)
+                d = worker.recv(P.DispatchJob, beat=[])
+                worker.load([d.job_id], free=0)
+                cancel = load_scripts(c.redis)["cancel"]
+                c.redis.script_load(cancel.script)  # as after any earlier cancel: the held EVALSHA finds its script
+                c.proxy.hold(cancel.sha.encode(), 3.0)
+                assert lab.cancel(job.id) is True
+                assert c.proxy.held.is_set()
+            stop = worker.recv(P.CancelJob, timeout_s=10.0, beat=[d.job_id])
+            assert (stop.job_id, stop.attempt) == (job.id, 1)
+            assert c.state(job.id) == "cancelled"
         finally:
             worker.close()

@@ -11,9 +11,14 @@
 -- ARGV[2]     now, ms; empty: Redis TIME
 -- ARGV[3]     retention of the finished job hash, ms
 -- ARGV[4]     reason
+-- ARGV[5]     optional: Redis TIME in ms after which the caller no longer waits for the reply; "": none
 --
--- Returns: the job's HGETALL as it was before cancelling, or nil if not cancelled.
+-- Returns: the job's HGETALL as it was before cancelling, or nil if not cancelled; "late", changing nothing, when
+-- run past ARGV[5] (Redis stood still meanwhile: the caller was told to retry, and told the worker nothing).
 
+if ARGV[5] and ARGV[5] ~= '' and clock_ms('') > tonumber(ARGV[5]) then
+    return 'late'
+end
 local job_id = ARGV[1]
 local now = clock_ms(ARGV[2])
 local state = redis.call('HGET', KEYS[1], 'state')
