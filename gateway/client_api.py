@@ -110,7 +110,7 @@ class ClientApi:
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
                               result.estimated_wait_s, result.position, result.ahead_by_tier)
         if not result.duplicate:
-            metrics.admitted(result.job_id, result.tier.value)
+            metrics.admitted(result.tier.value)
             self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens,
                                     result.estimated_wait_s, now, result.promise_at_ms)
             self.enqueued_at[result.job_id] = now
@@ -181,4 +181,5 @@ class ClientApi:
         self.leases.pop(req.job_id, None)
         self._send(self.clients, ident, P.CancelReply(req.job_id, before is not None))
         if before is not None:
+            metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
             self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client")

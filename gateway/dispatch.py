@@ -13,6 +13,7 @@ import msgpack
 
 from common import protocol as P
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
+from gateway import metrics
 from gateway.timeutil import ms as _ms
 
 # Queued P0/P1 jobs read at most per preemption pass, looking past jobs aged up from P2/P3 (a bound on its cost).
@@ -63,6 +64,10 @@ class Dispatcher:
                     self.config.gateway_id, ctx, bool(body.get("ignore_eos", False)),
                     resume_token_ids=list(stream.tokens) if resume else []))
                 self.leases[rec.id] = (wid, rec.attempt)
+                waited_s = (rec.dispatched_at_ms - rec.enqueued_at_ms) / 1e3 if rec.dispatched_at_ms else None
+                # An earlier attempt's first token was observed where it arrived (non-resuming workers: assumed).
+                metrics.holding(rec.id, rec.tier_granted.value, None if waited_s is None else now - waited_s,
+                                bool(stream.tokens) or (rec.attempt > 1 and not resume))
                 stream.tenant = rec.tenant
                 stream.touched = now
                 w.pending.add(rec.id)

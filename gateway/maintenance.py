@@ -44,6 +44,7 @@ class Maintenance:
             self._dirty = True
         for rec in self.queue.expire_records(now_ms):
             self.spans.left_queue(rec, "expired", now_ms * 1_000_000)
+            metrics.ended(rec.id, rec.tier_granted.value, "expired", now)
             self._finish_stream(rec.id, "expired", None, "queue timeout exceeded")
         self._measured_rates = {t: st.rate_per_s for t, st in self.queue.drain_stats(now_ms).items()}
         for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:
@@ -75,6 +76,8 @@ class Maintenance:
             rec = self.queue.get(one.job_id)
         except redis.RedisError as e:
             log.warning("job %s dead-lettered; its span is lost (Redis: %s)", one.job_id, e)
+            metrics.ended(one.job_id, None, "dead", self.clock())  # counted if this gateway held it
             return
+        metrics.ended(one.job_id, rec.tier_granted.value if rec is not None else None, "dead", self.clock())
         if rec is not None and rec.finished_at_ms is not None:  # None: already trimmed from the dead letters
             self.spans.dead_lettered(rec, one.attempt, one.worker, cause, rec.finished_at_ms * 1_000_000)

@@ -26,16 +26,19 @@ ADMISSIONS = Counter("ts_admissions_total", "Jobs admitted (duplicates of an ide
 REFUSALS = Counter("ts_refusals_total", "Submissions refused, by error code (nothing was stored)", ["code"])
 QUEUE_WAIT = Histogram("ts_queue_wait_seconds", "Time from admission (or re-queue) to dispatch, per attempt",
                        ["tier"], buckets=LATENCY_BUCKETS)
-TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the first token reaching this gateway",
-                 ["tier"], buckets=LATENCY_BUCKETS)
-E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the job's end, for jobs this gateway "
-                "admitted", ["tier"], buckets=LATENCY_BUCKETS)
+TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the job's first token reaching the "
+                 "gateway holding its lease, once per job that produced one (observed there, whichever gateway "
+                 "admitted it: sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
+E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the end of a job that ended done, observed "
+                "by the gateway that stored its result (sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
 HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from dispatch to the job's first prefill starting on the "
                     "worker, once per job: mostly the rest of the engine step in progress there (a worker reads its "
                     "dispatches between steps), during which the slot the job was sent to stands idle; worker_state: "
                     "whether the worker was running other work (busy) or nothing (idle) when the job was sent",
                     ["worker", "worker_state"], buckets=LATENCY_BUCKETS)
-FINISHED = Counter("ts_jobs_finished_total", "Jobs this gateway admitted that ended, by final state", ["tier", "state"])
+FINISHED = Counter("ts_jobs_finished_total", "Jobs that ended, by the tier they were admitted at and final state, "
+                   "counted once by the gateway that stored the final state (sum over gateways: it matches the sum "
+                   "of ts_admissions_total less the jobs still queued or running)", ["tier", "state"])
 PROMOTIONS = Counter("ts_promotions_total", "Queued P2/P3 jobs this gateway moved up one tier when their promised "
                      "start fell due (gateway/promises.py), by the tier they left: each is a job that arrivals beyond "
                      "the forecast would have kept waiting past its estimate", ["tier"])
@@ -53,17 +56,51 @@ for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() s
     for _h in (QUEUE_WAIT, TTFT, E2E):
         _h.labels(_t)
 
-# job id -> tier, for the jobs this gateway admitted and has not seen end. Bounded: a job another gateway
-# finishes never ends here (its entry ages out).
-_TIERS: OrderedDict[str, str] = OrderedDict()
+# job id -> [tier admitted at, its admission on this gateway's clock (None: unknown), first token seen], for the
+# jobs whose lease this gateway took. Bounded: a job another gateway ends (a cancel, a lease moved on) stays until
+# it ages out.
+_HELD: OrderedDict[str, list] = OrderedDict()
 _MAX_TRACKED = 200_000
 
 
-def admitted(job_id: str, tier: str) -> None:
+def admitted(tier: str) -> None:
     ADMISSIONS.labels(tier).inc()
-    _TIERS[job_id] = tier
-    if len(_TIERS) > _MAX_TRACKED:
-        _TIERS.popitem(last=False)
+
+
+def holding(job_id: str, tier: str, admitted_at: float | None, token_seen: bool) -> None:
+    """This gateway took ``job_id``'s lease. ``token_seen``: an earlier attempt produced its first token (its
+    TTFT was observed then)."""
+    _HELD[job_id] = [tier, admitted_at, token_seen]
+    _HELD.move_to_end(job_id)
+    while len(_HELD) > _MAX_TRACKED:
+        _HELD.popitem(last=False)
+
+
+def first_token(job_id: str, now: float) -> None:
+    """A token reached the lease holder; the job's first is observed once."""
+    held = _HELD.get(job_id)
+    if held is None or held[2]:
+        return
+    held[2] = True
+    if held[1] is not None:
+        TTFT.labels(held[0]).observe(max(0.0, now - held[1]))
+
+
+def ended(job_id: str, tier: str | None, state: str, now: float) -> None:
+    """This gateway stored ``job_id``'s final state (only one gateway can: the scripts change a job's state once).
+    ``tier``: the tier it was admitted at, if the caller has its record."""
+    held = _HELD.pop(job_id, None)
+    tier = tier or (held[0] if held is not None else None)
+    if tier is None:
+        return
+    FINISHED.labels(tier, state).inc()
+    if state == "done" and held is not None and held[1] is not None:
+        E2E.labels(tier).observe(max(0.0, now - held[1]))
+
+
+def held_tier(job_id: str) -> str | None:
+    held = _HELD.get(job_id)
+    return held[0] if held is not None else None
 
 
 def refused(code: str) -> None:
@@ -84,18 +121,6 @@ def requeued(cause: str, outcome: str) -> None:
 
 def dispatched(tier: str, waited_s: float) -> None:
     QUEUE_WAIT.labels(tier).observe(max(0.0, waited_s))
-
-
-def finished(job_id: str, state: str, ttft_s: float | None, total_s: float) -> None:
-    tier = _TIERS.pop(job_id, None)
-    if tier is None:
-        return
-    FINISHED.labels(tier, state).inc()
-    if state != "done":
-        return
-    E2E.labels(tier).observe(max(0.0, total_s))
-    if ttft_s is not None:
-        TTFT.labels(tier).observe(max(0.0, ttft_s))
 
 
 class GatewayState(Collector):

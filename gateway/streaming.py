@@ -145,7 +145,6 @@ class Streaming:
         now = self.clock()
         total = now - enq if enq is not None else 0.0
         ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
-        metrics.finished(job_id, state, ttft, total)
         queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
         self.waits.forget(job_id)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),

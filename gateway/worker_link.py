@@ -86,6 +86,8 @@ class WorkerLink:
                 s = self.streams.streams.get(job_id)
                 if s is None:
                     s = self._open_stream(job_id, rec.tenant)
+                since_s = (self.queue.server_ms() - rec.enqueued_at_ms) / 1e3
+                metrics.holding(job_id, rec.tier_granted.value, self.clock() - since_s, bool(s.tokens))
                 if lease == (worker, attempt):
                     return True
         self._stale_seen[(job_id, attempt, worker)] = None
@@ -104,7 +106,10 @@ class WorkerLink:
             self._stale(msg)
             return
         self._prefill_started(ident.decode(), msg)
-        if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, self.clock()):
+        now = self.clock()
+        if self.streams.add_tokens(msg.job_id, msg.index, msg.token_ids, now):
+            if msg.token_ids:
+                metrics.first_token(msg.job_id, now)
             self._flush(msg.job_id)
         else:
             self.counters["token_gaps"] += 1  # JobFinished carries them all; the stream waits for it
@@ -186,6 +191,8 @@ class WorkerLink:
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
         self.estimator.finished(msg.job_id, state, msg.num_tokens, queued_s)
+        granted = metrics.held_tier(msg.job_id) or self.queue.granted_tiers([msg.job_id])[0]
+        metrics.ended(msg.job_id, getattr(granted, "value", granted), state, self.clock())
         if s is not None and state == "done":
             s.tokens = tokens
         self._finish_stream(msg.job_id, state, msg.finish_reason, reason,
