@@ -23,7 +23,9 @@ log = logging.getLogger("gateway.metrics")
 
 ADMISSIONS = Counter("ts_admissions_total", "Jobs admitted (duplicates of an idempotency key not counted), by the "
                      "tier they queue in", ["tier"])
-REFUSALS = Counter("ts_refusals_total", "Submissions refused, by error code (nothing was stored)", ["code"])
+REFUSALS = Counter("ts_refusals_total", "Submissions refused, by error code (nothing was stored; unavailable: Redis "
+                   "unreachable), and client frames of any kind refused before they could be read (an unknown API "
+                   "key, a malformed frame)", ["code"])
 QUEUE_WAIT = Histogram("ts_queue_wait_seconds", "Time from admission (or re-queue) to dispatch, per attempt",
                        ["tier"], buckets=LATENCY_BUCKETS)
 TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the job's first token reaching the "

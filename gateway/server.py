@@ -233,15 +233,15 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                     continue
                 to = (ident, rid)
             if sock is self.clients and self.clock() < self._redis_retry_at:
-                self._send(sock, to, self._unavailable())
+                self._refuse(to, msg, self._unavailable())
                 continue
             try:
                 handler(to, msg)
             except redis.RedisError as e:
                 self._redis_failed(e)
                 if sock is self.clients:
-                    self._send(sock, to, P.ErrorReply("overloaded", "the queue store (Redis) is full; retry later")
-                               if out_of_memory(e) else self._unavailable())
+                    self._refuse(to, msg, P.ErrorReply("overloaded", "the queue store (Redis) is full; retry later")
+                                 if out_of_memory(e) else self._unavailable())
             except Exception:  # a handler bug must not take the gateway down with it
                 self.counters["handler_errors"] += 1
                 log.exception("handler for %s failed", type(msg).__name__)
@@ -265,6 +265,12 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                     # reading), and a connection never comes back: a re-subscription comes on a new one. Kept, the
                     # subscription had every token batch of its job sent into the void until the job ended.
                     self.streams.forget_peer(to)
+
+    def _refuse(self, to: Peer, msg, reply: P.ErrorReply) -> None:
+        """A client request refused for the queue store's sake; a submission's refusal is counted as on_submit's."""
+        if isinstance(msg, P.SubmitRequest):
+            metrics.refused(reply.code)
+        self._send(self.clients, to, reply)
 
     def _unavailable(self) -> P.ErrorReply:
         self.counters["refused_unavailable"] += 1

@@ -84,3 +84,34 @@ def test_jobs_another_gateway_ran_are_counted_once(cluster):
     # Latency: each job observed once; TTFT at its first token, so the cancelled fillers too.
     assert summed(cluster, names[0], tier="P3") - before[names[0]] == 2
     assert summed(cluster, names[1], tier="P3") - before[names[1]] == 4
+
+
+def test_submissions_refused_while_redis_is_down_are_counted(tmp_path, tiny_model_dir):
+    """Every `unavailable` a gateway answered a submission with is in ts_refusals_total: those it sent while Redis
+    was down (the failed call's, and those of its back-off) were counted nowhere. A raw socket, as the SDK
+    retries an `unavailable` on its own."""
+    import zmq
+
+    from common import protocol as P
+    from common.ports import free_port
+    from common.sockets import make_socket
+    from tests.durable_cluster import DurableCluster
+
+    bind = f"127.0.0.1:{free_port()}"
+    url = f"http://{bind}/metrics"
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1,
+                        gateway_env={"TS_GATEWAY_METRICS_BIND": bind}) as c:
+        before = total(scrape(url), "ts_refusals_total", code="unavailable")
+        c.kill("redis")
+        raw = make_socket(zmq.Context.instance(), zmq.DEALER)
+        raw.connect(c.endpoint())
+        try:
+            for i in range(3):
+                raw.send(P.encode(P.SubmitRequest(c.key("lab-co"), 4, prompt_token_ids=[5, i])))
+                assert raw.poll(30_000), "no answer while Redis is down"
+                reply = P.decode(raw.recv())
+                assert isinstance(reply, P.ErrorReply) and reply.code == "unavailable", reply
+        finally:
+            raw.close(linger=0)
+        assert total(scrape(url), "ts_refusals_total", code="unavailable") - before == 3
+        c.restart("redis")
