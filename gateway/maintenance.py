@@ -57,6 +57,8 @@ class Maintenance:
         for one in settled:
             self._dirty = True
             metrics.requeued(cause, one.state)
+            if one.state != "dead":  # a dead one is counted finished below, by the tier held here
+                metrics.let_go(one.job_id)
             self.leases.pop(one.job_id, None)
             # The lost attempt may still be running (a worker cut off, not dead): stop it, so it cannot
             # stitch its output into the next attempt's.

@@ -100,6 +100,11 @@ def ended(job_id: str, tier: str | None, state: str, now: float) -> None:
         E2E.labels(tier).observe(max(0.0, now - held[1]))
 
 
+def let_go(job_id: str) -> None:
+    """``job_id``'s lease here was settled (back in its queue): whoever dispatches it next holds it."""
+    _HELD.pop(job_id, None)
+
+
 def held_tier(job_id: str) -> str | None:
     held = _HELD.get(job_id)
     return held[0] if held is not None else None

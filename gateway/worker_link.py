@@ -191,13 +191,24 @@ class WorkerLink:
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
         self.estimator.finished(msg.job_id, state, msg.num_tokens, queued_s)
-        granted = metrics.held_tier(msg.job_id) or self.queue.granted_tiers([msg.job_id])[0]
-        metrics.ended(msg.job_id, getattr(granted, "value", granted), state, self.clock())
+        self._count_end(msg.job_id, state)
         if s is not None and state == "done":
             s.tokens = tokens
         self._finish_stream(msg.job_id, state, msg.finish_reason, reason,
                             run_s=msg.run_s, preemptions=msg.preemptions)
         self._dirty = True
+
+    def _count_end(self, job_id: str, state: str) -> None:
+        """ts_jobs_finished_total for a result stored here; the tier from Redis only if the lease came unnoticed."""
+        tier = metrics.held_tier(job_id)
+        if tier is None:
+            try:
+                granted = self.queue.granted_tiers([job_id])[0]
+            except redis.RedisError as e:  # stored already: the count must not cost the ack and the stream's end
+                log.warning("job %s ended %s uncounted (Redis: %s)", job_id, state, e)
+                return
+            tier = granted.value if granted is not None else None
+        metrics.ended(job_id, tier, state, self.clock())
 
     def retry_unstored(self) -> None:
         """Store the completions that arrived while Redis was unreachable (raises while it still is)."""

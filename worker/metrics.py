@@ -27,8 +27,14 @@ from worker.scheduler import SchedulerOutput
 RECOVERED = Counter("ts_preempt_recover_total", "Preempted requests that resumed running")
 PREEMPT_WAIT = Histogram("ts_request_preempt_wait_seconds", "Time a preempted request spent suspended before it "
                          "resumed, per suspension", ["tier"], buckets=LATENCY_BUCKETS)
-PROMPT_TOKENS = Counter("ts_prompt_tokens_total", "Prompt tokens of requests that produced their first token")
-GENERATION_TOKENS = Counter("ts_generation_tokens_total", "Tokens generated")
+PROMPT_TOKENS = Counter("ts_prompt_tokens_total", "Prompt tokens of requests that produced their first token here, "
+                        "once per request (prefilled again after a recompute preemption: not counted again; a job "
+                        "re-dispatched to this worker: its prompt counted here too, the earlier attempts' tokens "
+                        "prefilled with it not)")
+GENERATION_TOKENS = Counter("ts_generation_tokens_total", "Tokens sampled here, each once (a preempted request "
+                            "samples none again on resume), including those of requests later cancelled, handed back "
+                            "or cut off: summed over workers, a job's tokens plus any a lost attempt sampled that no "
+                            "gateway logged before the job was re-dispatched (sampled again there)")
 FINISHED = Counter("ts_requests_finished_total", "Requests that ended on this worker, by tier and finish reason",
                    ["tier", "reason"])
 

@@ -15,7 +15,8 @@ REQUESTS = Counter("ts_http_requests_total", "HTTP requests answered, by route a
 DURATION = Histogram("ts_http_request_duration_seconds", "From the request to its last response byte, by route",
                      ["route"], buckets=LATENCY_BUCKETS)
 DISCONNECTS = Counter("ts_http_client_disconnects_total", "Requests whose client went away before the end "
-                    "(their jobs were cancelled)")
+                      "(their jobs were cancelled, except those of requests with an Idempotency-Key: their clients "
+                      "come back for them)")
 
 
 class MetricsMiddleware:
