@@ -59,6 +59,7 @@ def test_jobs_another_gateway_ran_are_counted_once(cluster):
     lab0, lab1 = (GatewayClient(g["endpoint"], cluster["tenants"]["lab-co"]["api_key"]) for g in cluster["gateways"])
     names = ("ts_request_e2e_latency_seconds_count", "ts_time_to_first_token_seconds_count")
     before = {n: summed(cluster, n, tier="P3") for n in names}
+    e2e_sum = summed(cluster, "ts_request_e2e_latency_seconds_sum", tier="P3")
     done, cancelled = (summed(cluster, "ts_jobs_finished_total", tier="P3", state=s) for s in ("done", "cancelled"))
     admitted = summed(cluster, "ts_admissions_total", tier="P3")
     gw0 = cluster["pids"]["gw-0"]
@@ -84,6 +85,9 @@ def test_jobs_another_gateway_ran_are_counted_once(cluster):
     # Latency: each job observed once; TTFT at its first token, so the cancelled fillers too.
     assert summed(cluster, names[0], tier="P3") - before[names[0]] == 2
     assert summed(cluster, names[1], tier="P3") - before[names[1]] == 4
+    # Admission to the end, on Redis's clock for the queue part (gw-1 did not admit them): what the clients were told.
+    e2e = summed(cluster, "ts_request_e2e_latency_seconds_sum", tier="P3") - e2e_sum
+    assert e2e == pytest.approx(sum(r.total_s for r in results), abs=0.3), (e2e, [r.total_s for r in results])
 
 
 def test_submissions_refused_while_redis_is_down_are_counted(tmp_path, tiny_model_dir):
