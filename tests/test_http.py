@@ -502,12 +502,12 @@ def test_overloaded_503_names_the_estimated_wait(tiny_model_dir, tmp_path):
 class front_door:
     """A second `python -m gateway.http` process (its own tokenizer and gateways) on a free port."""
 
-    def __init__(self, tokenizer, gateways: list[str], log, health_key: str = "") -> None:
+    def __init__(self, tokenizer, gateways: list[str], log, health_key: str = "", env: dict | None = None) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "gateway.http", "--port", str(self.port), "--tokenizer", str(tokenizer)]
         for g in gateways:
             cmd += ["--gateway", g]
-        env = dict(os.environ, TS_HTTP_HEALTH_API_KEY=health_key)
+        env = dict(os.environ, TS_HTTP_HEALTH_API_KEY=health_key) | (env or {})
         self.log = open(log, "w")  # noqa: SIM115 (closed in __exit__)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

@@ -107,8 +107,8 @@ class FrontDoor:
             ids = self.prompts.chat(body.messages) if chat else (
                 self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt))
             prompt_param = "messages" if chat else "prompt"
-            job = await self._submit(key, body, ids, tier, idem, prompt_param)
-            return await self._answer(request, key, body, chat, ids, job, idem, prompt_param)
+            job, release = await self._submit(key, body, ids, tier, idem, prompt_param)
+            return await self._answer(request, key, body, chat, ids, job, idem, prompt_param, release)
         except ValidationError as e:
             return _validation_error(e).response()
         except HttpError as e:
@@ -141,7 +141,8 @@ class FrontDoor:
         return b"".join(chunks)
 
     async def _submit(self, key: str, body, ids: list[int], tier: str | None, idem: str | None, prompt_param: str):
-        """The job, submitted with the client's max_tokens or, without one, the default that fits (max_tokens_for)."""
+        """The job, submitted with the client's max_tokens or, without one, the default that fits (max_tokens_for),
+        and the release of its client (_submit_once)."""
         asked = body.requested_max_tokens()
         try:
             max_tokens = asked if asked is not None else await self._default_max_tokens(
@@ -166,12 +167,15 @@ class FrontDoor:
 
     async def _submit_once(self, key: str, body, ids: list[int], tier: str | None, max_tokens: int,
                            idem: str | None):
+        """The job, and the release of its client: the door keeps that client (the job streams through it) until
+        the answer is sent. Held only once the job exists, so a key refused meanwhile is forgotten (_submit)."""
         # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
         async with self.upstream.client(key) as up:
-            return await up.client.submit(
+            job = await up.client.submit(
                 prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
                 top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
                 ignore_eos=body.ignore_eos, idempotency_key=idem)
+            return job, self.upstream.hold(key)[1]
 
     async def _default_max_tokens(self, key: str, body, ids: list[int], tier: str | None, prompt_param: str,
                                   max_age_s: float) -> int:
@@ -180,7 +184,7 @@ class FrontDoor:
                               info.tier_token_limits, info.max_tokens_limit, prompt_param)
 
     async def _answer(self, request: Request, key: str, body, chat: bool, ids: list[int], job, idem: str | None,
-                      prompt_param: str) -> Response:
+                      prompt_param: str, release: Callable[[], None]) -> Response:
         headers = {"X-Request-Id": job.id, "X-Tier": job.tier,
                    "X-Estimated-Wait-Seconds": f"{job.estimated_wait_s:.3f}"}
         if job.duplicate:
@@ -188,9 +192,12 @@ class FrontDoor:
         # A client that sent a key is coming back for its job (gateway/http/idempotency.py): it is not cancelled.
         cancel = (lambda: None) if idem is not None else (lambda: self._cancel_later(key, job.id))
         reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
+        streaming = False
         try:
             if body.stream:
-                return await self._stream(request, job, reply, headers, body.include_usage(), cancel)
+                response = await self._stream(request, job, reply, headers, body.include_usage(), cancel, release)
+                streaming = True  # its events release the client once sent
+                return response
             # No bound of its own on the wait: the job's tier bounds it (queue timeout), the SDK a gateway's silence.
             result = await self._until_disconnect(request, job.result())
             return JSONResponse(reply.whole(result), headers=headers)
@@ -206,9 +213,12 @@ class FrontDoor:
             err = errors.from_serving_error(e, prompt_param)
             err.headers |= headers
             raise err from None
+        finally:
+            if not streaming:
+                release()
 
     async def _stream(self, request: Request, job, reply: Reply, headers: dict[str, str], include_usage: bool,
-                      cancel: Callable[[], None]) -> Response:
+                      cancel: Callable[[], None], release: Callable[[], None]) -> Response:
         chunks = job.stream()  # as job.result() above: only a gateway's silence ends it early
         # The first chunk (or the job's end) decides the status line.
         first = await self._until_disconnect(request, anext(chunks, None))
@@ -237,6 +247,7 @@ class FrontDoor:
                     504, "timeout_error", str(e), code="upstream_timeout")
                 yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
             finally:
+                release()
                 if not done:  # the client went away (or the server is stopping): nobody wants the rest
                     metrics.DISCONNECTS.inc()
                     cancel()
@@ -341,7 +352,7 @@ def _validation_error(e: ValidationError) -> HttpError:
 
 
 def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstream | None = None) -> Starlette:
-    upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s,
+    upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s, max_clients=config.max_clients,
                                     server_public_key=config.gateway_public_key)
     door = FrontDoor(config, prompts, model, upstream)
     routes = [

@@ -38,12 +38,16 @@ class HttpConfig:
     default_max_tokens: int = 256
     # Largest request body accepted, in bytes.
     max_body_bytes: int = 4 * 2**20
+    # Gateway clients kept, one per API key in use (gateway/http/upstream.py): past it, the least recently used
+    # idle one is closed. Keys with a request in flight are kept whatever their number.
+    max_clients: int = 1024
 
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the door could not serve with (a zero timeout failed every request
         as a 504; a zero body limit refused every body)."""
         require(self, positive=("upstream_timeout_s",), at_least={"port": 0, "default_max_tokens": 1,
-                                                                   "max_body_bytes": 1})
+                                                                   "max_body_bytes": 1,
+                                                                   "max_clients": 1})
         if self.port > 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port!r}")
         if not (isinstance(self.gateways, list) and self.gateways and all(isinstance(g, str) and g

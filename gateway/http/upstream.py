@@ -2,7 +2,8 @@
 
 The SDK's client speaks for one API key, and the front door serves every tenant, so it holds
 a client per key that has asked recently (bounded: the least recently used idle client is
-closed past ``max_clients``; a key the gateway refuses is forgotten at once, so strangers
+closed past ``max_clients``, a client being idle once no answer of a job it submitted is still
+being sent; a key the gateway refuses is forgotten at once, so strangers
 cannot fill the table). A key is checked with a gateway the first time the table holds it
 (``check``), before the door reads the request that came with it: a stranger gets 401 and no
 other answer. Nothing here outlives a restart: jobs live in the gateways' Redis.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from common import protocol as P
@@ -48,16 +49,32 @@ class Upstream:
 
     @asynccontextmanager
     async def client(self, api_key: str) -> AsyncIterator[_Entry]:
-        entry = self._entries.get(api_key)
-        if entry is None:
-            entry = self._entries[api_key] = _Entry(self._new_client(api_key))
-            self._evict()
-        self._entries.move_to_end(api_key)
-        entry.users += 1
+        entry, release = self.hold(api_key)
         try:
             yield entry
         finally:
-            entry.users -= 1
+            release()
+
+    def hold(self, api_key: str) -> tuple[_Entry, Callable[[], None]]:
+        """The key's client, kept from eviction until the returned release is called (later calls do nothing).
+        A job streams through the client that submitted it after the submission returns: closing that client
+        left the job's stream silent until the SDK took the gateway for dead (upstream_timeout_s)."""
+        entry = self._entries.get(api_key)
+        if entry is None:
+            entry = self._entries[api_key] = _Entry(self._new_client(api_key))
+        self._entries.move_to_end(api_key)
+        entry.users += 1
+        # Only once counted: with every other client busy, the new one was the idle one evicted (a 500, KeyError).
+        self._evict()
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                entry.users -= 1
+
+        return entry, release
 
     async def check(self, api_key: str) -> None:
         """Raise Unauthorized if the gateway does not know ``api_key``. Asked once while the table holds the key;

@@ -1,0 +1,57 @@
+"""The HTTP front door under failure and hostile clients: a real local cluster of two gateways
+(scripts/up.py), a real `python -m gateway.http` process, real HTTP clients."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.cluster_helpers import local_cluster
+from tests.test_http import front_door, key, sse
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("http-faults"), tiny_model_dir, workers=1, gateways=2,
+                       max_running=4) as c:
+        yield c
+
+
+def endpoints(c: dict) -> list[str]:
+    return [g["endpoint"] for g in c["gateways"]]
+
+
+def test_a_stream_outlives_its_client_leaving_the_door_s_table(cluster, tiny_model_dir, tmp_path):
+    # A door that keeps one client: another tenant's request pushes the streaming tenant's client out of the
+    # table. It was closed then (its users counted only the submission, not the stream), so the stream went
+    # silent until the SDK took its gateway for dead (upstream_timeout_s) and failed over on a client nobody
+    # would close again.
+    log = tmp_path / "door.log"
+    with front_door(tiny_model_dir, endpoints(cluster), log, env={"TS_HTTP_MAX_CLIENTS": "1"}) as base:
+        body = {"prompt": [3, 4], "max_tokens": 600, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {key(cluster, 'api-co')}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = [next(lines) for _ in range(4)]  # events and the blank lines between them
+            other = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=120,
+                               headers={"Authorization": f"Bearer {key(cluster, 'lab-co')}"})
+            assert other.status_code == 200, other.text
+            rest, gaps, last = [], [], time.monotonic()
+            for line in lines:
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                rest.append(line)
+        events, done = sse(first + rest)
+        assert done and "error" not in events[-1], events[-1]
+        assert events[-1]["usage"]["completion_tokens"] == 600
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    text = log.read_text()
+    assert "silent for" not in text, text[-2000:]
+    assert max(gaps) < 10, f"the stream stood still {max(gaps):.1f}s"
+
