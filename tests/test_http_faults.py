@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from common.ports import free_port
+from gateway.http.app import HEALTH_TIMEOUT_S
 from tests.cluster_helpers import local_cluster
 from tests.test_http import front_door, key, sse
 
@@ -55,3 +57,19 @@ def test_a_stream_outlives_its_client_leaving_the_door_s_table(cluster, tiny_mod
     assert "silent for" not in text, text[-2000:]
     assert max(gaps) < 10, f"the stream stood still {max(gaps):.1f}s"
 
+
+@pytest.mark.parametrize("live", [0, 1], ids=["no-gateway", "the-second-gateway"])
+def test_health_answers_within_its_timeout_whichever_gateways_are_down(cluster, tiny_model_dir, tmp_path, live):
+    # Each gateway was asked in turn by a client that retried a silent one twice (HEALTH_TIMEOUT_S, 2 s, three
+    # times): with both down /health took 12 s to say so, and with the first down 6 s to say all was well,
+    # past the few seconds a readiness probe waits.
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    gateways = [dead, endpoints(cluster)[0] if live else f"tcp://127.0.0.1:{free_port()}"]
+    with front_door(tiny_model_dir, gateways, tmp_path / "door.log", health_key=key(cluster, "lab-co")) as base:
+        for _ in range(2):
+            start = time.monotonic()
+            r = httpx.get(base + "/health", timeout=60)
+            took = time.monotonic() - start
+            assert r.status_code == (200 if live else 503), r.text
+            assert r.json()["status"] == ("ok" if live else "unavailable")
+            assert took < HEALTH_TIMEOUT_S + 2, f"/health took {took:.1f}s"

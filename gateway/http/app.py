@@ -75,12 +75,19 @@ class FrontDoor:
             return JSONResponse({"status": "unknown", "reason": "no health_api_key configured and no bearer token"},
                                 status_code=503)
         info, errors_seen = None, []
-        for endpoint in self.upstream.endpoints:  # healthy when any gateway answers
-            try:
-                info = await asyncio.to_thread(_info, endpoint, key)
-                break
-            except (TimeoutError, ServingError) as e:
-                errors_seen.append(f"{endpoint}: {type(e).__name__}: {e}")
+        # Healthy when any gateway answers. All are asked at once: one at a time, each gateway down added its
+        # timeout before the next was asked.
+        asks = {asyncio.ensure_future(asyncio.to_thread(_info, e, key)): e for e in self.upstream.endpoints}
+        pending = set(asks)
+        while pending and info is None:
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for ask in finished:
+                try:
+                    info = info or ask.result()
+                except (TimeoutError, ServingError) as e:
+                    errors_seen.append(f"{asks[ask]}: {type(e).__name__}: {e}")
+        for ask in pending:  # still asking a gateway down; its thread ends within its timeout, unread
+            ask.add_done_callback(lambda f: f.cancelled() or f.exception())
         if info is None:
             return JSONResponse({"status": "unavailable", "reason": "; ".join(errors_seen)}, status_code=503)
         body = {"status": "ok" if info.workers else "no_workers", "gateway": info.gateway_id,
@@ -305,8 +312,9 @@ def max_tokens_for(cap: int, prompt_len: int, tier: str | None, limits: dict[str
 
 
 def _info(endpoint: str, key: str):
-    # A short-lived client of one gateway (the door's own fail over between them): is this one up?
-    with GatewayClient(endpoint, key, timeout_s=HEALTH_TIMEOUT_S) as client:
+    # A short-lived client of one gateway (the door's own fail over between them): is this one up? Asked once:
+    # the SDK's retries of a silent gateway made a gateway down cost /health three timeouts.
+    with GatewayClient(endpoint, key, timeout_s=HEALTH_TIMEOUT_S, retries=0) as client:
         return client.info()
 
 
