@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import random
+import threading
 import time
 
 import httpx
@@ -73,3 +75,36 @@ def test_health_answers_within_its_timeout_whichever_gateways_are_down(cluster, 
             assert r.status_code == (200 if live else 503), r.text
             assert r.json()["status"] == ("ok" if live else "unavailable")
             assert took < HEALTH_TIMEOUT_S + 2, f"/health took {took:.1f}s"
+
+
+def test_a_huge_prompt_being_tokenized_does_not_stop_the_door(cluster, tiny_model_dir, tmp_path):
+    # The prompt was tokenized on the event loop: for the seconds a body of many megabytes took, the door
+    # answered nobody (every other tenant's stream, /health and /metrics stood still).
+    rng = random.Random(3)
+    words = ["alpha", "beta", "gamma", "épsilon", "ζήτα", "東京", "🙂"]
+    prompt = " ".join(rng.choice(words) for _ in range(1_200_000))
+    body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    with front_door(tiny_model_dir, endpoints(cluster), tmp_path / "door.log",
+                    env={"TS_HTTP_MAX_BODY_BYTES": str(len(body) + 1024)}) as base:
+        done: dict = {}
+
+        def huge() -> None:
+            start = time.monotonic()
+            done["response"] = httpx.post(base + "/v1/completions", content=body, timeout=300, headers={
+                "Authorization": f"Bearer {key(cluster, 'api-co')}", "Content-Type": "application/json"})
+            done["took"] = time.monotonic() - start
+
+        thread = threading.Thread(target=huge)
+        thread.start()
+        slowest = 0.0
+        while thread.is_alive():
+            start = time.monotonic()
+            assert httpx.get(base + "/v1/models", timeout=60).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.05)
+        thread.join()
+        # Over the context and over the ids a request may carry: refused for its prompt, after the tokenizing.
+        assert done["response"].status_code == 400, done["response"].text
+        assert done["response"].json()["error"]["param"] == "prompt"
+        assert done["took"] > 3, "the prompt was tokenized too fast to tell"
+        assert slowest < 1.5, f"the door answered nothing for {slowest:.1f}s (the prompt took {done['took']:.1f}s)"

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -42,6 +43,7 @@ HEALTH_TIMEOUT_S = 2.0
 # How long the door sizes defaulted max_tokens by a gateway's limits before asking again; limits that moved
 # meanwhile cost a refused submission and one retry (FrontDoor._submit).
 LIMITS_MAX_AGE_S = 5.0
+TOKENIZING_THREADS = 4
 
 
 class ClientGone(Exception):
@@ -56,6 +58,8 @@ class FrontDoor:
         self.upstream = upstream
         self.started = int(time.time())
         self._background: set[asyncio.Task] = set()  # cancellations in flight (a reference keeps them alive)
+        # Threads of its own, so that tokenizing never waits behind /health's calls in the default executor.
+        self._tokenizing = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
 
     # -- routes ---------------------------------------------------------------------------------------------------
 
@@ -111,8 +115,8 @@ class FrontDoor:
             if body.model is not None and body.model != self.model:
                 raise HttpError(404, "invalid_request_error", f"the model {body.model!r} does not exist; this "
                                 f"server serves {self.model!r}", param="model", code="model_not_found")
-            ids = self.prompts.chat(body.messages) if chat else (
-                self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt))
+            # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every other request waited.
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, body, chat)
             prompt_param = "messages" if chat else "prompt"
             job, release = await self._submit(key, body, ids, tier, idem, prompt_param)
             return await self._answer(request, key, body, chat, ids, job, idem, prompt_param, release)
@@ -122,6 +126,11 @@ class FrontDoor:
             return e.response()
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; says what happened in the access log
+
+    def _prompt_ids(self, body, chat: bool) -> list[int]:
+        if chat:
+            return self.prompts.chat(body.messages)
+        return self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
 
     async def _authenticate(self, key: str) -> None:
         """401 for a key no gateway knows, before the body is read: a stranger learns nothing of this server."""
@@ -152,8 +161,13 @@ class FrontDoor:
         and the release of its client (_submit_once)."""
         asked = body.requested_max_tokens()
         try:
-            max_tokens = asked if asked is not None else await self._default_max_tokens(
-                key, body, ids, tier, prompt_param, LIMITS_MAX_AGE_S)
+            # Also with max_tokens sent: a prompt the room cannot hold is refused here, not by a gateway after the
+            # SDK has checked each of its ids on the event loop (a second for a million, nobody else served).
+            try:
+                fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, LIMITS_MAX_AGE_S)
+            except HttpError:  # no room by the limits held: by the gateway's of now, before refusing the prompt
+                fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
+            max_tokens = asked if asked is not None else fitted
             try:
                 return await self._submit_once(key, body, ids, tier, max_tokens, idem)
             except InvalidRequest as e:
@@ -374,6 +388,7 @@ def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstr
     async def lifespan(app):
         yield
         upstream.close()
+        door._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(metrics.MetricsMiddleware, routes={r.path for r in routes})])
