@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 
@@ -13,7 +15,7 @@ import pytest
 
 from common.ports import free_port
 from gateway.http.app import HEALTH_TIMEOUT_S
-from tests.cluster_helpers import local_cluster
+from tests.cluster_helpers import job_hash, local_cluster, state_pids, wait_for
 from tests.test_http import front_door, key, sse
 
 
@@ -108,3 +110,36 @@ def test_a_huge_prompt_being_tokenized_does_not_stop_the_door(cluster, tiny_mode
         assert done["response"].json()["error"]["param"] == "prompt"
         assert done["took"] > 3, "the prompt was tokenized too fast to tell"
         assert slowest < 1.5, f"the door answered nothing for {slowest:.1f}s (the prompt took {done['took']:.1f}s)"
+
+
+def test_a_stream_the_door_gives_up_on_is_cancelled_like_a_whole_request(cluster, tiny_model_dir, tmp_path):
+    # Every gateway hung (SIGSTOP) mid-stream: the door waits out its upstream timeout on each, then ends the
+    # stream with an error event. A whole request that timed out so was cancelled; a stream was not, and its job
+    # ran to its end once the gateways were back, for a client told it had failed.
+    pids = [state_pids(cluster)[g["id"]] for g in cluster["gateways"]]
+    with front_door(tiny_model_dir, endpoints(cluster), tmp_path / "door.log",
+                    env={"TS_HTTP_UPSTREAM_TIMEOUT_S": "3"}) as base:
+        body = {"prompt": [3, 4], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        stopped = False
+        try:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {key(cluster, 'api-co')}"}) as r:
+                assert r.status_code == 200
+                job_id = r.headers["X-Request-Id"]
+                lines = r.iter_lines()
+                next(lines)
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                stopped = True
+                events, done = sse(list(lines))
+                for pid in pids:  # back at once: the door's cancellation is on its way to them
+                    os.kill(pid, signal.SIGCONT)
+                stopped = False
+        finally:
+            if stopped:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+        assert done and events[-1]["error"]["code"] == "upstream_timeout", events[-1:]
+        h = wait_for(lambda: (h := job_hash(cluster, job_id))["state"] in ("cancelled", "done") and h, 90,
+                     "the job to end")
+        assert h["state"] == "cancelled", h

@@ -264,6 +264,8 @@ class FrontDoor:
                     yield reply.usage_chunk(count)
             except (ServingError, TimeoutError) as e:
                 done = True
+                if isinstance(e, TimeoutError):  # every gateway silent: the door gives it up, as a whole request's
+                    cancel()
                 err = errors.from_serving_error(e) if isinstance(e, ServingError) else HttpError(
                     504, "timeout_error", str(e), code="upstream_timeout")
                 yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
