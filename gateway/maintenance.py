@@ -73,13 +73,13 @@ class Maintenance:
                 self._dead_letter_span(one, cause)
 
     def _dead_letter_span(self, one, cause: str) -> None:
-        """The lost last attempt's span (GatewaySpans.dead_lettered): its trace context is in the stored job."""
+        """The lost last attempt's count and span (GatewaySpans.dead_lettered): its trace context is in the stored
+        job."""
         try:
             rec = self.queue.get(one.job_id)
         except redis.RedisError as e:
             log.warning("job %s dead-lettered; its span is lost (Redis: %s)", one.job_id, e)
-            metrics.ended(one.job_id, None, "dead", self.clock())  # counted if this gateway held it
-            return
+            rec = None  # counted all the same if this gateway held it (the tier it held)
         metrics.ended(one.job_id, rec.tier_granted.value if rec is not None else None, "dead", self.clock())
         if rec is not None and rec.finished_at_ms is not None:  # None: already trimmed from the dead letters
             self.spans.dead_lettered(rec, one.attempt, one.worker, cause, rec.finished_at_ms * 1_000_000)

@@ -195,10 +195,11 @@ class WaitEstimator:
                     if w.load is not None and w.load.prefill_tps > 0 and w.load.decode_tps > 0]
         default = (Rates(sum(p for p, _ in measured) / len(measured), sum(d for _, d in measured) / len(measured))
                    if measured else FALLBACK_RATES)
+        if fit is not None:
+            ws = [w for w in ws if w.fits(*fit)] or ws
         pending = self.job_infos([j for w in ws for j in w.pending])
-        fitting = [w for w in ws if w.fits(*fit)] if fit is not None else ws
         views = {}
-        for w in fitting if fitting else ws:
+        for w in ws:
             load = w.load
             rates = (Rates(load.prefill_tps, load.decode_tps) if load is not None and load.prefill_tps > 0
                      and load.decode_tps > 0 else default)
