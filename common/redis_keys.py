@@ -54,6 +54,9 @@ key                     type         contents and lifetime
                                      due (``promise_at_ms``), when promote.lua moves it to P2 (see
                                      gateway/promises.py). Member from admission until claimed; an
                                      entry of a job no longer queued is dropped when it falls due.
+``worker-key:<id>``     string       the CURVE key (z85) worker ``<id>`` said hello with, so that no
+                                     gateway gives its id to another key (gateway/security.py). TTL
+                                     2 x max(lease, worker timeout), refreshed by its load reports.
 ======================  ===========  ==========================================================
 
 Job hash fields: ``id``, ``tenant``, ``tier`` (current), ``tier_requested`` (asked by the
@@ -151,6 +154,9 @@ class KeySpace:
     @property
     def promises(self) -> str:
         return f"{self.base}:promises"
+
+    def worker_key(self, worker_id: str) -> str:
+        return f"{self.base}:worker-key:{quote(worker_id, safe='')}"
 
     def scan_pattern(self) -> str:
         """A SCAN MATCH pattern for every key of this cluster (glob characters escaped)."""

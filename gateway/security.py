@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Container
 
+import redis
 import zmq
 
 from common import protocol as P
 from common.errors import InvalidRequest
 from common.keys import KeyFileError
+from common.redis_keys import KeySpace
 from common.settings import ConfigError
 from common.sockets import (CLIENTS_DOMAIN, WORKERS_DOMAIN, Authenticator, SocketLimits, curve_server,
                             is_loopback_endpoint)
@@ -26,6 +29,7 @@ log = logging.getLogger("gateway.security")
 HELLO_ASK_EVERY_S = 1.0
 HELLO_ASK_MEMORY = 1024  # peers remembered as asked: a stranger's made-up identities cannot grow it further
 WORKER_KEY_MEMORY = 4096  # worker ids remembered with their key, besides the registered ones (never forgotten)
+_UNKNOWN = object()  # the cluster's binding could not be asked
 
 
 def check_config(config) -> None:
@@ -59,7 +63,9 @@ def secure_sockets(gw, config) -> Authenticator | None:
     try:
         if config.authorized_workers_dir:
             curve_server(gw.worker_sock, config.curve_secret_key_file, WORKERS_DOMAIN)
-            gw.worker_keys = WorkerKeys()
+            # A binding outlives whatever its worker may hold: leases, and its registration on every gateway.
+            ttl_s = 2 * max(config.lease_s, config.worker_timeout_s)
+            gw.worker_keys = WorkerKeys(shared=SharedWorkerKeys(gw.queue.client, gw.queue.keys, ttl_s))
         if config.client_curve:
             curve_server(gw.clients, config.curve_secret_key_file, CLIENTS_DOMAIN)
     except KeyFileError as e:
@@ -94,27 +100,95 @@ class HelloPolicy:
         return None
 
 
+class SharedWorkerKeys:
+    """The cluster's binding of worker ids to CURVE keys, in Redis (``worker-key:<id>``): what each gateway's memory
+    holds is only what it heard, so a gateway that restarted, or one a worker had not reached yet, would give a live
+    worker's id to the first listed key that said hello with it. A binding expires ``ttl_s`` after its worker's last
+    hello or load report (refreshed at most every quarter of it), so an id whose worker is gone for good is free
+    again, and a worker moved to a new key under its old id is welcome once that time has passed."""
+
+    def __init__(self, client: redis.Redis, keys: KeySpace, ttl_s: float) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.client, self.keys = client, keys
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self._refreshed: OrderedDict[str, float] = OrderedDict()
+
+    def claim(self, worker_id: str, key: str) -> str | None:
+        """Bind ``worker_id`` to ``key`` (or refresh the binding) if it is free or already this key's; else the key
+        it is bound to. Raises redis.RedisError when Redis does not answer."""
+        name = self.keys.worker_key(worker_id)
+        for _ in range(3):  # each turn loses only to the binding expiring between two commands
+            if self.client.set(name, key, nx=True, px=self.ttl_ms):
+                break
+            bound = self.client.get(name)
+            if bound is None:
+                continue
+            if bound.decode(errors="replace") != key:
+                return bound.decode(errors="replace")
+            if self.client.pexpire(name, self.ttl_ms):
+                break
+        self._refreshed[worker_id] = time.monotonic()
+        self._refreshed.move_to_end(worker_id)
+        while len(self._refreshed) > WORKER_KEY_MEMORY:
+            self._refreshed.popitem(last=False)
+        return None
+
+    def due(self, worker_id: str) -> bool:
+        """True if ``worker_id``'s binding was last refreshed here a quarter of its TTL ago or more."""
+        return time.monotonic() - self._refreshed.get(worker_id, float("-inf")) >= self.ttl_ms / 4000
+
+
 class WorkerKeys:
     """The CURVE key each worker id first said hello with, on this gateway. ZeroMQ's ROUTER refuses a second
     connection with an identity in use, but not a later one: without this, a holder of any listed key could connect
     as a worker whose connection was gone (restarted, cut off) and, with or without a hello, hold its leases and
-    send its jobs' results. Bounded: the oldest ids not registered are forgotten past ``memory``."""
+    send its jobs' results. Bounded: the oldest ids not registered are forgotten past ``memory``. With ``shared``,
+    a hello is also held to the cluster's binding (SharedWorkerKeys); if Redis does not answer, to this
+    gateway's memory alone."""
 
-    def __init__(self, memory: int = WORKER_KEY_MEMORY) -> None:
+    def __init__(self, memory: int = WORKER_KEY_MEMORY, shared: SharedWorkerKeys | None = None) -> None:
         self.memory = memory
+        self.shared = shared
         self.keys: OrderedDict[str, str] = OrderedDict()
 
     def claim(self, worker_id: str, key: str | None, registered: Container[str]) -> str | None:
-        """Bind ``worker_id`` to ``key`` if it is free or already bound to it; else the key it is bound to."""
-        bound = self.keys.get(worker_id)
-        if bound is not None and bound != key:
-            return bound
+        """Bind ``worker_id`` to ``key`` if it is free or already bound to it; else the key it is bound to. The
+        cluster's binding decides when Redis answers (it outlives this gateway's memory, and frees an id whose
+        worker is gone for good); this gateway's memory when it does not."""
+        shared = self._shared_claim(worker_id, key)
+        if shared is _UNKNOWN:
+            bound = self.keys.get(worker_id)
+            if bound is not None and bound != key:
+                return bound
+        elif shared is not None:
+            return shared
         self.keys[worker_id] = key
         self.keys.move_to_end(worker_id)
         if len(self.keys) > self.memory:
             for old in [w for w in self.keys if w not in registered][:len(self.keys) - self.memory]:
                 del self.keys[old]
         return None
+
+    def refresh(self, worker_id: str, key: str | None) -> None:
+        """Keep a registered worker's cluster binding alive (its load reports call this; Redis is asked only when
+        the binding is due)."""
+        if self.shared is not None and key is not None and self.shared.due(worker_id):
+            if isinstance(bound := self._shared_claim(worker_id, key), str):
+                log.warning("worker %s is registered here with key %s, but the cluster binds its id to %s",
+                            worker_id, key, bound)
+
+    def _shared_claim(self, worker_id: str, key: str | None):
+        """The cluster's answer to ``claim``: None (bound to ``key``), the key it is bound to, or _UNKNOWN (no
+        shared binding here, no key to bind, or Redis did not answer)."""
+        if self.shared is None or key is None:
+            return _UNKNOWN
+        try:
+            return self.shared.claim(worker_id, key)
+        except redis.RedisError as e:
+            log.warning("worker %s: the cluster's key binding is unreadable (%s); this gateway's memory decides",
+                        worker_id, e)
+            return _UNKNOWN
 
     def matches(self, worker_id: str, key: str | None) -> bool:
         return key is not None and self.keys.get(worker_id) == key

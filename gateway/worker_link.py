@@ -59,6 +59,8 @@ class WorkerLink:
             return
         if ident != msg.worker_id.encode() or not self.workers.load(msg, now):
             return
+        if self.worker_keys is not None:
+            self.worker_keys.refresh(msg.worker_id, self.frame_key)
         self._dirty = True
         w = self.workers.workers[msg.worker_id]
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
