@@ -21,14 +21,15 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# --durations: each run's slowest tests in its log, to keep `make test` near its 15-minute budget.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults"
+	$(PY) -m pytest -q -m "not faults" --durations=25
 	$(MAKE) test-faults
 
 # Real clusters broken on purpose (issue 9): kill -9 of a worker, Redis or a gateway under load, a Redis
 # outage, adversarial worker frames, a skewed gateway clock. Slow (a cluster per scenario); `make test` runs it.
 test-faults: $(STAMP)
-	$(PY) -m pytest -q -m faults
+	$(PY) -m pytest -q -m faults --durations=15
 
 $(MODELS)/bench-llama-32m/config.json: models/configs/bench-llama-32m.json | $(STAMP)
 	$(PY) scripts/make_tiny_model.py --config $< --out $(MODELS)/bench-llama-32m
