@@ -31,6 +31,7 @@ from common.tiers import ALL_TIERS, parse_tier
 from gateway.http import errors, idempotency, metrics
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
+from gateway.http.headers import bearer, one_header
 from gateway.http.prompts import Prompts
 from gateway.http.responses import DONE_EVENT, Reply, finish_reason
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -74,7 +75,10 @@ class FrontDoor:
             {"id": self.model, "object": "model", "created": self.started, "owned_by": "tiered-serve"}]})
 
     async def health(self, request: Request) -> Response:
-        key = self.config.health_api_key or _bearer(request)
+        try:
+            key = self.config.health_api_key or bearer(request)
+        except HttpError as e:
+            return e.response()
         if not key:
             return JSONResponse({"status": "unknown", "reason": "no health_api_key configured and no bearer token"},
                                 status_code=503)
@@ -102,7 +106,7 @@ class FrontDoor:
 
     async def _serve(self, request: Request, schema: type[BaseModel], chat: bool) -> Response:
         try:
-            key = _bearer(request)
+            key = bearer(request)
             if not key:
                 raise HttpError(401, "authentication_error", "missing 'Authorization: Bearer <api key>'",
                                 code="invalid_api_key")
@@ -111,7 +115,7 @@ class FrontDoor:
             body = schema.model_validate_json(await self._read_body(request))
             if unhonoured := body.unhonoured():
                 raise errors.invalid(unhonoured[1], unhonoured[0])
-            tier = _tier(request.headers.get("x-priority"), body.priority)
+            tier = _tier(one_header(request, "X-Priority", "priority"), body.priority)
             if body.model is not None and body.model != self.model:
                 raise HttpError(404, "invalid_request_error", f"the model {body.model!r} does not exist; this "
                                 f"server serves {self.model!r}", param="model", code="model_not_found")
@@ -342,11 +346,6 @@ async def _disconnected(request: Request) -> None:
 def _no_gateway() -> HttpError:
     return HttpError(503, "overloaded_error", "no gateway answered", code="gateway_unavailable",
                      headers={"Retry-After": "1"})
-
-
-def _bearer(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def _tier(header: str | None, priority: int | None) -> str | None:

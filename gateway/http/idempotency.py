@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
 from gateway.http.errors import HttpError
+from gateway.http.headers import one_header
 
 HEADER = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"  # response header: "true" where the key named a job an earlier request started
@@ -23,7 +24,7 @@ REPLAYED = "Idempotent-Replayed"  # response header: "true" where the key named 
 def key_of(request: Request) -> str | None:
     """The request's key (None: it has none); a 400 for one the gateway could not store or a client meant
     otherwise (empty, too long, surrounding spaces, control characters)."""
-    value = request.headers.get(HEADER)
+    value = one_header(request, HEADER)
     if value is None:
         return None
     if not 0 < len(value) <= MAX_IDEMPOTENCY_KEY_LEN or value.strip() != value or not value.isprintable():
