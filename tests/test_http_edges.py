@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.cluster_helpers import assert_unchanged, local_cluster, snapshot
-from tests.test_http import assert_error, key
+from tests.test_http import assert_error, front_door, key
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,21 @@ def test_a_header_sent_twice_with_different_values_is_refused_and_changes_nothin
     same = ([] if name == "Authorization" else [auth(cluster, "chat-co")]) + [pairs[0], pairs[0]]
     r = post(cluster, same)
     assert r.status_code == 200, r.text
+
+
+def test_health_says_its_key_is_unknown_not_that_the_gateway_is_down(cluster, tiny_model_dir, tmp_path):
+    """Without health_api_key /health asks with the caller's bearer token; a token nobody knows was reported as
+    "unavailable: Unauthorized", an outage that was not there."""
+    with front_door(tiny_model_dir, [cluster["gateway"]], tmp_path / "door.log") as base:
+        r = httpx.get(base + "/health", headers={"Authorization": "Bearer nobody"}, timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "unknown", r.text
+        assert "bearer token" in r.json()["reason"] and "Unauthorized" not in r.json()["reason"], r.text
+        r = httpx.get(base + "/health", headers={"Authorization": f"Bearer {key(cluster, 'lab-co')}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+        r = httpx.get(base + "/health", headers=[auth(cluster, "lab-co"), ("Authorization", "Bearer nobody")],
+                      timeout=30)
+        assert_error(r, 400, "invalid_request_error")
+    with front_door(tiny_model_dir, [cluster["gateway"]], tmp_path / "door2.log", health_key="wrong") as base:
+        r = httpx.get(base + "/health", timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "unknown", r.text
+        assert "health_api_key" in r.json()["reason"], r.text

@@ -82,7 +82,7 @@ class FrontDoor:
         if not key:
             return JSONResponse({"status": "unknown", "reason": "no health_api_key configured and no bearer token"},
                                 status_code=503)
-        info, errors_seen = None, []
+        info, errors_seen, refused = None, [], []
         # Healthy when any gateway answers. All are asked at once: one at a time, each gateway down added its
         # timeout before the next was asked.
         asks = {asyncio.ensure_future(asyncio.to_thread(_info, e, key)): e for e in self.upstream.endpoints}
@@ -92,10 +92,18 @@ class FrontDoor:
             for ask in finished:
                 try:
                     info = info or ask.result()
+                except Unauthorized:  # the gateway is up; it does not know the key asked with
+                    refused.append(asks[ask])
                 except (TimeoutError, ServingError) as e:
                     errors_seen.append(f"{asks[ask]}: {type(e).__name__}: {e}")
         for ask in pending:  # still asking a gateway down; its thread ends within its timeout, unread
             ask.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if info is None and refused:
+            # Not "unavailable": a gateway answered. What is unknown is its workers, for want of a key it knows.
+            whose = ("the configured health_api_key" if self.config.health_api_key else
+                     "the bearer token (no health_api_key is configured, so /health asks with the caller's key)")
+            reason = f"the gateway ({', '.join(refused)}) does not know {whose}"
+            return JSONResponse({"status": "unknown", "reason": "; ".join([reason, *errors_seen])}, status_code=503)
         if info is None:
             return JSONResponse({"status": "unavailable", "reason": "; ".join(errors_seen)}, status_code=503)
         body = {"status": "ok" if info.workers else "no_workers", "gateway": info.gateway_id,
