@@ -4,11 +4,16 @@ ends in an error event after its 200."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster_helpers import assert_unchanged, local_cluster, snapshot
-from tests.test_http import assert_error, front_door, key
+from gateway.sdk import GatewayClient
+from tests.cluster_helpers import assert_unchanged, job_hash, local_cluster, snapshot, state_pids, wait_for
+from tests.test_http import assert_error, front_door, key, sse
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +66,42 @@ def test_health_says_its_key_is_unknown_not_that_the_gateway_is_down(cluster, ti
         r = httpx.get(base + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["status"] == "unknown", r.text
         assert "health_api_key" in r.json()["reason"], r.text
+
+
+def stream_errors(c: dict) -> dict[tuple, float]:
+    text = httpx.get(c["http"] + "/metrics", timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    family = families.get("ts_http_stream_errors")
+    if family is None:
+        return {}
+    assert family.documentation == ("Streamed requests that ended in an error event after their 200 status line, "
+                                    "by route and error code")
+    return {(s.labels["route"], s.labels["code"]): s.value for s in family.samples if s.name.endswith("_total")}
+
+
+def test_a_stream_that_ends_in_an_error_is_counted_as_one(cluster):
+    """Its status line said 200 before the error: ts_http_requests_total counts a 200, so only this counter shows
+    an operator the failure."""
+    before = stream_errors(cluster).get(("/v1/completions", "job_cancelled"), 0.0)
+    body = {"prompt": [3, 4], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    worker = state_pids(cluster)["wk-0"]
+    stopped = False
+    try:
+        with httpx.stream("POST", cluster["http"] + "/v1/completions", json=body, timeout=120,
+                          headers=[auth(cluster, "lab-co")]) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            # The job stands still (not finished by a fast machine) while its tenant cancels it elsewhere.
+            os.kill(worker, signal.SIGSTOP)
+            stopped = True
+            with GatewayClient(cluster["gateway"], key(cluster, "lab-co"), timeout_s=30) as sdk:
+                assert sdk.cancel(r.headers["X-Request-Id"]) is True
+            events, done = sse(list(lines))
+    finally:
+        if stopped:
+            os.kill(worker, signal.SIGCONT)
+    assert done and events[-1]["error"]["code"] == "job_cancelled", events[-1:]
+    wait_for(lambda: job_hash(cluster, r.headers["X-Request-Id"])["state"] == "cancelled", 30, "the cancel")
+    after = stream_errors(cluster)
+    assert after.get(("/v1/completions", "job_cancelled"), 0.0) - before == 1, after

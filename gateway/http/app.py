@@ -280,6 +280,7 @@ class FrontDoor:
                     cancel()
                 err = errors.from_serving_error(e) if isinstance(e, ServingError) else HttpError(
                     504, "timeout_error", str(e), code="upstream_timeout")
+                metrics.STREAM_ERRORS.labels(request.scope["path"], err.code or err.type).inc()
                 yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
             finally:
                 release()

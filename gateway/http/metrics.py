@@ -17,6 +17,10 @@ DURATION = Histogram("ts_http_request_duration_seconds", "From the request to it
 DISCONNECTS = Counter("ts_http_client_disconnects_total", "Requests whose client went away before the end "
                       "(their jobs were cancelled, except those of requests with an Idempotency-Key: their clients "
                       "come back for them)")
+# A stream's status line (200) is sent with its first token: an error after it reaches the client as an event, and
+# ts_http_requests_total counts the request as the 200 it began as. Counted here too, so the failures show.
+STREAM_ERRORS = Counter("ts_http_stream_errors_total", "Streamed requests that ended in an error event after their "
+                        "200 status line, by route and error code", ["route", "code"])
 
 
 class MetricsMiddleware:
