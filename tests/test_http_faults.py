@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from common.ports import free_port
-from gateway.http.app import HEALTH_TIMEOUT_S
+from gateway.http.health import HEALTH_TIMEOUT_S
 from tests.cluster_helpers import job_hash, local_cluster, state_pids, wait_for
 from tests.test_http import front_door, key, sse
 

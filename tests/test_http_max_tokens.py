@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.http.app import max_tokens_for
+from gateway.http.sizing import max_tokens_for
 from gateway.http.errors import HttpError
 from gateway.http.prompts import plain_chat_text
 from gateway.http.schemas import Message

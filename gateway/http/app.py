@@ -27,8 +27,8 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from common.errors import InvalidRequest, ServingError, Unauthorized
-from common.tiers import ALL_TIERS, parse_tier
-from gateway.http import errors, idempotency, metrics
+from common.tiers import ALL_TIERS
+from gateway.http import errors, health, idempotency, metrics, sizing
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.headers import bearer, one_header
@@ -36,14 +36,9 @@ from gateway.http.prompts import Prompts
 from gateway.http.responses import DONE_EVENT, Reply, finish_reason
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http.upstream import Upstream
-from gateway.sdk import GatewayClient
 
 log = logging.getLogger("gateway.http")
 
-HEALTH_TIMEOUT_S = 2.0
-# How long the door sizes defaulted max_tokens by a gateway's limits before asking again; limits that moved
-# meanwhile cost a refused submission and one retry (FrontDoor._submit).
-LIMITS_MAX_AGE_S = 5.0
 TOKENIZING_THREADS = 4
 
 
@@ -75,40 +70,7 @@ class FrontDoor:
             {"id": self.model, "object": "model", "created": self.started, "owned_by": "tiered-serve"}]})
 
     async def health(self, request: Request) -> Response:
-        try:
-            key = self.config.health_api_key or bearer(request)
-        except HttpError as e:
-            return e.response()
-        if not key:
-            return JSONResponse({"status": "unknown", "reason": "no health_api_key configured and no bearer token"},
-                                status_code=503)
-        info, errors_seen, refused = None, [], []
-        # Healthy when any gateway answers. All are asked at once: one at a time, each gateway down added its
-        # timeout before the next was asked.
-        asks = {asyncio.ensure_future(asyncio.to_thread(_info, e, key)): e for e in self.upstream.endpoints}
-        pending = set(asks)
-        while pending and info is None:
-            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for ask in finished:
-                try:
-                    info = info or ask.result()
-                except Unauthorized:  # the gateway is up; it does not know the key asked with
-                    refused.append(asks[ask])
-                except (TimeoutError, ServingError) as e:
-                    errors_seen.append(f"{asks[ask]}: {type(e).__name__}: {e}")
-        for ask in pending:  # still asking a gateway down; its thread ends within its timeout, unread
-            ask.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if info is None and refused:
-            # Not "unavailable": a gateway answered. What is unknown is its workers, for want of a key it knows.
-            whose = ("the configured health_api_key" if self.config.health_api_key else
-                     "the bearer token (no health_api_key is configured, so /health asks with the caller's key)")
-            reason = f"the gateway ({', '.join(refused)}) does not know {whose}"
-            return JSONResponse({"status": "unknown", "reason": "; ".join([reason, *errors_seen])}, status_code=503)
-        if info is None:
-            return JSONResponse({"status": "unavailable", "reason": "; ".join(errors_seen)}, status_code=503)
-        body = {"status": "ok" if info.workers else "no_workers", "gateway": info.gateway_id,
-                "workers": len(info.workers), "queue_depths": info.queue_depths}
-        return JSONResponse(body, status_code=200 if info.workers else 503)
+        return await health.answer(request, self.config.health_api_key, self.upstream.endpoints)
 
     # -- one completion -------------------------------------------------------------------------------------------
 
@@ -169,14 +131,14 @@ class FrontDoor:
         return b"".join(chunks)
 
     async def _submit(self, key: str, body, ids: list[int], tier: str | None, idem: str | None, prompt_param: str):
-        """The job, submitted with the client's max_tokens or, without one, the default that fits (max_tokens_for),
-        and the release of its client (_submit_once)."""
+        """The job, submitted with the client's max_tokens or, without one, the default that fits
+        (sizing.max_tokens_for), and the release of its client (_submit_once)."""
         asked = body.requested_max_tokens()
         try:
             # Also with max_tokens sent: a prompt the room cannot hold is refused here, not by a gateway after the
             # SDK has checked each of its ids on the event loop (a second for a million, nobody else served).
             try:
-                fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, LIMITS_MAX_AGE_S)
+                fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, sizing.LIMITS_MAX_AGE_S)
             except HttpError:  # no room by the limits held: by the gateway's of now, before refusing the prompt
                 fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
             max_tokens = asked if asked is not None else fitted
@@ -213,8 +175,8 @@ class FrontDoor:
     async def _default_max_tokens(self, key: str, body, ids: list[int], tier: str | None, prompt_param: str,
                                   max_age_s: float) -> int:
         info = await self.upstream.info(key, max_age_s)
-        return max_tokens_for(body.default_max_tokens(self.config.default_max_tokens), len(ids), tier,
-                              info.tier_token_limits, info.max_tokens_limit, prompt_param)
+        return sizing.max_tokens_for(body.default_max_tokens(self.config.default_max_tokens), len(ids), tier,
+                                     info.tier_token_limits, info.max_tokens_limit, prompt_param)
 
     async def _answer(self, request: Request, key: str, body, chat: bool, ids: list[int], job, idem: str | None,
                       prompt_param: str, release: Callable[[], None]) -> Response:
@@ -317,34 +279,6 @@ class FrontDoor:
         task = asyncio.get_running_loop().create_task(cancel())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def max_tokens_for(cap: int, prompt_len: int, tier: str | None, limits: dict[str, int] | None,
-                   max_tokens_limit: int | None, prompt_param: str) -> int:
-    """max_tokens for a request that sets none: the room its prompt leaves in the largest prompt + max_tokens
-    its tier admits (``limits``, from the gateway's info), at most ``cap`` (the door's default_max_tokens, or
-    OpenAI's 16 for a completion without the field: the room alone would reserve, and count in every wait
-    estimate, the whole context for each such request) and the gateway's max_tokens_limit. So such a request is
-    refused only for its prompt, never for a max_tokens the client did not send. ``limits`` None (an older
-    gateway): ``cap``, as before."""
-    if limits is None:
-        return cap
-    # No tier asked: the gateway takes the tenant's highest, which it says by saying only the tenant's tiers.
-    tier = tier or min(limits, key=lambda t: parse_tier(t).rank, default=None)
-    if tier not in limits:  # a tier the tenant may not use: the gateway answers 403, whatever the max_tokens
-        return cap
-    room = limits[tier] - prompt_len
-    if room < 1:
-        raise errors.invalid(f"the prompt ({prompt_len} tokens) leaves no room for a completion: a {tier} request "
-                             f"holds at most {limits[tier]} tokens, prompt and completion together", prompt_param)
-    return min(cap, room, max_tokens_limit or cap)
-
-
-def _info(endpoint: str, key: str):
-    # A short-lived client of one gateway (the door's own fail over between them): is this one up? Asked once:
-    # the SDK's retries of a silent gateway made a gateway down cost /health three timeouts.
-    with GatewayClient(endpoint, key, timeout_s=HEALTH_TIMEOUT_S, retries=0) as client:
-        return client.info()
 
 
 async def _disconnected(request: Request) -> None:

@@ -182,7 +182,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
     def requested_max_tokens(self) -> int | None:
-        """What the client asked for; None: the door sizes it (gateway/http/app.py)."""
+        """What the client asked for; None: the door sizes it (gateway/http/sizing.py)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def max_tokens_param(self) -> str:
@@ -207,7 +207,7 @@ class CompletionRequest(_Sampling):
     prompt: (str | Annotated[list[StrictInt], Field(min_length=1)]
              | Annotated[list[str], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    # Absent (or null): OpenAI's 16, at most the room the prompt leaves (gateway/http/app.py, max_tokens_for).
+    # Absent (or null): OpenAI's 16, at most the room the prompt leaves (gateway/http/sizing.py, max_tokens_for).
     max_tokens: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="after")
