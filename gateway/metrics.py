@@ -30,7 +30,8 @@ QUEUE_WAIT = Histogram("ts_queue_wait_seconds", "Time from admission (or re-queu
                        ["tier"], buckets=LATENCY_BUCKETS)
 TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the job's first token reaching the "
                  "gateway holding its lease, once per job that produced one (observed there, whichever gateway "
-                 "admitted it: sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
+                 "admitted it, once it claimed the observation in the job's hash: sum over gateways)", ["tier"],
+                 buckets=LATENCY_BUCKETS)
 E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the end of a job that ended done, observed "
                 "by the gateway that stored its result (sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
 HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from dispatch to the job's first prefill starting on the "
@@ -63,6 +64,10 @@ for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() s
 # it ages out.
 _HELD: OrderedDict[str, list] = OrderedDict()
 _MAX_TRACKED = 200_000
+# job id -> (tier, TTFT): first tokens seen here, observed once this gateway claims them in Redis (first_token.lua,
+# with the next token-log flush). Seen here alone says little: a job's first token reaches a second gateway when
+# its lease moved on before the token log had it, or when the gateway holding it stood still with the frames unread.
+_FIRST_TOKENS: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
 
 def admitted(tier: str) -> None:
@@ -79,13 +84,27 @@ def holding(job_id: str, tier: str, admitted_at: float | None, token_seen: bool)
 
 
 def first_token(job_id: str, now: float) -> None:
-    """A token reached the lease holder; the job's first is observed once."""
+    """A token reached the lease holder; the job's first is to be observed once it is claimed (first_tokens())."""
     held = _HELD.get(job_id)
     if held is None or held[2]:
         return
     held[2] = True
     if held[1] is not None:
-        TTFT.labels(held[0]).observe(max(0.0, now - held[1]))
+        _FIRST_TOKENS[job_id] = (held[0], max(0.0, now - held[1]))
+        while len(_FIRST_TOKENS) > _MAX_TRACKED:
+            _FIRST_TOKENS.popitem(last=False)
+
+
+def first_tokens() -> list[str]:
+    """The jobs whose first token this gateway saw and has not claimed yet (kept until claimed() says)."""
+    return list(_FIRST_TOKENS)
+
+
+def claimed(job_id: str, won: bool) -> None:
+    """The claim of ``job_id``'s first token was answered: observed if this gateway won it, else dropped."""
+    pending = _FIRST_TOKENS.pop(job_id, None)
+    if pending is not None and won:
+        TTFT.labels(pending[0]).observe(pending[1])
 
 
 def ended(job_id: str, tier: str | None, state: str, now: float) -> None:

@@ -92,14 +92,18 @@ class Streaming:
         return s
 
     def flush_token_log(self) -> None:
-        """Append every held job's new tokens to its Redis stream (one round trip)."""
+        """Append every held job's new tokens to its Redis stream, and claim the first tokens seen here
+        (metrics.first_tokens: also those of jobs that ended meanwhile), in one round trip."""
         batch = [(j, s.flushed, s.tokens[s.flushed:]) for j, s in self.streams.streams.items()
                  if j in self.leases and s.flushed < len(s.tokens)]
-        if batch:
-            self.token_log.append(batch)
+        firsts = metrics.first_tokens()
+        if batch or firsts:
+            won = self.token_log.append(batch, firsts, self.config.gateway_id)
             for job_id, _, _ in batch:
                 s = self.streams.streams[job_id]
                 s.flushed = len(s.tokens)
+            for job_id, w in zip(firsts, won):
+                metrics.claimed(job_id, w)
 
     def follow_token_log(self, now: float) -> None:
         """Bring watched jobs held elsewhere up to date; end streams whose job has ended."""

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import msgpack
 import redis
 
-from common.redis_keys import KeySpace
+from common.redis_keys import KeySpace, load_scripts
 
 MAX_ENTRIES = 8192  # more than any job has tokens (max_tokens_limit), fewer than a runaway writer could add
 TTL_MS = 3_600_000  # an abandoned stream (its writer died, the job dead-lettered) goes after an hour
@@ -23,17 +23,24 @@ class TokenLog:
     def __init__(self, client: redis.Redis, keys: KeySpace) -> None:
         self.client, self.keys = client, keys
 
-    def append(self, batch: Iterable[tuple[str, int, list[int]]]) -> None:
-        """Append (job id, index of the first token, tokens) entries, one round trip for the batch."""
+    def append(self, batch: Iterable[tuple[str, int, list[int]]], first_tokens: list[str] = (),
+               gateway: str = "") -> list[bool]:
+        """Append (job id, index of the first token, tokens) entries, and claim for ``gateway`` the first token of
+        each of ``first_tokens`` (first_token.lua), one round trip for both. Returns whether each claim was won.
+        The claims go after the entries: whoever reads a token in the log finds its first token claimed."""
         pipe = self.client.pipeline(transaction=False)
         n = 0
         for job_id, index, tokens in batch:
             key = self.keys.tokens(job_id)
             pipe.xadd(key, {"i": index, "t": msgpack.packb(tokens)}, maxlen=MAX_ENTRIES, approximate=True)
             pipe.pexpire(key, TTL_MS)
-            n += 1
-        if n:
-            pipe.execute()
+            n += 2
+        claim = load_scripts(self.client)["first_token"]
+        for job_id in first_tokens:
+            claim(keys=[self.keys.job(job_id)], args=[gateway], client=pipe)
+        if not n and not first_tokens:
+            return []
+        return [bool(r) for r in pipe.execute()[n:]]
 
     def read(self, positions: Mapping[str, str]) -> dict[str, list[tuple[str, int, list[int]]]]:
         """New entries after each job's position: job id -> [(entry id, index, tokens)]. One XREAD."""

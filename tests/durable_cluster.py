@@ -31,7 +31,8 @@ class DurableCluster:
     def __init__(self, tmp: Path, model_dir: Path, *, gateways: int = 2, workers: int = 2, max_running: int = 2,
                  lease_s: float = 10.0, aging_interval_s: float = 60.0, gateway_env: dict | None = None,
                  clock_skew_s: dict[str, float] | None = None,
-                 clock_jump: dict[str, tuple[Path, float]] | None = None, worker_env: dict | None = None) -> None:
+                 clock_jump: dict[str, tuple[Path, float]] | None = None, worker_env: dict | None = None,
+                 process_env: dict[str, dict] | None = None) -> None:
         self.tmp, self.model_dir = tmp, model_dir
         self.redis_port, self.redis_dir = free_port(), tmp / "redis"
         self.redis_dir.mkdir()
@@ -52,6 +53,7 @@ class DurableCluster:
                         # wait for jobs a test left running. The drain tests set their own.
                         TS_WORKER_DRAIN_TIMEOUT_S="0")
         self.env.update({**(gateway_env or {}), **(worker_env or {})})
+        self.process_env = process_env or {}  # process name -> its own settings (a metrics port, say)
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis = redis.Redis(port=self.redis_port, socket_timeout=5)
 
@@ -94,7 +96,8 @@ class DurableCluster:
 
     def start_process(self, name: str) -> None:
         log = (self.tmp / f"{name}.log").open("a")
-        self.procs[name] = subprocess.Popen(self._cmd(name), cwd=ROOT, env=self.env, stdout=log,
+        env = self.env | self.process_env.get(name, {})
+        self.procs[name] = subprocess.Popen(self._cmd(name), cwd=ROOT, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         if name == "redis":
