@@ -71,7 +71,7 @@ class Dispatcher:
                 stream.tenant = rec.tenant
                 stream.touched = now
                 w.pending.add(rec.id)
-                self.waits.dispatched(rec.id, now, busy)
+                self.waits.dispatched(rec.id, now, busy, rec.attempt)
                 if rec.tier_granted in PREEMPTING_TIERS:
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1

@@ -34,9 +34,10 @@ TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the j
                  buckets=LATENCY_BUCKETS)
 E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the end of a job that ended done, observed "
                 "by the gateway that stored its result (sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
-HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from dispatch to the job's first prefill starting on the "
-                    "worker, once per job: mostly the rest of the engine step in progress there (a worker reads its "
-                    "dispatches between steps), during which the slot the job was sent to stands idle; worker_state: "
+HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from a dispatch to the first prefill of that attempt "
+                    "starting on the worker, once per dispatch attempt, observed by the gateway that sent it: mostly "
+                    "the rest of the engine step in progress there (a worker reads its dispatches between steps), "
+                    "during which the slot the job was sent to stands idle; worker_state: "
                     "whether the worker was running other work (busy) or nothing (idle) when the job was sent",
                     ["worker", "worker_state"], buckets=LATENCY_BUCKETS)
 FINISHED = Counter("ts_jobs_finished_total", "Jobs that ended, by the tier they were admitted at and final state, "

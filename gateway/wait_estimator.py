@@ -289,27 +289,38 @@ class Waits:
 
     def __init__(self) -> None:
         # Bounded: jobs another gateway streams are dispatched from here but never finish here.
-        self._dispatched: OrderedDict[str, tuple[float, bool]] = OrderedDict()
+        # job id -> (attempt, sent, busy, its hand-off told): this gateway's latest dispatch of the job.
+        self._dispatched: OrderedDict[str, tuple[int, float, bool, bool]] = OrderedDict()
         self._started: dict[str, float] = {}
 
-    def dispatched(self, job_id: str, now: float, busy: bool = True) -> None:
+    def dispatched(self, job_id: str, now: float, busy: bool = True, attempt: int = 1) -> None:
         """``busy``: the worker it went to was running other work (so it reads the job after a step)."""
-        self._dispatched[job_id] = (now, busy)
+        self._dispatched[job_id] = (attempt, now, busy, False)
+        self._dispatched.move_to_end(job_id)
         while len(self._dispatched) > MAX_KNOWN_JOBS:
             self._started.pop(self._dispatched.popitem(last=False)[0], None)
 
     def prefill_started(self, job_id: str, after_s: float | None, age_s: float | None = None,
-                        now: float | None = None) -> HandOff | None:
-        """Record the first start a worker reports for a job. Returns the hand-off it took (dispatch until
-        the prefill started) when this is that first start, else None."""
-        sent, busy = self._dispatched.get(job_id, (None, True))
-        if after_s is None or sent is None or job_id in self._started:
+                        now: float | None = None, attempt: int = 1) -> HandOff | None:
+        """Record a start a worker reports for ``attempt`` of a job (the first of any attempt ends its wait).
+        Returns the hand-off it took (this gateway's dispatch of that attempt until its prefill started), once per
+        attempt; None for an attempt another gateway sent (its tokens came here when that gateway went away):
+        measured from this gateway's dispatch of an earlier attempt, it held that attempt's lost time."""
+        sent = self._dispatched.get(job_id)
+        if after_s is None or sent is None:
             return None
-        started = sent + max(0.0, after_s)
+        if sent[0] != attempt:
+            if age_s is not None and now is not None:
+                self._started.setdefault(job_id, max(sent[1], now - max(0.0, age_s)))  # not before our dispatch
+            return None
+        if sent[3]:
+            return None
+        started = sent[1] + max(0.0, after_s)
         if age_s is not None and now is not None:
             started = max(started, now - max(0.0, age_s))
-        self._started[job_id] = started  # the first attempt to start ends the wait
-        return HandOff(started - sent, busy)
+        self._dispatched[job_id] = (*sent[:3], True)
+        self._started.setdefault(job_id, started)
+        return HandOff(started - sent[1], sent[2])
 
     def queued_s(self, job_id: str, enqueued_at: float | None) -> float | None:
         started = self._started.get(job_id)

@@ -117,8 +117,10 @@ class WorkerLink:
             self.counters["token_gaps"] += 1  # JobFinished carries them all; the stream waits for it
 
     def _prefill_started(self, worker: str, msg: P.JobTokens | P.JobFinished) -> None:
-        """The end of the job's wait, if this is the first a worker reports; its hand-off teaches the estimate."""
-        handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, self.clock())
+        """The end of the job's wait, if this is the first start a worker reports; the hand-off of the attempt this
+        gateway sent teaches the estimate."""
+        handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, self.clock(),
+                                             msg.attempt)
         if handoff is not None:
             self.estimator.handed_off(worker, handoff.seconds, handoff.busy)
             metrics.handed_off(worker, handoff.seconds, handoff.busy)

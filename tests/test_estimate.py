@@ -298,6 +298,23 @@ def test_a_measured_wait_counts_the_time_the_dispatch_sat_unread_at_the_worker()
         assert math.isfinite(seconds) and 0.2 - 1e-9 <= seconds <= 1.0 + 1e-9
 
 
+
+def test_a_hand_off_is_told_once_per_attempt_and_only_by_the_gateway_that_sent_it():
+    """The hand-off (ts_dispatch_handoff_seconds, the estimate's HandOffs) is a dispatch's: this gateway re-sending
+    a job tells the new attempt's too (it told only the first: the first start of any attempt ended it), and an
+    attempt another gateway sent, whose frames come here (its gateway went away, worker/routes.py), tells none
+    (it was measured from this gateway's earlier dispatch: its lost attempt's time, seconds, as a hand-off)."""
+    waits = Waits()
+    waits.dispatched("j", 100.0, attempt=1)
+    assert waits.prefill_started("j", 0.2, attempt=1) == (pytest.approx(0.2), True)
+    assert waits.prefill_started("j", 0.2, attempt=1) is None  # its JobFinished says it again
+    waits.dispatched("j", 130.0, busy=False, attempt=2)
+    assert waits.prefill_started("j", 0.1, age_s=0.05, now=130.3, attempt=2) == (pytest.approx(0.25), False)
+    assert waits.queued_s("j", enqueued_at=99.0) == pytest.approx(1.2)  # the first start still ends the wait
+    waits.dispatched("k", 10.0, attempt=1)  # never started: its worker died
+    assert waits.prefill_started("k", 0.1, age_s=0.5, now=25.0, attempt=2) is None
+    assert waits.queued_s("k", enqueued_at=9.0) == pytest.approx(15.5)
+
 def test_past_the_replay_the_spread_work_agrees_with_the_exact_replay(monkeypatch):
     """Random deep queues (every tier, aging or none, arrivals of the higher tiers, several workers of unequal
     speed and hand-off): the estimate replayed one by one for its first dispatches and spread over the slots for

@@ -42,6 +42,46 @@ def logged_tokens(c: DurableCluster, job_id: str) -> int:
     return sum(len(msgpack.unpackb(f[b"t"])) for _, f in c.redis.xrange(f"ts:{{c}}:tok:{job_id}"))
 
 
+def test_an_expired_and_a_dead_lettered_job_are_counted_once_each_attempt_observed(tmp_path, tiny_model_dir):
+    """A P2 job that waits out its queue timeout, and a P3 job whose worker is killed on each of its two attempts,
+    through one gateway: each is counted finished once, by its state; the dead one's two dispatches each observe a
+    queue wait and a hand-off (the hand-off of the second, re-dispatched by the gateway that had sent the first,
+    was not observed: the first start of any attempt ended it), and its first token once."""
+    bind = f"127.0.0.1:{free_port()}"
+    env = {"TS_GATEWAY_METRICS_BIND": bind, "TS_GATEWAY_MAX_ATTEMPTS": "2",
+           "TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 1}'}
+    urls = [f"http://{bind}/metrics"]
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1, lease_s=2.0,
+                        gateway_env=env) as c:
+        before = counts(urls)
+        with c.client("batch-co", timeout_s=30.0) as batch:
+            dying = batch.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=3)
+            wait_for(lambda: c.state(dying.id) == "dispatched" and logged_tokens(c, dying.id) > 0, 60,
+                     "the job to stream")
+            c.kill("wk-0")
+            # No worker left (it timed out): the wait estimate refuses nothing, and the P2 job waits out its 1 s.
+            wait_for(lambda: not batch.info().workers, 30, "the killed worker to time out")
+            assert c.state(dying.id) == "queued", "its lease was not requeued"
+            first = logged_tokens(c, dying.id)
+            expiring = batch.submit(prompt_token_ids=[7], max_tokens=1, tier="P2")
+            wait_for(lambda: c.state(expiring.id) == "expired", 30, "the P2 job to expire")
+            c.restart("wk-0")
+            wait_for(lambda: c.state(dying.id) == "dispatched" and logged_tokens(c, dying.id) > first, 120,
+                     "the second attempt to stream")
+            c.kill("wk-0")
+            wait_for(lambda: c.state(dying.id) == "dead", 30, "the job to be dead-lettered")
+            time.sleep(0.5)  # a scrape's worth: anything counted twice is counted by now
+            after = counts(urls)
+    assert delta(before, after) == {
+        "ts_jobs_finished_total[('state', 'expired'), ('tier', 'P2')]": 1,
+        "ts_jobs_finished_total[('state', 'dead'), ('tier', 'P3')]": 1,
+        "ts_requeues_total[('cause', 'lease_expired'), ('outcome', 'queued')]": 1,
+        "ts_requeues_total[('cause', 'lease_expired'), ('outcome', 'dead')]": 1,
+        "ts_time_to_first_token_seconds_count[('tier', 'P3')]": 1,
+        "ts_queue_wait_seconds_count[('tier', 'P3')]": 2,
+        "ts_dispatch_handoff_seconds_count[]": 2}, delta(before, after)
+
+
 def test_a_first_token_two_gateways_saw_is_observed_once(tmp_path, tiny_model_dir):
     """gw-0 saw the job's first token and observed its TTFT; its worker died before gw-0 wrote the token to the
     log (gw-0's flush interval is long here: the window is one flush, 50 ms, by default), and gw-1 re-dispatched
