@@ -11,7 +11,8 @@ SIGTERM, which stops every process it started (at once, during start-up too) and
 file: it exists while the cluster is up. The state file also holds http (the HTTP front door's base
 URL or null) and metrics (every process's /metrics URL). Killed outright (SIGKILL), up.py takes its
 processes with it on Linux (each gets SIGTERM), and a helper of its own (scripts/leftovers.py) removes its
-state file, its secrets folder and Redis's folder as soon as it dies.
+state file, its secrets folder and Redis's folder as soon as it dies. Both killed at once (or the machine
+crashed), the next run removes them as it starts (a record in the secrets folder names them; a live run's stay).
 
 Files: the logs and spans go to --logs-dir (default: a new ts-cluster-* folder in the temporary
 directory), which is kept after the cluster stops, for reading. The secrets (CURVE keys, the Redis
@@ -48,9 +49,10 @@ from common.redis_server import RedisServer, redact_url  # noqa: E402
 from common.ports import free_port  # noqa: E402
 from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
-from scripts.leftovers import LeftoversGuard  # noqa: E402
+from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard, sweep_dead_runs  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
+SECRETS_PREFIX = "ts-cluster-secrets-"  # a temporary folder per run: the keys, the Redis password, the API keys
 DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
     "chat-co": (["P0", "P1", "P2", "P3"], 2.0, 4),
     "api-co": (["P1", "P2", "P3"], None, None),
@@ -84,6 +86,13 @@ def write_tenants(path: Path) -> dict:
     return out
 
 
+def sweep_leftovers() -> None:
+    """Remove the secrets, Redis's folder and the state file of runs dead with their leftovers helper (kill -9 of
+    both, a crash of the machine): nobody else will. A live run's are left alone."""
+    for d in sweep_dead_runs(Path(tempfile.gettempdir()), SECRETS_PREFIX):
+        print(f"up.py: removed {d}, left by a run that died without cleaning up", file=sys.stderr, flush=True)
+
+
 def write_state(path: Path, state: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.touch(mode=0o600)  # readable by its owner only: it holds the key paths and the Redis URL
@@ -107,8 +116,11 @@ class Cluster:
         if args.logs_dir:
             args.logs_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = args.logs_dir or Path(tempfile.mkdtemp(prefix="ts-cluster-"))  # logs and spans: kept
-        self.secrets = Path(tempfile.mkdtemp(prefix="ts-cluster-secrets-"))  # removed by stop()
-        self.guard = LeftoversGuard()  # removes it (and Redis's folder, the state file) if we are killed outright
+        sweep_leftovers()
+        self.secrets = Path(tempfile.mkdtemp(prefix=SECRETS_PREFIX))  # removed by stop()
+        # Removes it (and Redis's folder, the state file) if we are killed outright; its record in the folder lets
+        # a later run's sweep do it if the guard dies with us.
+        self.guard = LeftoversGuard(self.secrets / LEFTOVERS_FILE)
         self.guard.remove_dir(self.secrets)
 
     def start(self) -> dict:

@@ -111,3 +111,57 @@ def test_a_signal_during_start_up_stops_the_launcher_at_once(tmp_path, tiny_mode
         proc.kill()
         proc.wait()
         reap_orphans(seen)
+
+
+def up_in(tmp_path: Path, model_dir: Path, tmpdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """up.py with its temporary folders (secrets, Redis's) under ``tmpdir``: what it finds there is this test's."""
+    state_file = tmp_path / "cluster.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", "1", "--model", str(model_dir), "--no-http",
+           "--state-file", str(state_file), "--max-running", "2", "--logs-dir", str(tmp_path / f"logs-{name}")]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=(tmp_path / f"up-{name}.log").open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, TMPDIR=str(tmpdir))), state_file
+
+
+def test_a_new_launcher_removes_what_a_dead_one_left(tmp_path, tiny_model_dir):
+    # The helper that cleans up after a kill -9'd launcher can be killed too (kill -9 of the process group, the
+    # OOM killer, a crash of the machine): the CURVE keys, the tenants' API keys and the Redis password, and
+    # Redis's folder (its password, the jobs' AOF) stayed in the temporary folder for ever; no later run knew them.
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    first, state_file = up_in(tmp_path, tiny_model_dir, tmpdir, "first")
+    second: subprocess.Popen | None = None
+    pids: list[int] = []
+    left: list[Path] = []
+    try:
+        wait_for(lambda: state_file.exists() or first.poll() is not None, 120, "the first cluster to start")
+        assert first.poll() is None, (tmp_path / "up-first.log").read_text()
+        st = json.loads(state_file.read_text())
+        pids = list(st["pids"].values())
+        left = [Path(st["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{st['pids']['redis']}/cwd"))]
+        helper = next(c for c in children(first.pid) if "-m scripts.leftovers" in cmdline(c))
+        os.kill(helper, signal.SIGKILL)
+        first.kill()
+        first.wait()
+        wait_for(lambda: not any(process_running(p) for p in pids + [helper]), 30, "the first cluster to exit")
+        assert all(p.is_dir() for p in left) and state_file.exists()  # nobody was left to remove them
+
+        second, _ = up_in(tmp_path, tiny_model_dir, tmpdir, "second")
+        wait_for(lambda: (state_file.exists() and json.loads(state_file.read_text())["pids"]["redis"] not in pids)
+                 or second.poll() is not None, 120, "the second cluster to start")
+        assert second.poll() is None, (tmp_path / "up-second.log").read_text()
+        assert not any(p.exists() for p in left), [str(p) for p in left if p.exists()]
+        new = json.loads(state_file.read_text())
+        new_left = [Path(new["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{new['pids']['redis']}/cwd"))]
+        assert all(p.is_dir() for p in new_left)  # the live run's own are untouched
+        pids += list(new["pids"].values())
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=40) == 0
+        assert not any(p.exists() for p in new_left) and not state_file.exists()
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait()
+        reap_orphans(pids)
+        for d in left:
+            shutil.rmtree(d, ignore_errors=True)
