@@ -78,10 +78,11 @@ def _exporter(name: str):
         path = os.environ.get(SPANS_FILE_ENV)
         if not path:
             raise ValueError(f"OTEL_TRACES_EXPORTER=otlp_json_file needs {SPANS_FILE_ENV}")
-        # Several processes append to one file: a buffer larger than any batch makes each flushed
-        # line a single write(2), which O_APPEND keeps whole on a local file system.
-        stream = open(path, "a", buffering=32 * 2**20, encoding="utf-8")  # noqa: SIM115 (closed by shutdown)
-        return FileSpanExporter(stream=stream)
+        from common.spans_file import AppendStream
+
+        # Several processes append to one file: each batch is a single write(2), which O_APPEND keeps whole on a
+        # local file system, to the file the path names now (up.py rotates it by size).
+        return FileSpanExporter(stream=AppendStream(path))
     if name == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 

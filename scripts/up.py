@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from common import keys as curve_keys  # noqa: E402
 from common.redis_server import RedisServer, redact_url  # noqa: E402
 from common.ports import free_port  # noqa: E402
+from common.spans_file import rotate as rotate_spans  # noqa: E402
 from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
 from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard, sweep_dead_runs  # noqa: E402
@@ -369,6 +370,11 @@ def parser() -> argparse.ArgumentParser:
                     " kept after the cluster stops (default: a new ts-cluster-* folder in the temporary directory)")
     ap.add_argument("--spans-file", type=Path, help="OTLP-JSON lines file for every process's spans (default: in the "
                     "log folder); ignored when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set")
+    ap.add_argument("--spans-max-mb", type=_number(float, 0), default=100.0,
+                    help="rotate the spans file when it holds this many MB: renamed FILE.1 (FILE.1 to FILE.2, ...), "
+                         "the processes go on in a new FILE; explain reads them all (0: never, it grows unbounded)")
+    ap.add_argument("--spans-keep", type=_number(int, 1), default=3,
+                    help="rotated spans files kept (the oldest beyond are removed)")
     return ap
 
 
@@ -398,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = cluster.supervise(lambda pids: write_state(args.state_file, cluster.with_pids(state, pids)))
         while not stopping["now"]:
             supervisor.check()
+            if state["spans_file"]:
+                rotate_spans(state["spans_file"], int(args.spans_max_mb * 2**20), args.spans_keep)
             time.sleep(0.2)  # supervision tick; signals set the flag
     except RuntimeError as e:
         print(f"up.py: {e}", file=sys.stderr)

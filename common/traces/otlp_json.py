@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from common.spans_file import rotated_files
 from common.traces.schema import REQUEST_ID
 from common.traces.spans import Span, SpanEvent, SpanLink, SpanSet, dedupe
 
@@ -267,26 +268,27 @@ def parse_spans_text(text: str) -> SpanSet:
 
 
 def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
-    """Spans of an OTLP-JSON lines file (or a file holding one document).
+    """Spans of an OTLP-JSON lines file (or a file holding one document), and of its rotated files (FILE.1, FILE.2,
+    ...: common/spans_file.py) if any.
 
-    With ``request_id``, the file is streamed twice and only the lines that can matter are kept and
+    With ``request_id``, the files are streamed twice and only the lines that can matter are kept and
     parsed: those naming the request id, then those naming one of its traces or spans (in hex or
     base64), which holds the decision spans of other traces that link to it. Memory stays that of
-    those lines, however large the file (up.py's grows about 2.6 KB a job).
+    those lines, however large the files (up.py's grow about 2.6 KB a job).
     Raises OSError when the file cannot be read, TraceFormatError when it holds no OTLP/JSON.
     """
-    path = Path(path)
+    paths = rotated_files(path)
     if request_id is None:
-        return parse_spans_text(path.read_text(encoding="utf-8", errors="replace"))
+        return parse_spans_text(_read_all(paths))
     needle = json.dumps(str(request_id))
-    first = _lines_naming(path, {needle})
+    first = _lines_naming(paths, {needle})
     if not first:
         # Nothing names the request (or the file is one pretty-printed document): parse it all.
-        return parse_spans_text(path.read_text(encoding="utf-8", errors="replace"))
+        return parse_spans_text(_read_all(paths))
     try:
         seed = parse_spans_text("\n".join(first))
     except TraceFormatError:
-        return parse_spans_text(path.read_text(encoding="utf-8", errors="replace"))
+        return parse_spans_text(_read_all(paths))
     tokens = {needle}
     for s in seed.spans:
         if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
@@ -295,13 +297,22 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
         if s.trace_id in {t for t in tokens if len(t) == 32}:
             for link in s.links:
                 tokens.update(_id_forms(link.span_id))
-    return parse_spans_text("\n".join(_lines_naming(path, tokens)))
+    return parse_spans_text("\n".join(_lines_naming(paths, tokens)))
 
 
-def _lines_naming(path: Path, tokens: set[str]) -> list[str]:
-    """The lines of ``path`` that hold any of ``tokens``, read one at a time."""
-    with path.open(encoding="utf-8", errors="replace") as f:
-        return [ln.rstrip("\n") for ln in f if any(t in ln for t in tokens)]
+def _read_all(paths: list[Path]) -> str:
+    if len(paths) == 1:  # one document, pretty-printed, stays one
+        return paths[0].read_text(encoding="utf-8", errors="replace")
+    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+
+
+def _lines_naming(paths: list[Path], tokens: set[str]) -> list[str]:
+    """The lines of ``paths`` that hold any of ``tokens``, read one at a time."""
+    out = []
+    for path in paths:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            out += [ln.rstrip("\n") for ln in f if any(t in ln for t in tokens)]
+    return out
 
 
 def _id_forms(hex_id: str) -> set[str]:

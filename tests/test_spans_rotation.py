@@ -1,0 +1,87 @@
+"""up.py's spans file rotated by size (--spans-max-mb, --spans-keep): bounded on disk, every process writing on
+into the new file, and explain reading the rotated ones. Real up.py, gateway and worker on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.spans_file import AppendStream, rotate, rotated_files
+from gateway.sdk import GatewayClient
+from scripts import explain
+from tests.cluster_helpers import ROOT, process_running, wait_for
+
+pytestmark = pytest.mark.faults
+
+MAX_MB = 0.01  # about 10 KB: a rotation every few jobs
+
+
+def test_the_spans_file_is_rotated_and_explain_reads_the_rotated_ones(tmp_path, tiny_model_dir, capsys):
+    # Every process appended to one file for as long as the cluster ran: a long run filled the disk.
+    state_file, spans = tmp_path / "cluster.json", tmp_path / "spans.jsonl"
+    cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", "1", "--model", str(tiny_model_dir),
+           "--no-http", "--state-file", str(state_file), "--max-running", "2", "--logs-dir", str(tmp_path / "logs"),
+           "--spans-file", str(spans), "--spans-max-mb", str(MAX_MB), "--spans-keep", "2"]
+    env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="100")  # batches every 0.1 s: the test waits less
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=(tmp_path / "up.log").open("w"), stderr=subprocess.STDOUT, env=env)
+    pids: list[int] = []
+    try:
+        wait_for(lambda: state_file.exists() or proc.poll() is not None, 120, "the cluster to start")
+        assert proc.poll() is None, (tmp_path / "up.log").read_text()
+        st = json.loads(state_file.read_text())
+        pids = list(st["pids"].values())
+        ids: list[str] = []
+        with GatewayClient(st["gateway"], st["tenants"]["lab-co"]["api_key"], timeout_s=10) as client:
+            def one_job() -> str:
+                job = client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
+                job.result(timeout=60)
+                ids.append(job.id)
+                return job.id
+
+            for _ in range(80):
+                one_job()
+                if Path(f"{spans}.2").exists():
+                    break
+            assert Path(f"{spans}.2").exists(), f"no second rotation after {len(ids)} jobs"
+            last = one_job()
+            # The gateway and the worker reopened the path after the rotations: the new job's spans are in it.
+            wait_for(lambda: spans.exists() and spans.read_text().count(json.dumps(last)) >= 2, 30,
+                     "the last job's gateway and worker spans in the new file")
+        assert not Path(f"{spans}.3").exists()  # --spans-keep 2: the oldest went
+        limit = MAX_MB * 2**20 * 2  # a file is rotated within a tick of passing the limit
+        assert all(p.stat().st_size < limit for p in rotated_files(spans)), [p.stat().st_size for p in
+                                                                              rotated_files(spans)]
+        older = next(i for i in ids if json.dumps(i) in Path(f"{spans}.1").read_text())
+        for rid in (older, last):
+            rc = explain.main([rid, "--spans", str(spans), "--json"])
+            out = capsys.readouterr()
+            assert rc == 0, out.err
+            assert json.loads(out.out)["request_id"] == rid
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids:
+            if process_running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_writer_follows_the_rotation_and_nothing_is_lost(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    writer = AppendStream(path)
+    for n in range(10):
+        writer.write(json.dumps({"n": n}) + "\n")
+        writer.flush()
+        rotate(path, 20, keep=100)  # every three lines
+    writer.close()
+    lines = [ln for p in rotated_files(path) for ln in p.read_text().splitlines()]
+    assert [json.loads(ln)["n"] for ln in lines] == list(range(10))  # all of them, oldest file first
+    assert len(rotated_files(path)) > 3 and all(p.stat().st_size < 60 for p in rotated_files(path))
+    assert not rotate(tmp_path / "absent", 1, keep=1) and not rotate(os.devnull, 1, keep=1)
