@@ -87,6 +87,19 @@ def write_tenants(path: Path) -> dict:
     return out
 
 
+def port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (SO_REUSEADDR, as uvicorn: a port in TIME_WAIT is free)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def sweep_leftovers() -> None:
     """Remove the secrets, Redis's folder and the state file of runs dead with their leftovers helper (kill -9 of
     both, a crash of the machine): nobody else will. A live run's are left alone."""
@@ -126,6 +139,10 @@ class Cluster:
 
     def start(self) -> dict:
         a = self.args
+        if a.http and a.http_port and not port_free(a.http_port):
+            # Its front door would die at once, and the probe could take the other server's answer for its own.
+            raise RuntimeError(f"--http-port {a.http_port} is in use (another server listens on it); "
+                               "pick another, or 0 for a free one")
         model = resolve_model(a.model)
         self.redis = RedisServer(appendonly=True, password=secrets.token_hex(24))
         self.redis.start()
@@ -205,11 +222,14 @@ class Cluster:
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._raise_if_one_exited()
             try:  # the front door itself (the gateways and workers were waited for already)
                 with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
+                    models = json.loads(r.read()) if r.status == 200 else {}
+                # Ours says so: a server that took the port meanwhile answers too, while ours dies.
+                if any(m.get("owned_by") == "tiered-serve" for m in models.get("data", [])):
+                    return
+            except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
                 pass
             time.sleep(0.1)  # polling a condition with a deadline
         raise RuntimeError(f"HTTP front door {base} not serving within {timeout}s; see {self.tmp / 'http.log'}")
@@ -256,9 +276,7 @@ class Cluster:
         client = GatewayClient(endpoint, key, timeout_s=2.0, retries=0)
         try:
             while time.monotonic() < deadline:
-                dead = [name for name, p in self.procs.items() if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"{dead} exited early; see the logs in {self.tmp}")
+                self._raise_if_one_exited()
                 try:
                     if len(client.info().workers) >= workers:
                         return
@@ -268,6 +286,11 @@ class Cluster:
             raise RuntimeError(f"cluster not ready within {timeout}s; see the logs in {self.tmp}")
         finally:
             client.close()
+
+    def _raise_if_one_exited(self) -> None:
+        dead = [name for name, p in self.procs.items() if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{dead} exited early; see the logs in {self.tmp}")
 
     def stop(self, remove_logs: bool = False) -> None:
         """Stop every process and remove the secrets; the logs too if ``remove_logs`` (a script that started the

@@ -165,3 +165,42 @@ def test_a_new_launcher_removes_what_a_dead_one_left(tmp_path, tiny_model_dir):
         reap_orphans(pids)
         for d in left:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_taken_http_port_is_refused_not_passed_for_the_front_door(tmp_path, tiny_model_dir):
+    # The front door died at once on a --http-port another server held, and the readiness probe asked the port,
+    # not the process: the other server's 200 passed for the front door, the state file's http named it, and the
+    # supervisor restarted the dying front door for ever (a server that did not answer: a --ready-timeout wait).
+    import http.server
+    import threading
+
+    class Anything(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Anything)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    # No worker to wait for (--workers 0, the last --workers wins): the front door is all the readiness left.
+    proc, state_file = up(tmp_path, tiny_model_dir, "--http-port", str(other.server_address[1]),
+                          "--ready-timeout", "100", "--workers", "0")
+    seen: list[int] = []
+    try:
+        def ended():
+            seen[:] = sorted(set(seen) | set(children(proc.pid)))
+            return proc.poll() is not None or state_file.exists()
+
+        wait_for(ended, 100, "up.py to start or refuse", interval=0.01)
+        log = (tmp_path / "up.log").read_text()
+        assert not state_file.exists(), f"another server passed for the front door:\n{log}"
+        assert proc.wait(timeout=30) == 1 and f"--http-port {other.server_address[1]}" in log, log
+        assert not any(process_running(p) for p in seen), [cmdline(p) for p in seen if process_running(p)]
+    finally:
+        other.shutdown()
+        proc.kill()
+        proc.wait()
+        reap_orphans(seen)
