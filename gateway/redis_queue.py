@@ -39,7 +39,8 @@ DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis
 # An admission's, a claim's or a cancel's script runs only this long before its caller would give up on the reply at
 # the latest (_reply_deadline_ms): a reply still on its way when the socket times out is the one case left where a
 # job refused as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs Redis to
-# stall within this margin after running the script.
+# stall within this margin after running the script. At most half the reply timeout: a redis_url may set a shorter
+# socket_timeout than the margin, and the deadline then fell before the command was sent (everything "late").
 REPLY_MARGIN_S = 0.25
 # A reading of Redis's clock older than this is not trusted to place the deadline (a stepped clock); no deadline then.
 CLOCK_SAMPLE_MAX_AGE_S = 30.0
@@ -191,7 +192,8 @@ class RedisQueue(QueueSweeps):
         now = time.monotonic()
         if now - read_by > CLOCK_SAMPLE_MAX_AGE_S:
             return ""
-        return str(sampled_ms + int((now - read_by + self._reply_timeout_s - REPLY_MARGIN_S) * 1000))
+        margin_s = min(REPLY_MARGIN_S, self._reply_timeout_s / 2)
+        return str(sampled_ms + int((now - read_by + self._reply_timeout_s - margin_s) * 1000))
 
     def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
         """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""
