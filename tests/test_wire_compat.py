@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from common import protocol as P
-from gateway.http.app import max_tokens_for
+from gateway.http.sizing import max_tokens_for
 from gateway.sdk import AsyncGatewayClient
 from tests.durable_cluster import DurableCluster
 
