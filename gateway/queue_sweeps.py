@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import redis
+
 from common.tiers import Tier
 from gateway.queue_records import JobRecord, Settled
 from gateway.timeutil import time_ms
@@ -16,7 +18,8 @@ SWEEP_LIMIT = 500  # most jobs one requeue_expired / age / promote / expire call
 
 
 class QueueSweeps:
-    """Needs the queue's ``client``, ``keys``, ``_scripts``, ``_retention_ms`` and ``dead_letter_max``."""
+    """Needs the queue's ``client``, ``keys``, ``_scripts``, ``_retention_ms``, ``dead_letter_max`` and
+    ``_reply_deadline_ms``."""
 
     def server_ms(self) -> int:
         """Redis's clock, in ms: the one clock the sweeps and statistics use. Kept with the monotonic time it was
@@ -39,7 +42,9 @@ class QueueSweeps:
         keys = [*self.keys.queues(), self.keys.inflight, self.keys.dead, self.keys.aging, self.keys.deadlines,
                 *(self.keys.job(i) for i in ids)]  # fmt: skip
         flat = self._scripts["requeue"](keys=keys, args=[str(now_ms), str(max_attempts), self._retention_ms,
-                                                          str(self.dead_letter_max), *ids])
+                                                          str(self.dead_letter_max), self._reply_deadline_ms(), *ids])
+        if flat == b"late":  # as the timeout it came close to: the next pass settles these leases, and tells
+            raise redis.TimeoutError("the requeue reached Redis as its caller gave up on it; nothing was changed")
         return [Settled(flat[i].decode(), flat[i + 1].decode(), flat[i + 2].decode(), int(flat[i + 3]))
                 for i in range(0, len(flat), 4)]
 

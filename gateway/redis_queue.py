@@ -36,11 +36,11 @@ DEFAULT_DEAD_LETTER_MAX = 10_000
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
-# An admission's, a claim's or a cancel's script runs only this long before its caller would give up on the reply at
-# the latest (_reply_deadline_ms): a reply still on its way when the socket times out is the one case left where a
-# job refused as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs Redis to
-# stall within this margin after running the script. At most half the reply timeout: a redis_url may set a shorter
-# socket_timeout than the margin, and the deadline then fell before the command was sent (everything "late").
+# An admission's, a claim's, a cancel's or a requeue's script runs only this long before its caller would give up on
+# the reply at the latest (_reply_deadline_ms): a reply still on its way when the socket times out is the one case
+# left where a job refused as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs
+# Redis to stall within this margin after running the script. At most half the reply timeout: a redis_url may set a
+# shorter socket_timeout than the margin, and the deadline then fell before the command was sent (everything "late").
 REPLY_MARGIN_S = 0.25
 # A reading of Redis's clock older than this is not trusted to place the deadline (a stepped clock); no deadline then.
 CLOCK_SAMPLE_MAX_AGE_S = 30.0
@@ -179,11 +179,12 @@ class RedisQueue(QueueSweeps):
         raise RuntimeError(f"admit.lua returned {reply!r}")
 
     def _reply_deadline_ms(self) -> str:
-        """admit.lua's ARGV[24], claim.lua's and cancel.lua's ARGV[5]: in Redis's clock, a moment before this call's
-        reply is given up on (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the
-        commands it received once it goes on: past this moment the admission was already answered "unavailable,
-        nothing was stored", the claimed jobs were sent to no worker, the cancel was answered "unavailable" (the
-        retry would be told the job was not cancelled) and its worker not told, so the script must change nothing.
+        """admit.lua's ARGV[24], claim.lua's, cancel.lua's and requeue.lua's ARGV[5]: in Redis's clock, a moment before
+        this call's reply is given up on (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's
+        pause) runs the commands it received once it goes on: past this moment the admission was already answered
+        "unavailable, nothing was stored", the claimed jobs were sent to no worker, the cancel was answered
+        "unavailable" (the retry would be told the job was not cancelled) and its worker not told, the requeued
+        leases' workers were not told to stop, so the script must change nothing.
         Redis's clock at any moment after the sample is at least the sample plus the monotonic time since it was
         read; "" (no deadline) without a timeout or a recent sample."""
         if not self._reply_timeout_s or self.clock_sample is None:

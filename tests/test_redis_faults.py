@@ -174,3 +174,49 @@ def test_a_cancel_answered_unavailable_is_not_run_late_behind_its_retry(tmp_path
             assert c.state(job.id) == "cancelled"
         finally:
             worker.close()
+
+
+def test_a_lease_settled_late_still_stops_the_attempt_that_lost_it(tmp_path, tiny_model_dir):
+    """Redis stalls while a maintenance pass's requeue of an expired lease is on its way: the gateway gives up on it
+    (2 s) and so tells nobody. Redis then ran the requeue it had received: the job was back in its queue, and no
+    later pass found its lease to settle, so the worker that lost it was never told to stop (CancelJob) and
+    computed it to the end beside the next attempt. A requeue run past its caller's deadline changes nothing; the
+    next pass settles the lease and tells the worker."""
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=3.0) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
+        try:
+            worker.load([], free=1)
+            requeue = load_scripts(c.redis)["requeue"]
+            c.redis.script_load(requeue.script)  # as after any earlier requeue: the held EVALSHA finds its script
+            with c.client("lab-co") as lab:
+                job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
+            d = worker.recv(P.DispatchJob, beat=[])
+            assert (d.job_id, d.attempt) == (job.id, 1)
+            c.proxy.hold(requeue.sha.encode(), 4.0)
+            # Alive, but its reports never list the job (a worker that lost it): its lease runs out.
+            stop = worker.recv(P.CancelJob, timeout_s=30.0, beat=[])
+            assert c.proxy.held.is_set()
+            assert (stop.job_id, stop.attempt) == (job.id, 1), stop
+        finally:
+            worker.close()
+
+
+def test_a_requeue_run_past_its_deadline_writes_nothing():
+    """The queue layer of the test above: requeue.lua run after its caller gave up (a clock sample that places the
+    moment in the past) settles no lease, and its caller hears a timeout; on time, it settles it."""
+    with RedisServer() as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="late-rq"), tier_timeouts_s={t: None for t in ALL_TIERS})
+        q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
+                quota=None, drain_rate_per_s={})
+        assert [r.id for r in q.claim(["j"], worker="w", gateway="g", lease_ms=1)] == ["j"]
+        now_ms = q.server_ms() + 10
+        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+        sampled, read_by = q.clock_sample
+        q.clock_sample = (sampled - 10_000, read_by)
+        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+            q.requeue_expired(now_ms, max_attempts=3)
+        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        q.server_ms()
+        assert [(x.job_id, x.state, x.worker, x.attempt) for x in q.requeue_expired(now_ms, max_attempts=3)] == [
+            ("j", "queued", "w", 1)]
+        q.client.close()

@@ -15,16 +15,23 @@
 -- ARGV[2]     max attempts
 -- ARGV[3]     retention of a dead job's hash, ms (as for finished jobs)
 -- ARGV[4]     most entries the dead zset keeps (the oldest are dropped, with their hashes)
--- ARGV[5..]   job ids, in the order of KEYS[9..]
+-- ARGV[5]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
+-- ARGV[6..]   job ids, in the order of KEYS[9..]
 --
 -- Returns: flat {job id, "queued" | "dead", worker that held it, its attempt, ...} for the jobs
--- settled (the gateway tells that worker to stop the lost attempt).
+-- settled (the gateway tells that worker to stop the lost attempt); "late", changing nothing, when run past
+-- ARGV[5] (Redis stood still meanwhile): a lease settled unseen would leave its lost attempt running to the end
+-- beside the next, for no later pass would find it in inflight to tell its worker.
+
+if ARGV[5] ~= '' and clock_ms('') > tonumber(ARGV[5]) then
+    return 'late'
+end
 
 local now, max_attempts = tonumber(ARGV[1]), tonumber(ARGV[2])
 local retention_ms, dead_max = tonumber(ARGV[3]), tonumber(ARGV[4])
 local settled = {}
 for i = 9, #KEYS do
-    local job_key, job_id = KEYS[i], ARGV[i - 4]
+    local job_key, job_id = KEYS[i], ARGV[i - 3]
     local expiry = tonumber(redis.call('ZSCORE', KEYS[5], job_id))
     if expiry and expiry <= now then
         local f = redis.call('HMGET', job_key, 'state', 'attempt', 'tier', 'enqueued_at_ms',
