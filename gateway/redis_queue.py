@@ -36,11 +36,11 @@ DEFAULT_DEAD_LETTER_MAX = 10_000
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
 MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
-# An admission's, a claim's, a cancel's or a requeue's script runs only this long before its caller would give up on
-# the reply at the latest (_reply_deadline_ms): a reply still on its way when the socket times out is the one case
-# left where a job refused as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs
-# Redis to stall within this margin after running the script. At most half the reply timeout: a redis_url may set a
-# shorter socket_timeout than the margin, and the deadline then fell before the command was sent (everything "late").
+# A script that takes a reply deadline (_reply_deadline_ms) runs only this long before its caller would give up on
+# the reply at the latest: a reply still on its way when the socket times out is the one case left where a job
+# refused as unavailable is stored anyway (or a claim sent to no worker holds a lease), and it needs Redis to stall
+# within this margin after running the script. At most half the reply timeout: a redis_url may set a shorter
+# socket_timeout than the margin, and the deadline then fell before the command was sent (everything "late").
 REPLY_MARGIN_S = 0.25
 # A reading of Redis's clock older than this is not trusted to place the deadline (a stepped clock); no deadline then.
 CLOCK_SAMPLE_MAX_AGE_S = 30.0
@@ -179,12 +179,13 @@ class RedisQueue(QueueSweeps):
         raise RuntimeError(f"admit.lua returned {reply!r}")
 
     def _reply_deadline_ms(self) -> str:
-        """admit.lua's ARGV[24], claim.lua's, cancel.lua's and requeue.lua's ARGV[5]: in Redis's clock, a moment before
-        this call's reply is given up on (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's
-        pause) runs the commands it received once it goes on: past this moment the admission was already answered
-        "unavailable, nothing was stored", the claimed jobs were sent to no worker, the cancel was answered
-        "unavailable" (the retry would be told the job was not cancelled) and its worker not told, the requeued
-        leases' workers were not told to stop, so the script must change nothing.
+        """admit.lua's ARGV[24], claim.lua's, cancel.lua's and requeue.lua's ARGV[5], complete.lua's ARGV[8]: in
+        Redis's clock, a moment before this call's reply is given up on (a timeout). A Redis that stood still
+        (SIGSTOP, a slow disk, a failover's pause) runs the commands it received once it goes on: past this moment
+        the admission was already answered "unavailable, nothing was stored", the claimed jobs were sent to no
+        worker, the cancel was answered "unavailable" (the retry would be told the job was not cancelled) and its
+        worker not told, the requeued leases' workers were not told to stop, the completion is kept to store again
+        (its retry would find it stored, and take it for stale), so the script must change nothing.
         Redis's clock at any moment after the sample is at least the sample plus the monotonic time since it was
         read; "" (no deadline) without a timeout or a recent sample."""
         if not self._reply_timeout_s or self.clock_sample is None:
@@ -274,13 +275,16 @@ class RedisQueue(QueueSweeps):
             flat += [name, value if isinstance(value, (str, bytes)) else repr(value)]
         keys = [self.keys.job(job_id), self.keys.inflight, self.keys.drain, self.keys.tokens(job_id)]
         args = [job_id, str(attempt), final.value, _now(now_ms), self._retention_ms,
-                str(int(self.drain_tau_s * 1000)), worker, *flat]  # fmt: skip
+                str(int(self.drain_tau_s * 1000)), worker, self._reply_deadline_ms(), *flat]  # fmt: skip
         try:
-            return bool(self._scripts["complete"](keys=keys, args=args))
+            stored = self._scripts["complete"](keys=keys, args=args)
         except redis.ResponseError as e:
             if "incomplete result" in str(e):
                 raise IncompleteResult(str(e)) from None
             raise
+        if stored == b"late":  # as the timeout it came close to: the caller keeps the result and stores it again
+            raise redis.TimeoutError("the completion reached Redis as its caller gave up on it; nothing was changed")
+        return bool(stored)
 
     # --- cancel and reads ------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:

@@ -14,11 +14,13 @@ from common import protocol as P
 from common.redis_keys import KeySpace, load_scripts
 from common.redis_server import RedisServer
 from common.sockets import make_socket
+from common.ports import free_port
 from common.tiers import ALL_TIERS, Tier
 from gateway.redis_queue import Admitted, RedisQueue
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster, settle, wait_states
 from tests.test_durability import Adversary
+from tests.test_metrics import scrape, total
 from tests.redis_proxy import HoldingProxy
 from tests.test_security_redis import _Gateway
 
@@ -219,4 +221,58 @@ def test_a_requeue_run_past_its_deadline_writes_nothing():
         q.server_ms()
         assert [(x.job_id, x.state, x.worker, x.attempt) for x in q.requeue_expired(now_ms, max_attempts=3)] == [
             ("j", "queued", "w", 1)]
+        q.client.close()
+
+
+def test_a_completion_stored_late_is_counted_by_the_gateway_that_stores_it(tmp_path, tiny_model_dir):
+    """Redis stalls while a completion's script is on its way: the gateway gives up on it (2 s) and keeps the
+    result to store again. Redis then ran the completion it had received, so the gateway's retry found the job done
+    already and took its own completion for a stale one: no gateway counted the job finished (ts_jobs_finished_total,
+    which a dashboard sums over gateways) and its wait was never learnt. A completion run past its caller's deadline
+    changes nothing; the retry stores it and counts it, once."""
+    metrics = f"127.0.0.1:{free_port()}"
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=10.0,
+                         gateway_env={"TS_GATEWAY_METRICS_BIND": metrics}) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
+        url = f"http://{metrics}/metrics"
+        try:
+            worker.load([], free=1)
+            complete = load_scripts(c.redis)["complete"]
+            c.redis.script_load(complete.script)  # as after any earlier completion: the held EVALSHA finds its script
+            with c.client("lab-co") as lab:
+                job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
+            d = worker.recv(P.DispatchJob, beat=[])
+            before = total(scrape(url), "ts_jobs_finished_total", state="done")
+            c.proxy.hold(complete.sha.encode(), 4.0)
+            worker.send(P.JobFinished(d.job_id, d.attempt, "done", "length", 2, 0.0, 0.1, 0, None, [5, 6]))
+            ack = worker.recv(P.JobFinishedAck, timeout_s=30.0, beat=[d.job_id])
+            assert c.proxy.held.is_set()
+            assert (ack.job_id, ack.attempt) == (job.id, 1)
+            assert c.state(job.id) == "done"
+            wait_for(lambda: total(scrape(url), "ts_jobs_finished_total", state="done") - before == 1, 10,
+                     "the gateway to count the job it stored")
+            assert total(scrape(url), "ts_gateway_events", event="stale_frames") == 0
+        finally:
+            worker.close()
+
+
+def test_a_completion_run_past_its_deadline_writes_nothing():
+    """The queue layer of the test above: complete.lua run after its caller gave up stores nothing (no final state,
+    no drain count) and its caller hears a timeout; on time, it stores the result."""
+    with RedisServer() as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="late-done"), tier_timeouts_s={t: None for t in ALL_TIERS})
+        q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
+                quota=None, drain_rate_per_s={})
+        assert [r.id for r in q.claim(["j"], worker="w", gateway="g", lease_ms=10_000)] == ["j"]
+        q.server_ms()
+        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+        sampled, read_by = q.clock_sample
+        q.clock_sample = (sampled - 10_000, read_by)
+        result = dict(attempt=1, state="done", fields={"num_tokens": 1, "token_ids": b"\x91\x05"}, worker="w")
+        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+            q.complete("j", **result)
+        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        q.server_ms()
+        assert q.complete("j", **result)
+        assert q.get("j").state == "done"
         q.client.close()

@@ -15,13 +15,19 @@
 -- ARGV[5]     retention of the finished job hash, ms
 -- ARGV[6]     drain rate time constant tau, ms
 -- ARGV[7]     worker id of the sender
--- ARGV[8..]   result fields: name, value, name, value, ...
+-- ARGV[8]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
+-- ARGV[9..]   result fields: name, value, name, value, ...
 --
--- Returns: 1 if recorded, 0 if stale.
+-- Returns: 1 if recorded, 0 if stale; "late", changing nothing, when run past ARGV[8] (Redis stood still
+-- meanwhile): the caller keeps the result to store again, and a retry that found it stored would take it for
+-- stale, so no gateway would count the job finished.
 --
 -- Drain statistics of the job's tier P (see common/redis_keys.py):
 --   completed:P += 1;  rate:P = rate:P * exp(-(now - ts:P) / tau) + 1 / tau (jobs/s);  ts:P = now
 
+if ARGV[8] ~= '' and clock_ms('') > tonumber(ARGV[8]) then
+    return 'late'
+end
 local job_id, state = ARGV[1], ARGV[3]
 local retention_ms, tau_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local fields = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'tier', 'worker')
@@ -30,7 +36,7 @@ if fields[1] ~= 'dispatched' or fields[2] ~= ARGV[2] or fields[4] ~= ARGV[7] the
 end
 if state == 'done' then
     local result = {}
-    for i = 8, #ARGV - 1, 2 do
+    for i = 9, #ARGV - 1, 2 do
         result[ARGV[i]] = ARGV[i + 1]
     end
     local expected = tonumber(result['num_tokens'])
@@ -42,8 +48,8 @@ end
 local now = clock_ms(ARGV[4])
 local tier = fields[3]
 redis.call('HSET', KEYS[1], 'state', state, 'finished_at_ms', now)
-if #ARGV >= 8 then
-    redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+if #ARGV >= 9 then
+    redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 end
 redis.call('DEL', KEYS[4])
 redis.call('HDEL', KEYS[1], 'payload')
