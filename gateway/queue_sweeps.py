@@ -81,7 +81,10 @@ class QueueSweeps:
         if not ids:
             return []
         keys = [*self.keys.queues(), self.keys.aging, self.keys.deadlines, *(self.keys.job(i) for i in ids)]
-        out = self._scripts["expire"](keys=keys, args=[str(now_ms), self._retention_ms, *ids])
+        out = self._scripts["expire"](keys=keys, args=[str(now_ms), self._retention_ms, self._reply_deadline_ms(),
+                                                       *ids])
+        if out == b"late":  # as the timeout it came close to: the next pass expires these jobs, and counts them
+            raise redis.TimeoutError("the expiry reached Redis as its caller gave up on it; nothing was changed")
         return [JobRecord.from_redis(before) for _, before in out]
 
     def _due(self, index: str, max_score: int, limit: int) -> list[str]:

@@ -276,3 +276,44 @@ def test_a_completion_run_past_its_deadline_writes_nothing():
         assert q.complete("j", **result)
         assert q.get("j").state == "done"
         q.client.close()
+
+
+def test_a_queue_timeout_settled_late_is_counted(tmp_path, tiny_model_dir):
+    """Redis stalls while a maintenance pass's expiry of a job past its queue timeout is on its way: the gateway
+    gives up on it (2 s). Redis then ran the expiry it had received: the job was expired, and no later pass found
+    it in the deadlines index, so no gateway counted it (ts_jobs_finished_total) or ended its queue span. An expiry
+    run past its caller's deadline changes nothing; the next pass expires the job and counts it."""
+    metrics = f"127.0.0.1:{free_port()}"
+    env = {"TS_GATEWAY_METRICS_BIND": metrics, "TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 3, "P2": 300}'}
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, gateway_env=env) as c:
+        url = f"http://{metrics}/metrics"
+        expire = load_scripts(c.redis)["expire"]
+        c.redis.script_load(expire.script)  # as after any earlier expiry: the held EVALSHA finds its script
+        before = total(scrape(url), "ts_jobs_finished_total", state="expired")
+        c.proxy.hold(expire.sha.encode(), 4.0)
+        with c.client("api-co", timeout_s=20.0) as api:
+            job = api.submit(prompt_token_ids=[1, 2], max_tokens=2, tier="P1")
+            assert c.proxy.held.wait(15), "no expiry reached Redis"
+            assert c.proxy.released.wait(10)
+            wait_for(lambda: c.state(job.id) == "expired", 10, "the job to expire")
+            wait_for(lambda: total(scrape(url), "ts_jobs_finished_total", state="expired") - before == 1, 10,
+                     "the gateway to count the job it expired")
+
+
+def test_an_expiry_run_past_its_deadline_writes_nothing():
+    """The queue layer of the test above: expire.lua run after its caller gave up expires nothing and its caller
+    hears a timeout; on time, it expires the job."""
+    with RedisServer() as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="late-exp"), tier_timeouts_s={t: 1.0 for t in ALL_TIERS})
+        q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
+                quota=None, drain_rate_per_s={})
+        now_ms = q.server_ms() + 5_000
+        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+        sampled, read_by = q.clock_sample
+        q.clock_sample = (sampled - 10_000, read_by)
+        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+            q.expire(now_ms)
+        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        q.server_ms()
+        assert q.expire(now_ms) == ["j"]
+        q.client.close()

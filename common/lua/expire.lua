@@ -8,14 +8,21 @@
 -- KEYS[7..]   job hashes
 -- ARGV[1]     now, ms
 -- ARGV[2]     retention of the finished job hash, ms
--- ARGV[3..]   job ids, in the order of KEYS[7..]
+-- ARGV[3]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
+-- ARGV[4..]   job ids, in the order of KEYS[7..]
 --
--- Returns: for each job expired, {id, its HGETALL as it was before} (the gateway ends its queue span with it).
+-- Returns: for each job expired, {id, its HGETALL as it was before} (the gateway ends its queue span with it);
+-- "late", changing nothing, when run past ARGV[3] (Redis stood still meanwhile): a job expired unseen would be
+-- counted by no gateway, for no later pass would find it in the deadlines index.
+
+if ARGV[3] ~= '' and clock_ms('') > tonumber(ARGV[3]) then
+    return 'late'
+end
 
 local now, retention_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local expired = {}
 for i = 7, #KEYS do
-    local job_key, job_id = KEYS[i], ARGV[i - 4]
+    local job_key, job_id = KEYS[i], ARGV[i - 3]
     local f = redis.call('HMGET', job_key, 'state', 'tier', 'tier_granted', 'deadline_ms',
         'enqueued_at_ms', 'requeued_at_ms')
     local deadline = tonumber(f[4])
