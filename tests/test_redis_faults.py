@@ -22,7 +22,7 @@ from tests.durable_cluster import DurableCluster, settle, wait_states
 from tests.test_durability import Adversary
 from tests.test_metrics import scrape, total
 from tests.redis_proxy import HoldingProxy
-from tests.test_security_redis import _Gateway
+from tests.test_security_redis import _Gateway, _empty, _fill
 
 pytestmark = pytest.mark.faults
 
@@ -317,3 +317,51 @@ def test_an_expiry_run_past_its_deadline_writes_nothing():
         q.server_ms()
         assert q.expire(now_ms) == ["j"]
         q.client.close()
+
+
+def test_a_full_redis_still_extends_the_leases_of_live_workers():
+    """Redis at maxmemory (noeviction) refuses a script's first write that may use memory, and lets the rest of a
+    script that wrote already run. extend.lua's only write is a ZADD: refused, so no heartbeat kept a lease, while
+    requeue.lua and claim.lua (a ZREM first) ran in full. Every running job lost its lease after lease_s, went to a
+    worker again, and (its completions refused too) was dead-lettered after max_attempts, its workers alive."""
+    with RedisServer(extra_args=["--maxmemory-policy", "noeviction"]) as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="full-lease"), tier_timeouts_s={t: None for t in ALL_TIERS})
+        q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
+                quota=None, drain_rate_per_s={})
+        assert [r.id for r in q.claim(["j"], worker="w", gateway="g", lease_ms=1_000)] == ["j"]
+        filled = _fill(q.client)
+        try:
+            assert q.extend_leases("w", ["j"], None, 60_000) == 1
+            assert q.requeue_expired(q.server_ms() + 2_000, max_attempts=3) == []
+            assert q.extend_leases("other", ["j"], None, 60_000) == 0  # still only the holder's
+        finally:
+            _empty(q.client, filled)
+        assert q.get("j").state == "dispatched" and q.get("j").attempt == 1
+        q.client.close()
+
+
+def test_a_running_job_keeps_its_lease_while_redis_is_full(tmp_path, tiny_model_dir):
+    """The cluster view of the test above: Redis full for longer than a lease while a live worker runs a job (its
+    reports list it). The gateway must not take it from the worker (CancelJob, attempt 2): it runs on, and its
+    result is stored once Redis has room."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=2.0) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
+        try:
+            worker.load([], free=1)
+            with c.client("lab-co") as lab:
+                job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
+            d = worker.recv(P.DispatchJob, beat=[])
+            filled = _fill(c.redis)
+            try:
+                for _ in range(6):  # three leases; a report a second, as a worker's heartbeats with some to spare
+                    with pytest.raises(AssertionError, match="no CancelJob"):
+                        worker.recv(P.CancelJob, timeout_s=1.0, beat=None)
+                    worker.load([d.job_id], free=0)
+                assert c.job(job.id)["attempt"] == b"1" and c.state(job.id) == "dispatched"
+            finally:
+                _empty(c.redis, filled)
+            worker.send(P.JobFinished(d.job_id, d.attempt, "done", "length", 2, 0.0, 0.1, 0, None, [5, 6]))
+            worker.recv(P.JobFinishedAck, timeout_s=30.0, beat=[d.job_id])
+            wait_states(c, [job.id], {"done"}, 30)
+        finally:
+            worker.close()

@@ -13,6 +13,11 @@
 
 local worker, expiry = ARGV[1], clock_ms(ARGV[2]) + tonumber(ARGV[3])
 local extended = 0
+-- Redis at maxmemory (noeviction) refuses only a script's first write that may use memory, and this script's only
+-- one is a ZADD: refused, no heartbeat kept a lease while requeue.lua and claim.lua (a ZREM first) ran in full, so
+-- a full Redis requeued, re-ran and at last dead-lettered the jobs of live workers. Moving existing scores uses no
+-- memory: a write that cannot (no job id is empty) goes first, and lets the ZADDs through.
+redis.call('ZREM', KEYS[1], '')
 for i = 2, #KEYS do
     local job_id = ARGV[i + 2]
     local fields = redis.call('HMGET', KEYS[i], 'state', 'worker', 'attempt', 'released_attempt')
