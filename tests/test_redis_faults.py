@@ -365,3 +365,22 @@ def test_a_running_job_keeps_its_lease_while_redis_is_full(tmp_path, tiny_model_
             wait_states(c, [job.id], {"done"}, 30)
         finally:
             worker.close()
+
+
+def test_a_full_redis_still_takes_a_hand_back():
+    """As for a lease's extension: release.lua's first write (an HSET) was refused by a full Redis, while the
+    requeue of the lease it left to run out was not. A job a draining worker handed back waited out its lease, and
+    the attempt counted against max_attempts (a rolling redeploy while Redis is full could dead-letter it)."""
+    with RedisServer(extra_args=["--maxmemory-policy", "noeviction"]) as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="full-release"), tier_timeouts_s={t: None for t in ALL_TIERS})
+        q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
+                quota=None, drain_rate_per_s={})
+        assert [r.id for r in q.claim(["j"], worker="w", gateway="g", lease_ms=60_000)] == ["j"]
+        filled = _fill(q.client)
+        try:
+            assert q.release("j", 1, "w")
+            assert [(x.job_id, x.state) for x in q.requeue(["j"], q.server_ms(), max_attempts=1)] == [("j", "queued")]
+        finally:
+            _empty(q.client, filled)
+        assert q.client.hget(q.keys.job("j"), "releases") == b"1"
+        q.client.close()

@@ -17,6 +17,10 @@ if f[1] ~= 'dispatched' or f[2] ~= ARGV[3] or f[3] ~= ARGV[2] or f[4] == ARGV[2]
     or not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
     return 0
 end
+-- A write that uses no memory first (no job id is empty): Redis at maxmemory refuses only a script's first write
+-- that may, and a hand-back refused would leave the job to wait out its lease and count the attempt, though the
+-- requeue that follows (a ZREM first) runs in a full Redis.
+redis.call('ZREM', KEYS[1], '')
 redis.call('HSET', KEYS[2], 'released_attempt', ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'releases', 1)
 redis.call('ZADD', KEYS[1], 'XX', 0, ARGV[1])
