@@ -179,7 +179,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     def _redis_full(self, e: Exception) -> None:
         """Redis is reachable but at its maxmemory (noeviction) and refused a write. Reads, streams and cancels
         still work, so clients are not refused as if it were down; the work that writes waits a moment and tries
-        again (a completion is kept until it is stored; a job not yet dispatched stays queued)."""
+        again (a completion is kept until it is stored). Redis refuses only a script's first write that may use
+        memory, so scripts that open with one that cannot (a claim's ZREM, a heartbeat's) still run in full."""
         self.counters["redis_full"] += 1
         now = self.clock()
         if now - self._redis_full_logged_at >= REDIS_FULL_LOG_EVERY_S:
