@@ -15,6 +15,7 @@ from common import protocol as P
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 from gateway import metrics
 from gateway.timeutil import ms as _ms
+from gateway.wait_estimator import first_prefill_ms
 
 # Queued P0/P1 jobs read at most per preemption pass, looking past jobs aged up from P2/P3 (a bound on its cost).
 PREEMPTION_SCAN_MAX = 1024
@@ -71,7 +72,8 @@ class Dispatcher:
                 stream.tenant = rec.tenant
                 stream.touched = now
                 w.pending.add(rec.id)
-                self.waits.dispatched(rec.id, now, busy, rec.attempt)
+                self.waits.dispatched(rec.id, now, busy, rec.attempt, sent_ms=rec.dispatched_at_ms,
+                                      enqueued_ms=rec.enqueued_at_ms, first_ms=first_prefill_ms(rec))
                 if rec.tier_granted in PREEMPTING_TIERS:
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1

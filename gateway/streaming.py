@@ -92,13 +92,16 @@ class Streaming:
         return s
 
     def flush_token_log(self) -> None:
-        """Append every held job's new tokens to its Redis stream, and claim the first tokens seen here
-        (metrics.first_tokens: also those of jobs that ended meanwhile), in one round trip."""
+        """Append every held job's new tokens to its Redis stream, record in their hashes the first prefill starts
+        heard here (the end of each job's wait, for whichever gateway stores its result), and claim the first
+        tokens seen here (metrics.first_tokens: also those of jobs that ended meanwhile), in one round trip."""
         batch = [(j, s.flushed, s.tokens[s.flushed:]) for j, s in self.streams.streams.items()
                  if j in self.leases and s.flushed < len(s.tokens)]
         firsts = metrics.first_tokens()
-        if batch or firsts:
-            won = self.token_log.append(batch, firsts, self.config.gateway_id)
+        starts = self.waits.unrecorded()
+        if batch or firsts or starts:
+            won = self.token_log.append(batch, firsts, self.config.gateway_id, starts)
+            self.waits.recorded(starts)
             for job_id, _, _ in batch:
                 s = self.streams.streams[job_id]
                 s.flushed = len(s.tokens)

@@ -24,20 +24,24 @@ class TokenLog:
         self.client, self.keys = client, keys
 
     def append(self, batch: Iterable[tuple[str, int, list[int]]], first_tokens: list[str] = (),
-               gateway: str = "") -> list[bool]:
+               gateway: str = "", first_prefills: Mapping[str, int] | None = None) -> list[bool]:
         """Append (job id, index of the first token, tokens) entries, and claim for ``gateway`` the first token of
         each of ``first_tokens`` (first_token.lua), one round trip for both. Returns whether each claim was won.
-        The claims go after the entries: whoever reads a token in the log finds its first token claimed."""
+        The claims go after the entries: whoever reads a token in the log finds its first token claimed.
+        ``first_prefills``: job id -> its first prefill start (Redis ms) for its hash (first_prefill.lua), before
+        the entries: a job whose tokens are in the log has its start recorded."""
         pipe = self.client.pipeline(transaction=False)
-        n = 0
+        scripts = load_scripts(self.client)
+        for job_id, start_ms in (first_prefills or {}).items():
+            scripts["first_prefill"](keys=[self.keys.job(job_id)], args=[int(start_ms)], client=pipe)
+        n = len(first_prefills or {})
         for job_id, index, tokens in batch:
             key = self.keys.tokens(job_id)
             pipe.xadd(key, {"i": index, "t": msgpack.packb(tokens)}, maxlen=MAX_ENTRIES, approximate=True)
             pipe.pexpire(key, TTL_MS)
             n += 2
-        claim = load_scripts(self.client)["first_token"]
         for job_id in first_tokens:
-            claim(keys=[self.keys.job(job_id)], args=[gateway], client=pipe)
+            scripts["first_token"](keys=[self.keys.job(job_id)], args=[gateway], client=pipe)
         if not n and not first_tokens:
             return []
         return [bool(r) for r in pipe.execute()[n:]]

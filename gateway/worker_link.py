@@ -22,6 +22,7 @@ import redis
 
 from common import protocol as P
 from gateway import metrics, security
+from gateway.wait_estimator import first_prefill_ms
 
 log = logging.getLogger("gateway")
 STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a flood costs no Redis reads
@@ -88,8 +89,13 @@ class WorkerLink:
                 s = self.streams.streams.get(job_id)
                 if s is None:
                     s = self._open_stream(job_id, rec.tenant)
-                since_s = (self.queue.server_ms() - rec.enqueued_at_ms) / 1e3
-                metrics.holding(job_id, rec.tier_granted.value, self.clock() - since_s, bool(s.tokens))
+                now_ms, now = self.queue.server_ms(), self.clock()
+                since_s = (now_ms - rec.enqueued_at_ms) / 1e3
+                metrics.holding(job_id, rec.tier_granted.value, now - since_s, bool(s.tokens))
+                if rec.dispatched_at_ms is not None:  # sent before this gateway's restart: its wait is measured here
+                    sent = now - (now_ms - rec.dispatched_at_ms) / 1e3
+                    self.waits.dispatched(job_id, sent, True, rec.attempt, sent_ms=rec.dispatched_at_ms,
+                                          enqueued_ms=rec.enqueued_at_ms, first_ms=first_prefill_ms(rec), told=True)
                 if lease == (worker, attempt):
                     return True
         self._stale_seen[(job_id, attempt, worker)] = None

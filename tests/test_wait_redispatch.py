@@ -1,0 +1,95 @@
+"""A job's wait (JobResult.queued_s) is admission until its FIRST prefill started, across re-dispatches: on real
+clusters where the gateway that stores the result never heard that first start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from common.redis_keys import KeySpace
+from common.redis_server import RedisServer
+from common.tiers import Tier
+from gateway.redis_queue import DEFAULT_TIER_TIMEOUTS_S, RedisQueue
+from gateway.token_log import TokenLog
+from gateway.wait_estimator import Waits, first_prefill_ms
+from tests.cluster_helpers import wait_for
+from tests.durable_cluster import DurableCluster
+from tests.test_metrics_finals import logged_tokens
+
+T0 = 1_700_000_000_000
+
+
+def test_the_first_start_goes_to_the_hash_earliest_kept_and_a_gone_hash_stays_gone():
+    with RedisServer() as server:
+        client = server.client()
+        keys = KeySpace(prefix=f"test-{uuid.uuid4().hex[:10]}")
+        queue, log = RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S), TokenLog(client, keys)
+        queue.admit(job_id="j", tenant="acme", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", now_ms=T0,
+                    idempotency_key=None, quota=None, drain_rate_per_s={t: 10.0 for t in Tier})
+        log.append([], first_prefills={"j": T0 + 500, "gone": T0 + 1})
+        log.append([], first_prefills={"j": T0 + 700})  # a later attempt's start: the wait had ended
+        assert first_prefill_ms(queue.get("j")) == T0 + 500
+        log.append([("j", 0, [1])], ["j"], "gw-x", {"j": T0 + 400})  # a gateway that stood still tells it late
+        assert first_prefill_ms(queue.get("j")) == T0 + 400
+        assert not client.exists(keys.job("gone"))
+
+
+def test_a_dispatch_after_a_recorded_start_keeps_it_and_learns_the_admission_from_redis():
+    waits = Waits()
+    # Attempt 2, sent at 50.0 here (Redis: T0 + 9000); admitted elsewhere at T0, its attempt 1 started at T0 + 1000.
+    waits.dispatched("j", 50.0, attempt=2, sent_ms=T0 + 9000, enqueued_ms=T0, first_ms=T0 + 1000)
+    assert waits.prefill_started("j", 0.2, attempt=2) is not None  # its hand-off is this dispatch's
+    assert waits.queued_s("j", None) == pytest.approx(1.0)
+    assert waits.unrecorded() == {}  # the hash has the earlier start already
+    # A first attempt heard here: its start is to be written, on Redis's clock.
+    waits.dispatched("k", 10.0, sent_ms=T0 + 3000, enqueued_ms=T0)
+    waits.prefill_started("k", 0.25, attempt=1)
+    assert waits.queued_s("k", None) == pytest.approx(3.25)
+    assert waits.unrecorded() == {"k": T0 + 3250}
+    waits.recorded({"k": T0 + 3250})
+    assert waits.unrecorded() == {}
+    # A lease taken over (told): no hand-off learnt, but the start still ends the wait.
+    waits.dispatched("m", 10.0, attempt=1, sent_ms=T0 + 1000, enqueued_ms=T0, told=True)
+    assert waits.prefill_started("m", 0.5, attempt=1) is None
+    assert waits.queued_s("m", None) == pytest.approx(1.5)
+
+
+def test_a_job_redispatched_by_another_gateway_keeps_its_first_start(tmp_path, tiny_model_dir):
+    """gw-0 admits and dispatches the job, whose first token reaches the client; its worker is killed -9, gw-0
+    freezes, and gw-1 (which neither admitted it nor heard attempt 1 start) runs attempt 2 and stores the result.
+    The wait ended before the client's first token; it used to run to attempt 2's start (or be the total less
+    attempt 2's run), so it held attempt 1's run, the lease's expiry and the worker's restart."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=1, lease_s=2.0) as c:
+        gw0, gw1 = c.procs["gw-0"].pid, c.procs["gw-1"].pid
+        stopped = {gw1}
+        os.kill(gw1, signal.SIGSTOP)  # gw-0 dispatches attempt 1
+        try:
+            with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
+                t0 = time.monotonic()
+                job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
+                next(iter(job.stream(timeout=60)))
+                bound = time.monotonic() - t0  # admission to the first token, as the client saw it: a ceiling
+            wait_for(lambda: logged_tokens(c, job.id) > 0, 30, "gw-0 to write the token log")
+            c.kill("wk-0")
+            os.kill(gw0, signal.SIGSTOP)
+            stopped.add(gw0)
+            os.kill(gw1, signal.SIGCONT)
+            stopped.discard(gw1)
+            c.restart("wk-0")
+            with c.client("batch-co", "gw-1", timeout_s=30.0) as b1:
+                result = b1.job(job.id).result(timeout=180)
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        h = c.job(job.id)  # while Redis is up
+    assert (h["state"], h["attempt"], h["gateway"]) == (b"done", b"2", b"gw-1"), h.get("reason")
+    assert "queued_s" in h, "the storing gateway stored no wait"
+    stored = float(h["queued_s"])
+    assert 0.0 <= stored <= bound, (stored, bound)
+    # gw-0 wrote attempt 1's start where gw-1 read it: the stored wait is that start, give or take the clocks' ms
+    assert (int(h["first_prefill_ms"]) - int(h["enqueued_at_ms"])) / 1e3 == pytest.approx(stored, abs=0.05)
+    assert 0.0 <= result.queued_s <= bound, (result.queued_s, bound)
