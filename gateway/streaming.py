@@ -95,16 +95,21 @@ class Streaming:
         """Append every held job's new tokens to its Redis stream, record in their hashes the first prefill starts
         heard here (the end of each job's wait, for whichever gateway stores its result), and claim the first
         tokens seen here (metrics.first_tokens: also those of jobs that ended meanwhile), in one round trip."""
-        batch = [(j, s.flushed, s.tokens[s.flushed:]) for j, s in self.streams.streams.items()
+        batch = [(j, s.flushed, s.tokens[s.flushed:], *self.leases[j]) for j, s in self.streams.streams.items()
                  if j in self.leases and s.flushed < len(s.tokens)]
         firsts = metrics.first_tokens()
         starts = self.waits.unrecorded()
         if batch or firsts or starts:
-            won = self.token_log.append(batch, firsts, self.config.gateway_id, starts)
+            written, won = self.token_log.append(batch, firsts, self.config.gateway_id, starts)
             self.waits.recorded(starts)
-            for job_id, _, _ in batch:
+            for (job_id, _, _, worker, attempt), ok in zip(batch, written):
                 s = self.streams.streams[job_id]
                 s.flushed = len(s.tokens)
+                if not ok and self.leases.get(job_id) == (worker, attempt):
+                    # Its lease moved on (requeued, re-claimed, ended) while this gateway did not look: whoever
+                    # holds it now writes the log; this gateway follows the job like any other it does not hold.
+                    self.leases.pop(job_id)
+                    s.follow = True
             for job_id, w in zip(firsts, won):
                 metrics.claimed(job_id, w)
 

@@ -1,7 +1,8 @@
 """Each running job's tokens in Redis (one Redis Stream per job), so any gateway can stream any job.
 
 The gateway that holds a job's lease receives its JobTokens and appends them here in batches
-(one XADD per job per flush, each entry ``i`` = index of its first token, ``t`` = msgpack list);
+(one XADD per job per flush, each entry ``i`` = index of its first token, ``t`` = msgpack list; only while the
+job's hash says that lease is current: append_tokens.lua);
 gateways whose clients watch the job read the entries back. The stream is capped (MAXLEN) and
 has a TTL; completion and cancellation delete it, the result then lives in the job hash.
 """
@@ -9,6 +10,7 @@ has a TTL; completion and cancellation delete it, the result then lives in the j
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import msgpack
 import redis
@@ -19,14 +21,20 @@ MAX_ENTRIES = 8192  # more than any job has tokens (max_tokens_limit), fewer tha
 TTL_MS = 3_600_000  # an abandoned stream (its writer died, the job dead-lettered) goes after an hour
 
 
+class Appended(NamedTuple):
+    written: list[bool]  # per batch entry: False if its job is no longer dispatched to the lease given
+    claimed: list[bool]  # per first token: whether this gateway won its claim
+
+
 class TokenLog:
     def __init__(self, client: redis.Redis, keys: KeySpace) -> None:
         self.client, self.keys = client, keys
 
-    def append(self, batch: Iterable[tuple[str, int, list[int]]], first_tokens: list[str] = (),
-               gateway: str = "", first_prefills: Mapping[str, int] | None = None) -> list[bool]:
-        """Append (job id, index of the first token, tokens) entries, and claim for ``gateway`` the first token of
-        each of ``first_tokens`` (first_token.lua), one round trip for both. Returns whether each claim was won.
+    def append(self, batch: Iterable[tuple[str, int, list[int], str, int]], first_tokens: list[str] = (),
+               gateway: str = "", first_prefills: Mapping[str, int] | None = None) -> Appended:
+        """Append (job id, index of the first token, tokens, worker, attempt) entries, each only while its job is
+        dispatched to that worker and attempt (append_tokens.lua), and claim for ``gateway`` the first token of
+        each of ``first_tokens`` (first_token.lua), one round trip for both.
         The claims go after the entries: whoever reads a token in the log finds its first token claimed.
         ``first_prefills``: job id -> its first prefill start (Redis ms) for its hash (first_prefill.lua), before
         the entries: a job whose tokens are in the log has its start recorded."""
@@ -34,17 +42,18 @@ class TokenLog:
         scripts = load_scripts(self.client)
         for job_id, start_ms in (first_prefills or {}).items():
             scripts["first_prefill"](keys=[self.keys.job(job_id)], args=[int(start_ms)], client=pipe)
-        n = len(first_prefills or {})
-        for job_id, index, tokens in batch:
-            key = self.keys.tokens(job_id)
-            pipe.xadd(key, {"i": index, "t": msgpack.packb(tokens)}, maxlen=MAX_ENTRIES, approximate=True)
-            pipe.pexpire(key, TTL_MS)
-            n += 2
+        skip = len(first_prefills or {})
+        batch = list(batch)
+        for job_id, index, tokens, worker, attempt in batch:
+            scripts["append_tokens"](keys=[self.keys.tokens(job_id), self.keys.job(job_id)],
+                                     args=[worker, attempt, index, msgpack.packb(tokens), MAX_ENTRIES, TTL_MS],
+                                     client=pipe)
         for job_id in first_tokens:
             scripts["first_token"](keys=[self.keys.job(job_id)], args=[gateway], client=pipe)
-        if not n and not first_tokens:
-            return []
-        return [bool(r) for r in pipe.execute()[n:]]
+        if not skip and not batch and not first_tokens:
+            return Appended([], [])
+        replies = [bool(r) for r in pipe.execute()[skip:]]
+        return Appended(replies[:len(batch)], replies[len(batch):])
 
     def read(self, positions: Mapping[str, str]) -> dict[str, list[tuple[str, int, list[int]]]]:
         """New entries after each job's position: job id -> [(entry id, index, tokens)]. One XREAD."""

@@ -33,7 +33,7 @@ def test_the_first_start_goes_to_the_hash_earliest_kept_and_a_gone_hash_stays_go
         log.append([], first_prefills={"j": T0 + 500, "gone": T0 + 1})
         log.append([], first_prefills={"j": T0 + 700})  # a later attempt's start: the wait had ended
         assert first_prefill_ms(queue.get("j")) == T0 + 500
-        log.append([("j", 0, [1])], ["j"], "gw-x", {"j": T0 + 400})  # a gateway that stood still tells it late
+        log.append([], ["j"], "gw-x", {"j": T0 + 400})  # a gateway that stood still tells it late
         assert first_prefill_ms(queue.get("j")) == T0 + 400
         assert not client.exists(keys.job("gone"))
 
