@@ -101,6 +101,11 @@ def first_tokens() -> list[str]:
     return list(_FIRST_TOKENS)
 
 
+def first_token_pending(job_id: str) -> bool:
+    """Whether ``job_id``'s first token was seen here and not claimed yet."""
+    return job_id in _FIRST_TOKENS
+
+
 def claimed(job_id: str, won: bool) -> None:
     """The claim of ``job_id``'s first token was answered: observed if this gateway won it, else dropped."""
     pending = _FIRST_TOKENS.pop(job_id, None)

@@ -189,6 +189,10 @@ class WorkerLink:
         if queued_s is not None:
             fields["queued_s"] = queued_s
         try:
+            if metrics.first_token_pending(msg.job_id) or self.waits.unrecorded_start(msg.job_id):
+                # What the next flush would write into the job's hash goes before its result: a finished job's
+                # record must not change under a client that read it (and a flush far off would be too late).
+                self.flush_token_log()
             stored = self.queue.complete(msg.job_id, attempt=msg.attempt, state=state, fields=fields, worker=worker)
         except redis.RedisError:
             self._unstored.append((worker, msg))  # Redis is down: keep it, retry when it is back
