@@ -80,6 +80,8 @@ def fingerprint(req: SubmitRequest, adm: Admission) -> str:
     """What the request asks for, as stored with its idempotency key: the same on every gateway and on every
     retry of it (the trace context and request id, which a retry may change, are left out; the seed is the one
     asked for, None where the gateway draws it)."""
-    asked = [adm.prompt_token_ids, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
+    # temperature and top_p as floats, as the SDK sends them: a raw client's 0 and 0.0 are one request (packed as
+    # sent, they were two), and the keys stored before from the SDK's requests keep their fingerprints.
+    asked = [adm.prompt_token_ids, req.max_tokens, float(req.temperature), float(req.top_p), req.top_k, req.seed,
              adm.tier_requested.value, bool(req.ignore_eos)]
     return hashlib.sha256(msgpack.packb(asked)).hexdigest()[:32]
