@@ -30,6 +30,11 @@ class SubmitRequest:
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent / tracestate
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests)
     request_id: str | None = None  # echoed on every reply frame for this request
+    # True: max_tokens is not the client's own but a default its front end sized for it (the HTTP door's, from the
+    # room the prompt leaves by the gateway's limits of the moment). A retry under the same idempotency_key may size
+    # another from the same body: the key's fingerprint leaves max_tokens out (gateway/admission.fingerprint).
+    # A gateway older than the field refuses it as a protocol error (the SDK then sends the request without it).
+    max_tokens_defaulted: bool = False
 
 
 @dataclass(frozen=True)

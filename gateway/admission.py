@@ -79,9 +79,22 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
 def fingerprint(req: SubmitRequest, adm: Admission) -> str:
     """What the request asks for, as stored with its idempotency key: the same on every gateway and on every
     retry of it (the trace context and request id, which a retry may change, are left out; the seed is the one
-    asked for, None where the gateway draws it)."""
+    asked for, None where the gateway draws it; a max_tokens the client did not send is left out too: its front end
+    may size another on a retry of the same request)."""
     # temperature and top_p as floats, as the SDK sends them: a raw client's 0 and 0.0 are one request (packed as
     # sent, they were two), and the keys stored before from the SDK's requests keep their fingerprints.
-    asked = [adm.prompt_token_ids, req.max_tokens, float(req.temperature), float(req.top_p), req.top_k, req.seed,
-             adm.tier_requested.value, bool(req.ignore_eos)]
+    return _digest(req, adm, None if req.max_tokens_defaulted else req.max_tokens, float(req.temperature),
+                   float(req.top_p))
+
+
+def fingerprint_before(req: SubmitRequest, adm: Admission) -> str:
+    """The fingerprint as the release before computed it (the numbers as sent, max_tokens always), for keys it
+    stored (idempotency_ttl_s, 24 h): where it differs from fingerprint()'s, a key stored with it still matches.
+    Can go a release later."""
+    return _digest(req, adm, req.max_tokens, req.temperature, req.top_p)
+
+
+def _digest(req: SubmitRequest, adm: Admission, max_tokens, temperature, top_p) -> str:
+    asked = [adm.prompt_token_ids, max_tokens, temperature, top_p, req.top_k, req.seed, adm.tier_requested.value,
+             bool(req.ignore_eos)]
     return hashlib.sha256(msgpack.packb(asked)).hexdigest()[:32]

@@ -77,12 +77,21 @@ class ClientApi:
         promise = promises.promise_s(adm.tier_requested, estimate if self.workers.workers else None,
                                      self.config.promise_factor, self.config.promise_lead_s,
                                      self.promise_tiers)
-        result = self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
-                                  tier=adm.tier_requested, payload=payload,
-                                  idempotency_key=req.idempotency_key, quota=quota,
-                                  drain_rate_per_s=self.drain_rates(now), estimate_s=estimate, promise_s=promise,
-                                  fingerprint=admission.fingerprint(req, adm) if req.idempotency_key else None,
-                                  downgrade_estimate_s=downgrade)
+        drain_rates = self.drain_rates(now)
+
+        def admit(fingerprint: str | None):
+            return self.queue.admit(job_id=job_id, tenant=t.name, tier_requested=adm.tier_requested,
+                                    tier=adm.tier_requested, payload=payload,
+                                    idempotency_key=req.idempotency_key, quota=quota,
+                                    drain_rate_per_s=drain_rates, estimate_s=estimate, promise_s=promise,
+                                    fingerprint=fingerprint, downgrade_estimate_s=downgrade)
+
+        fingerprint = admission.fingerprint(req, adm) if req.idempotency_key else None
+        result = admit(fingerprint)
+        # A key the release before stored, with its fingerprint of the same request (a mismatch changed nothing).
+        before = admission.fingerprint_before(req, adm) if isinstance(result, IdempotencyMismatch) else fingerprint
+        if before != fingerprint:
+            result = admit(before)
         if isinstance(result, IdempotencyMismatch):
             return self._error_for(InvalidRequest(
                 f"idempotency_key {req.idempotency_key!r} was used for another request (job {result.job_id}); "

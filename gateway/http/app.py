@@ -143,7 +143,7 @@ class FrontDoor:
                 fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
             max_tokens = asked if asked is not None else fitted
             try:
-                return await self._submit_once(key, body, ids, tier, max_tokens, idem)
+                return await self._submit_once(key, body, ids, tier, max_tokens, idem, defaulted=asked is None)
             except InvalidRequest as e:
                 if asked is not None or e.field != "max_tokens":
                     raise
@@ -151,7 +151,7 @@ class FrontDoor:
                 again = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
                 if again >= max_tokens:
                     raise
-                return await self._submit_once(key, body, ids, tier, again, idem)
+                return await self._submit_once(key, body, ids, tier, again, idem, defaulted=True)
         except Unauthorized as e:
             self.upstream.forget(key)
             raise errors.from_serving_error(e) from None
@@ -161,15 +161,17 @@ class FrontDoor:
             raise _no_gateway() from None
 
     async def _submit_once(self, key: str, body, ids: list[int], tier: str | None, max_tokens: int,
-                           idem: str | None):
+                           idem: str | None, defaulted: bool):
         """The job, and the release of its client: the door keeps that client (the job streams through it) until
-        the answer is sent. Held only once the job exists, so a key refused meanwhile is forgotten (_submit)."""
+        the answer is sent. Held only once the job exists, so a key refused meanwhile is forgotten (_submit).
+        ``defaulted``: max_tokens is the door's, not the client's; a retry under the same Idempotency-Key may size
+        another by the limits of then, and is the same request all the same (gateway/admission.fingerprint)."""
         # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
         async with self.upstream.client(key) as up:
             job = await up.client.submit(
                 prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
                 top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
-                ignore_eos=body.ignore_eos, idempotency_key=idem)
+                ignore_eos=body.ignore_eos, idempotency_key=idem, max_tokens_defaulted=defaulted)
             return job, self.upstream.hold(key)[1]
 
     async def _default_max_tokens(self, key: str, body, ids: list[int], tier: str | None, prompt_param: str,

@@ -71,6 +71,14 @@ def raise_for(reply) -> None:
     raise ServingError(f"{code}: {msg}")
 
 
+def without_defaulted(req: P.SubmitRequest, e: ServingError) -> P.SubmitRequest:
+    """``req`` to send again without ``max_tokens_defaulted`` if a gateway older than the field refused it (its
+    idempotency fingerprint then holds max_tokens, as before); else ``e``, raised."""
+    if not (req.max_tokens_defaulted and refused_as_unknown(e)):
+        raise e
+    return dataclasses.replace(req, max_tokens_defaulted=False)
+
+
 def refused_as_unknown(e: ServingError) -> bool:
     """Did the gateway refuse the request's frame as a protocol error (raise_for's plain ServingError), as one older
     than a field the request sent does? Then the call can be made again without that field."""
@@ -167,7 +175,7 @@ INT64 = (-(2**63), 2**63)  # what a frame carries (msgpack): a larger int could 
 
 
 def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
-                   idempotency_key, ignore_eos) -> P.SubmitRequest:
+                   idempotency_key, ignore_eos, max_tokens_defaulted: bool = False) -> P.SubmitRequest:
     """The frame, once each argument has the type the gateway's decoder takes (P.mistyped): a wrong one is
     InvalidRequest naming it. Ranges are the gateway's to judge, but for what 64-bit frame fields can carry."""
     if prompt_token_ids is not None and not isinstance(prompt_token_ids, (str, bytes)):
@@ -177,7 +185,7 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
                             for t in ids]
     fields = dict(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, tier=tier,
-                  idempotency_key=idempotency_key, ignore_eos=ignore_eos)
+                  idempotency_key=idempotency_key, ignore_eos=ignore_eos, max_tokens_defaulted=max_tokens_defaulted)
     wrong = P.mistyped(P.SubmitRequest, fields)
     if wrong is not None:
         raise InvalidRequest(f"{wrong} has the wrong type: {type(fields[wrong]).__name__}", field=wrong)

@@ -18,7 +18,7 @@ from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
                                  auto_idempotency_key, client_settings, endpoint_list, failed_at, new_request_id,
                                  on_submit_reply, raise_for, refused_as_unknown, submit_request, submit_span,
-                                 to_result, to_status, with_request_id)
+                                 to_result, to_status, with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -196,12 +196,19 @@ class GatewayClient:
 
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
-               tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False) -> Job:
-        """Admit a job. Without ``idempotency_key`` one is made for this call, so its retries admit it once."""
+               tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False,
+               max_tokens_defaulted: bool = False) -> Job:
+        """Admit a job. Without ``idempotency_key`` one is made for this call, so its retries admit it once.
+        ``max_tokens_defaulted``: ``max_tokens`` is not your caller's but a default you sized for it (as the HTTP
+        door does): a retry under the same key that sizes another is still the same request."""
         key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
         with submit_span(self._tracer) as span:
-            reply = self._call(submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature,
-                                              top_p, top_k, seed, tier, key, ignore_eos))
+            req = submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
+                                 tier, key, ignore_eos, max_tokens_defaulted)
+            try:
+                reply = self._call(req)
+            except ServingError as e:
+                reply = self._call(without_defaulted(req, e))
             on_submit_reply(span, reply)
         # A duplicate of the call's own key is its own earlier attempt, not an earlier submission.
         return Job(self, reply.job_id, reply.tier, reply.estimated_wait_s,
