@@ -59,7 +59,8 @@ def test_a_step_longer_than_the_lease_keeps_the_lease(tmp_path, bench_model_dir)
             raise AssertionError(f"job not finished in 180 s: {c.job(job.id)}")
         # The prefill step, plus a few ms of frames and polling (None: no attempt's first token was kept).
         step_s = first_token_at - dispatched_at if dispatched_at and first_token_at else None
-        seen = f"prefill step {'unseen' if step_s is None else f'{step_s:.2f}s'}, lease {LEASE_S}s, attempts {sorted(attempts)}, workers {sorted(workers)}"
+        step = "unseen" if step_s is None else f"{step_s:.2f}s"
+        seen = f"prefill step {step}, lease {LEASE_S}s, attempts {sorted(attempts)}, workers {sorted(workers)}"
         assert state == "done", (seen, c.job(job.id))
         assert attempts == {1}, f"requeued: {seen}"
         assert len(workers) == 1, f"run by a second worker: {seen}"

@@ -360,14 +360,16 @@ def test_complete_records_the_outcome_and_drain_stats(queue, client, keys):
     for j in ("a", "b", "c"):
         admit(queue, j, P0)
     queue.claim(["a", "b", "c"], worker="w", gateway="g", now_ms=T0, lease_ms=10_000)
-    assert queue.complete("a", attempt=1, state="done", now_ms=T0 + 1000, worker="w",
-                          fields={**WHOLE, "text": "hi", "tokens": 7, "latency_s": 0.25, "blob": b"\x00\xff"})  # fmt: skip
+    fields = {**WHOLE, "text": "hi", "tokens": 7, "latency_s": 0.25, "blob": b"\x00\xff"}
+    assert queue.complete("a", attempt=1, state="done", now_ms=T0 + 1000, worker="w", fields=fields)
     job = queue.get("a")
     assert (job.state, job.finished_at_ms, job.payload) == (JobState.DONE, T0 + 1000, None)
-    assert job.result == {"num_tokens": b"2", "token_ids": msgpack.packb([7, 8]), "text": b"hi", "tokens": b"7", "latency_s": b"0.25", "blob": b"\x00\xff"}
+    assert job.result == {"num_tokens": b"2", "token_ids": msgpack.packb([7, 8]), "text": b"hi", "tokens": b"7",
+                          "latency_s": b"0.25", "blob": b"\x00\xff"}
     assert client.zscore(keys.inflight, "a") is None
     assert 0 < client.pttl(keys.job("a")) <= 86_400_000
-    assert queue.complete("b", attempt=1, state="failed", now_ms=T0 + 2000, worker="w", fields={"reason": "oom", "n": 0})
+    assert queue.complete("b", attempt=1, state="failed", now_ms=T0 + 2000, worker="w",
+                          fields={"reason": "oom", "n": 0})
     job = queue.get("b")
     assert (job.state, job.reason, job.result) == (JobState.FAILED, "oom", {"n": b"0"})
     assert not queue.complete("b", attempt=1, state="done", now_ms=T0 + 2001, worker="w", fields=WHOLE)  # already final
