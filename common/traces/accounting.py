@@ -20,12 +20,13 @@ named here by the spans on either side of it:
 from __future__ import annotations
 
 from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT,
-                                  WORKER_REQUEST, attr_str)
+                                  WORKER_QUEUE, WORKER_REQUEST, WORKER_SUSPENDED, attr_str)
 from common.traces.spans import Span
 
 TRANSIT_KINDS = ("to_gateway", "admission", "dispatch", "to_worker", "lost", "hand_back", "delivery", "other")
-# Spans whose time is already counted as queued, running or suspended.
-_ACCOUNTED = (GATEWAY_QUEUE, WORKER_REQUEST)
+# Spans whose time is already counted as queued, running or suspended (a worker's queue wait and suspended periods
+# also when their worker.request is missing: a worker killed -9 exports its ended spans, never its open request).
+_ACCOUNTED = (GATEWAY_QUEUE, WORKER_REQUEST, WORKER_QUEUE, WORKER_SUSPENDED)
 
 
 def transit(own: list[Span], t0: int, t_end: int) -> dict[str, float]:

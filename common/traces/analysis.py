@@ -271,7 +271,10 @@ class _Analyser:
         queued = self.total(GATEWAY_QUEUE) + worker_queue
         suspended = self.total(WORKER_SUSPENDED)
         if self.spans(WORKER_REQUEST):
-            running = self.total(WORKER_REQUEST) - worker_queue - suspended
+            # Only the waits inside a worker.request found: a worker killed -9 exported its lost attempt's queue
+            # wait but never its worker.request, and that wait taken off the next attempt's running was told twice.
+            inside = [s for s in self.spans(WORKER_QUEUE) + self.spans(WORKER_SUSPENDED) if self._in_request(s)]
+            running = self.total(WORKER_REQUEST) - sum(s.duration_s for s in inside)
         else:
             running = self.total(WORKER_PREFILL) + self.total(WORKER_DECODE) - suspended
         running = max(0.0, running)
@@ -334,6 +337,11 @@ class _Analyser:
                 text += (f": it was running a step ({detail['step_requests']} requests, {detail['step_tokens']} "
                          f"tokens, {detail['step_s']:.3f} s) and reads new jobs between steps")
             add(4, Cause(self.rel(before[-1].end_ns), "to_worker", text, gap, detail))
+
+    def _in_request(self, s: Span) -> bool:
+        """Whether ``s`` lies in one of the request's worker.request spans found (its parent, or its interval)."""
+        return any(s.parent_span_id == w.span_id or w.start_ns <= s.start_ns <= s.end_ns <= w.end_ns
+                   for w in self.spans(WORKER_REQUEST) if w.trace_id == s.trace_id)
 
     def _worker_at(self, dispatches: list[Span], ns: int) -> str | None:
         before = [d for d in dispatches if d.start_ns <= ns]

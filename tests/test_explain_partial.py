@@ -1,0 +1,71 @@
+"""explain on a request some of whose spans are not in the input: the older ones rotated away (up.py --spans-keep)
+or never exported by a worker killed -9. It says what is missing and counts each second of the rest once.
+
+Spans are made by the real OpenTelemetry SDK and written through the exporter the cluster uses (AppendStream),
+rotated by the function up.py calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from common.spans_file import AppendStream
+from scripts import explain
+from tests.test_explain import admission, closed, ns, req_attrs, start
+
+
+def tracers(path, *names):
+    out, providers = [], []
+    for name in names:
+        provider = TracerProvider(resource=Resource.create({"service.name": name}))
+        provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(stream=AppendStream(path))))
+        providers.append(provider)
+        out.append(provider.get_tracer("test"))
+    return out, providers
+
+
+def explained(capsys, rid, path) -> tuple[dict, str]:
+    assert explain.main([rid, "--spans", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert explain.main([rid, "--spans", str(path)]) == 0
+    return d, capsys.readouterr().out
+
+
+def test_a_lost_attempts_queue_wait_is_not_taken_off_the_next_attempts_run(tmp_path, capsys):
+    # Worker w0 was killed -9 during attempt 1: it had exported the ended worker.queue and worker.prefill, never
+    # their open worker.request. That queue wait was counted as queued, taken off attempt 2's running and told
+    # again as time "to worker": running 1.28 s and to worker 0.41 s instead of 1.68 s and 0.01 s.
+    path = tmp_path / "spans.jsonl"
+    (gw, w0, w1), providers = tracers(path, "tiered-serve-gateway", "tiered-serve-worker", "tiered-serve-worker")
+    ra = req_attrs("job-2", "P1", "chat-co")
+    admit = admission(gw, None, 0.0, "job-2", "P1", "chat-co")
+    closed(gw, "gateway.queue", 0.001, 0.101, admit, {**ra, "queue.tier": "P1", "queue.tier_granted": "P1",
+                                                      "queue.attempt": 1})
+    d1 = closed(gw, "gateway.dispatch", 0.101, 0.103, admit,
+                {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": 1})
+    lost = start(w0, "worker.request", 0.109, d1, ra)  # never ended
+    closed(w0, "worker.queue", 0.109, 0.509, lost, ra)
+    closed(w0, "worker.prefill", 0.509, 0.809, lost, ra)
+    closed(gw, "gateway.queue", 2.103, 2.203, admit, {**ra, "queue.tier": "P1", "queue.tier_granted": "P1",
+                                                      "queue.attempt": 2})
+    d2 = closed(gw, "gateway.dispatch", 2.203, 2.205, admit, {
+        **ra, "dispatch.worker": "w1", "dispatch.reason": "credit", "dispatch.attempt": 2,
+        "dispatch.lost_worker": "w0", "dispatch.requeue_cause": "lease_expired"})
+    wreq = start(w1, "worker.request", 2.209, d2, ra)
+    closed(w1, "worker.queue", 2.209, 2.219, wreq, ra)
+    closed(w1, "worker.prefill", 2.219, 2.299, wreq, ra)
+    closed(w1, "worker.decode", 2.299, 3.899, wreq, ra)
+    wreq.end(end_time=ns(3.899))
+    for p in providers:
+        p.shutdown()
+    d, text = explained(capsys, "job-2", path)
+    assert d["running_s"] == pytest.approx(1.68) and d["queued_s"] == pytest.approx(0.61), d
+    assert d["transit"]["to_worker"] == pytest.approx(0.01) and d["transit"]["lost"] == pytest.approx(1.594), d
+    parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
+    assert parts == pytest.approx(d["total_s"]) and d["other_s"] < 1e-6, d
+    assert "lease expired on worker w0; attempt 2 on worker w1" in text, text
