@@ -14,7 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from common.spans_file import AppendStream
+from common.spans_file import AppendStream, rotate, rotated_files
 from scripts import explain
 from tests.test_explain import admission, closed, ns, req_attrs, start
 
@@ -34,6 +34,36 @@ def explained(capsys, rid, path) -> tuple[dict, str]:
     d = json.loads(capsys.readouterr().out)
     assert explain.main([rid, "--spans", str(path)]) == 0
     return d, capsys.readouterr().out
+
+
+def test_a_job_whose_admission_was_rotated_away_is_told_incomplete(tmp_path, capsys):
+    # It queued 1.2 s; its admission and queue spans went into the file that was rotated first.
+    path = tmp_path / "spans.jsonl"
+    (gw, wk), providers = tracers(path, "tiered-serve-gateway", "tiered-serve-worker")
+    ra = req_attrs("job-1", "P2", "lab-co")
+    admit = admission(gw, None, 0.0, "job-1", "P2", "lab-co", position=3, ahead={"P2": 3})
+    closed(gw, "gateway.queue", 0.001, 1.201, admit, {**ra, "queue.tier": "P2", "queue.tier_granted": "P2",
+                                                      "queue.attempt": 1})
+    rotate(path, 1, keep=2)
+    dispatch = closed(gw, "gateway.dispatch", 1.201, 1.203, admit,
+                      {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": 1})
+    wreq = start(wk, "worker.request", 1.205, dispatch, ra)
+    closed(wk, "worker.queue", 1.205, 1.305, wreq, ra)
+    closed(wk, "worker.prefill", 1.305, 1.405, wreq, ra)
+    wreq.end(end_time=ns(2.0))
+    for p in providers:
+        p.shutdown()
+    # Straddling a rotation (FILE.1 and FILE): the whole story.
+    d, text = explained(capsys, "job-1", path)
+    assert d["missing"] == [] and "incomplete" not in text, text
+    assert d["total_s"] == pytest.approx(2.0) and d["queued_s"] == pytest.approx(1.3), d
+    # Two rotations later, with --spans-keep 1: its admission and queue wait are gone.
+    rotate(path, 1, keep=1)
+    assert [p.name for p in rotated_files(path)] == ["spans.jsonl.1"]
+    d, text = explained(capsys, "job-1", path)
+    assert d["total_s"] == pytest.approx(0.799), d  # from its dispatch on: what is there
+    assert [m.split(":")[0] for m in d["missing"]] == ["gateway.admit", "gateway.queue of 1 of its 1 attempts"], d
+    assert "incomplete: not in the input" in text and "  - gateway.admit: its admission" in text, text
 
 
 def test_a_lost_attempts_queue_wait_is_not_taken_off_the_next_attempts_run(tmp_path, capsys):
@@ -68,4 +98,5 @@ def test_a_lost_attempts_queue_wait_is_not_taken_off_the_next_attempts_run(tmp_p
     assert d["transit"]["to_worker"] == pytest.approx(0.01) and d["transit"]["lost"] == pytest.approx(1.594), d
     parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
     assert parts == pytest.approx(d["total_s"]) and d["other_s"] < 1e-6, d
+    assert [m.split(" (")[0] for m in d["missing"]] == ["worker.request of the attempt on worker w0"], d
     assert "lease expired on worker w0; attempt 2 on worker w1" in text, text

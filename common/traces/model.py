@@ -107,6 +107,8 @@ class Explanation:
     suspensions: list[Suspension]
     decisions: list[Decision]
     transit: dict[str, float] = field(default_factory=dict)  # kind -> seconds: to_gateway, admission, ...
+    # Spans the others show existed but the input lacks (common/traces/missing.py): the times leave out theirs.
+    missing: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +125,10 @@ class Explanation:
 
     def render_text(self) -> str:
         lines = [self.summary(), f"trace {', '.join(self.trace_ids)}"]
+        if self.missing:
+            lines.append("incomplete: not in the input (a rotated spans file removed, beyond up.py's --spans-keep, or "
+                         "a process that died before exporting them), so the times above may leave out what they held:")
+            lines += [f"  - {m}" for m in self.missing]
         if self.blame:
             lines.append("why:")
             for c in self.blame:
@@ -131,7 +137,8 @@ class Explanation:
                 if isinstance(d, dict):
                     lines.append(" " * 14 + _decision_detail_text(d))
         else:
-            lines.append("why: nothing held it up (no queueing, suspension or declined preemption recorded)")
+            lines.append("why: nothing held it up (no queueing, suspension or declined preemption recorded)"
+                         + (" in the spans found" if self.missing else ""))
         return "\n".join(lines)
 
 
