@@ -100,3 +100,25 @@ def test_a_lost_attempts_queue_wait_is_not_taken_off_the_next_attempts_run(tmp_p
     assert parts == pytest.approx(d["total_s"]) and d["other_s"] < 1e-6, d
     assert [m.split(" (")[0] for m in d["missing"]] == ["worker.request of the attempt on worker w0"], d
     assert "lease expired on worker w0; attempt 2 on worker w1" in text, text
+
+
+def test_a_dead_lettered_jobs_lost_prefill_is_counted_once(tmp_path, capsys):
+    # No worker.request at all (its worker killed -9): its prefill was counted as running and again as lost, so the
+    # parts came to 4.0 s of a 3.0 s total.
+    path = tmp_path / "spans.jsonl"
+    (gw, w0), providers = tracers(path, "tiered-serve-gateway", "tiered-serve-worker")
+    ra = req_attrs("job-3", "P2", "lab-co")
+    admit = admission(gw, None, 0.0, "job-3", "P2", "lab-co")
+    closed(gw, "gateway.queue", 0.001, 0.101, admit, {**ra, "queue.attempt": 1})
+    d1 = closed(gw, "gateway.dispatch", 0.101, 0.103, admit, {**ra, "dispatch.worker": "w0", "dispatch.attempt": 1})
+    lost = start(w0, "worker.request", 0.109, d1, ra)  # never ended
+    closed(w0, "worker.queue", 0.109, 0.209, lost, ra)
+    closed(w0, "worker.prefill", 0.209, 1.209, lost, ra)
+    closed(gw, "gateway.dead_letter", 3.0, 3.0, admit, {**ra, "dead_letter.attempt": 1,
+                                                        "dead_letter.lost_worker": "w0"})
+    for p in providers:
+        p.shutdown()
+    d, text = explained(capsys, "job-3", path)
+    parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
+    assert parts == pytest.approx(d["total_s"]) and d["transit"]["lost"] == pytest.approx(1.791), d
+    assert "dead-lettered" in text, text

@@ -20,7 +20,8 @@ named here by the spans on either side of it:
 from __future__ import annotations
 
 from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, SDK_SUBMIT,
-                                  WORKER_QUEUE, WORKER_REQUEST, WORKER_SUSPENDED, attr_str)
+                                  WORKER_DECODE, WORKER_PREFILL, WORKER_QUEUE, WORKER_REQUEST,
+                                  WORKER_SUSPENDED, attr_str)
 from common.traces.spans import Span
 
 TRANSIT_KINDS = ("to_gateway", "admission", "dispatch", "to_worker", "lost", "hand_back", "delivery", "other")
@@ -33,7 +34,9 @@ def transit(own: list[Span], t0: int, t_end: int) -> dict[str, float]:
     """Seconds per kind above, for the time in [t0, t_end] that no queue or worker span covers."""
     out = {k: 0.0 for k in TRANSIT_KINDS}
     timed = [s for s in own if s.start_ns > 0 and s.end_ns >= s.start_ns and s.name != SDK_SUBMIT]
-    covered = [(s.start_ns, s.end_ns) for s in timed if s.name in _ACCOUNTED]
+    # With no worker.request found, explain counts the prefill and decode spans as running: not in transit too.
+    running = () if any(s.name == WORKER_REQUEST for s in timed) else (WORKER_PREFILL, WORKER_DECODE)
+    covered = [(s.start_ns, s.end_ns) for s in timed if s.name in _ACCOUNTED or s.name in running]
     inside = [(s.start_ns, s.end_ns, {GATEWAY_ADMIT: "admission", GATEWAY_DISPATCH: "dispatch"}[s.name])
               for s in timed if s.name in (GATEWAY_ADMIT, GATEWAY_DISPATCH)]
     cuts = sorted({t0, t_end} | {t for s in timed for t in (s.start_ns, s.end_ns) if t0 < t < t_end})
