@@ -92,8 +92,8 @@ class Dispatcher:
             for job_id in ids:
                 where = [w for w in self.workers.workers.values()
                          if job_id not in places or w.hello.worker_id in places[job_id]]
-                w = max(where, key=lambda w: w.credit - planned[w.hello.worker_id])
-                if w.credit - planned[w.hello.worker_id] > 0:
+                w = max(where, key=lambda w: w.credit - planned[w.hello.worker_id], default=None)
+                if w is not None and w.credit - planned[w.hello.worker_id] > 0:
                     by_worker.setdefault(w.hello.worker_id, []).append(job_id)
                     planned[w.hello.worker_id] += 1
             if sum(planned.values()) >= credit or len(ids) < limit or limit >= PREEMPTION_SCAN_MAX:
@@ -102,19 +102,16 @@ class Dispatcher:
 
     def _places(self, ids: list[str]) -> dict[str, set[str]]:
         """The workers each of ``ids`` may go to, for the jobs that fit some of them and not others (by prompt +
-        max_tokens, at the tier the job was admitted at: the hellos' tier_max_tokens). Sent where it does not fit,
-        it failed there, though another worker could run it. Left out (may go anywhere): a job every worker fits
-        (workers alike: nothing is read), and one no worker that is not draining fits: nothing here can run it
-        now, and rather than wait for a worker that may never come (a P3 has no queue timeout), it is sent on and
-        fails with the reason."""
+        max_tokens, at the tier the job was admitted at: the hellos' tier_max_tokens; WorkerRegistry.places). Sent
+        where it does not fit, it failed there, though another worker could run it. Left out (may go anywhere): a
+        job every worker fits (workers alike: nothing is read), and one no registered worker fits."""
         if not ids or not self.workers.uneven():
             return {}
-        live = [w for w in self.workers.workers.values() if not w.draining]
         out = {}
         for job_id, info in self.estimator.job_infos(ids).items():
-            fit = {w.hello.worker_id for w in live if w.fits(info.tier, info.prompt_tokens + info.max_tokens)}
-            if fit and len(fit) < len(self.workers.workers):
-                out[job_id] = fit
+            where = self.workers.places(info.tier, info.prompt_tokens + info.max_tokens)
+            if where is not None:
+                out[job_id] = where
         return out
 
     def _plan_preemptions(self, now: float, skip: frozenset[str] | set[str] = frozenset(),

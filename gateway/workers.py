@@ -173,6 +173,19 @@ class WorkerRegistry:
         """The workers' hellos give different tier limits: a job may fit some of them and not the others."""
         return len({tuple(sorted((w.hello.tier_max_tokens or {}).items())) for w in self.workers.values()}) > 1
 
+    def places(self, tier: Tier, tokens: int) -> set[str] | None:
+        """The workers a job of ``tier`` holding ``tokens`` (prompt + max_tokens) may go to, where it fits some and not
+        others; None: anywhere (workers alike, every one fits, or none registered does: nothing here can run it now,
+        and rather than wait for a worker that may never come, a P3 having no queue timeout, it is sent on and fails
+        with the reason). Empty: only draining workers fit it; it waits while one is registered (a redeploy's worker
+        comes back, and the jobs it handed back were otherwise sent on to fail on a smaller one)."""
+        if not self.uneven():
+            return None
+        fit = {w.hello.worker_id for w in self.workers.values() if not w.draining and w.fits(tier, tokens)}
+        if fit:
+            return fit if len(fit) < len(self.workers) else None
+        return set() if any(w.fits(tier, tokens) for w in self.workers.values()) else None
+
     def total_credit(self) -> int:
         return sum(w.credit for w in self.workers.values())
 
