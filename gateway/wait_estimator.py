@@ -141,11 +141,14 @@ class WaitEstimator:
 
     def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float,
                   tokens: int | None = None) -> float:
-        views = self._worker_views(now, None if tokens is None else (tier, tokens))
+        by_worker = self._views_by_worker(now, None if tokens is None else (tier, tokens))
+        views = list(by_worker.values())
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
         per_queue, counts, now_ms = self._queued(tier, score)
         infos = self.job_infos([i for found in per_queue for i, _ in found])
+        if self.workers.uneven():
+            per_queue, counts = self._sharing(per_queue, counts, infos, set(by_worker))
         works: dict[tuple, Work] = {}  # jobs alike (most of a flood) share one: this runs per admission
         queued: list[Queued] = []
         unread: dict[Tier, tuple[int, Work]] = {}
@@ -168,6 +171,28 @@ class WaitEstimator:
         if self.dump is not None and job_id is None:  # a new job's: written once it is admitted
             self.dump.hold(estimate_dump.encode(told, bias, now, tier, views, queued, arrivals, unread, **kw))
         return told
+
+    def _sharing(self, per_queue: list[list[tuple[str, float]]], counts: list[int], infos: dict[str, JobInfo],
+                 serving: set[str]) -> tuple[list[list[tuple[str, float]]], list[int]]:
+        """The queued jobs that may take a slot of the workers ``serving`` a job (those it fits, on workers of
+        different sizes), and per queue how many of them there are in all (a queue's unread jobs in the share of its
+        read ones). Dispatch sends a job only to workers it fits: one ahead that fits none of these (or only a
+        draining one) never takes their slots, however long it waits for its own; the job was told it would."""
+        where: dict[tuple[Tier, int], bool] = {}
+        out, totals = [], []
+        for found, count in zip(per_queue, counts):
+            kept = []
+            for i, s in found:
+                info = infos.get(i)
+                key = (info.tier, info.prompt_tokens + info.max_tokens) if info is not None else None
+                if key is not None and key not in where:
+                    places = self.workers.places(*key)
+                    where[key] = places is None or bool(places & serving)
+                if key is None or where[key]:
+                    kept.append((i, s))
+            out.append(kept)
+            totals.append(len(kept) + round((count - len(found)) * len(kept) / len(found)) if found else count)
+        return out, totals
 
     def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:
         key = (info.tenant, info.tier, info.prompt_tokens, info.max_tokens)

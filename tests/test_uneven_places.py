@@ -15,6 +15,9 @@ from common.tiers import ALL_TIERS, Tier
 from gateway.redis_queue import Admitted
 from tests.test_dispatch_guards import NOW, Plan
 
+P1_RUNNING = [Tier.P1.rank, 0, 0, 0, 1000, 0]  # nobody may preempt it: 1,000 tokens at 50 tokens/s, 20 s
+
+
 @pytest.fixture(scope="module")
 def server():
     with RedisServer() as s:
@@ -54,3 +57,20 @@ def test_a_job_only_a_draining_worker_fits_waits_for_it_rather_than_failing_on_a
     del d.workers.workers["wk-big"]  # timed out: nothing can run it now
     assert d._plan_by_credit()[0] == {"wk-small": [urgent, *sorted([big, small])]}
 
+
+def test_a_queued_job_ahead_that_fits_none_of_the_jobs_workers_takes_none_of_their_slots(server):
+    """wk-a keeps a large P0 reserve (a P0 may hold 2,048 tokens there, a P1 64) and runs a P1 for 20 s; wk-b is
+    idle (512 tokens a job, any tier). A queued P0 of 1,000 tokens fits only wk-a and waits there. A P1 of 300
+    tokens fits only wk-b and goes there at once; its estimate replayed the P0 ahead of it on wk-b's slot, and told
+    it the P0's 20 s."""
+    d = Plan(server)
+    worker(d, "wk-a", 0, {"P0": 2048, "P1": 64, "P2": 64, "P3": 64}, {"a1": P1_RUNNING})
+    worker(d, "wk-b", 1, {t.value: 512 for t in ALL_TIERS})
+    admit(d, Tier.P0, 100, 900)
+    assert d.estimator.for_new("t", Tier.P1, NOW, tokens=300) < 1
+    job = admit(d, Tier.P1, 100, 200)
+    assert d._plan_by_credit()[0] == {"wk-b": [job]}  # what dispatch does
+    assert d.estimator.for_queued(job, Tier.P1, NOW) < 1
+    # Where the job ahead fits the job's worker too, it does take its slot first.
+    admit(d, Tier.P0, 100, 300)
+    assert d.estimator.for_queued(job, Tier.P1, NOW) > 3
