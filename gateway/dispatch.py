@@ -32,18 +32,7 @@ class Dispatcher:
     def dispatch(self, now: float) -> None:
         if not self.workers.workers:
             return
-        if self.workers.total_credit() > 0:
-            by_worker, reason = self._plan_by_credit()
-            if self.workers.uneven():
-                # A P0/P1 that fits only full workers found no credit it fits, and credit elsewhere does not
-                # serve it: it preempts there now, rather than wait behind their low-tier work until a slot frees.
-                planned = {j for js in by_worker.values() for j in js}
-                more, why = self._plan_preemptions(now, skip=planned)
-                for wid, job_ids in more.items():
-                    by_worker.setdefault(wid, []).extend(job_ids)
-                reason.update(why)
-        else:
-            by_worker, reason = self._plan_preemptions(now)
+        by_worker, reason = self._plan(now)
         for wid, job_ids in by_worker.items():
             w = self.workers.workers[wid]
             busy = w.stepping  # before this pass's jobs join w.pending: the worker reads them together
@@ -78,10 +67,25 @@ class Dispatcher:
                     self._urgent_sent.add(rec.id)
                 self.counters["dispatched"] += 1
 
-    def _plan_by_credit(self) -> tuple[dict[str, list[str]], dict[str, str]]:
+    def _plan(self, now: float) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Which queued jobs go to which worker now, and why (for their dispatch spans)."""
+        if self.workers.total_credit() <= 0:
+            return self._plan_preemptions(now)
+        by_worker, reason, read = self._plan_by_credit()
+        if self.workers.uneven():
+            # A P0/P1 that fits only full workers found no credit it fits, and credit elsewhere does not
+            # serve it: it preempts there now, rather than wait behind their low-tier work until a slot frees.
+            planned = {j for js in by_worker.values() for j in js}
+            more, why = self._plan_preemptions(now, skip=planned, read=read)
+            for wid, job_ids in more.items():
+                by_worker.setdefault(wid, []).extend(job_ids)
+            reason.update(why)
+        return by_worker, reason
+
+    def _plan_by_credit(self) -> tuple[dict[str, list[str]], dict[str, str], list[str] | None]:
         """As many jobs as there are free slots, each to the worker with the most credit left that it fits. A job
         whose workers are all full waits in Redis, and the queue behind it goes on (read further, to
-        PREEMPTION_SCAN_MAX)."""
+        PREEMPTION_SCAN_MAX). Also every queued job, in dispatch order, where the read took them all (else None)."""
         credit = self.workers.total_credit()
         limit = credit
         while True:
@@ -97,7 +101,8 @@ class Dispatcher:
                     by_worker.setdefault(w.hello.worker_id, []).append(job_id)
                     planned[w.hello.worker_id] += 1
             if sum(planned.values()) >= credit or len(ids) < limit or limit >= PREEMPTION_SCAN_MAX:
-                return by_worker, {j: "credit" for js in by_worker.values() for j in js}
+                return by_worker, {j: "credit" for js in by_worker.values() for j in js}, \
+                    ids if len(ids) < limit else None
             limit = min(PREEMPTION_SCAN_MAX, 4 * limit)
 
     def _places(self, ids: list[str]) -> dict[str, set[str]]:
@@ -115,14 +120,15 @@ class Dispatcher:
         return out
 
     def _plan_preemptions(self, now: float, skip: frozenset[str] | set[str] = frozenset(),
-                          ) -> tuple[dict[str, list[str]], dict[str, str]]:
+                          read: list[str] | None = None) -> tuple[dict[str, list[str]], dict[str, str]]:
         """Every worker is full (or every worker a job fits, on uneven workers; ``skip``: the jobs the credit
         pass placed): a P0/P1 job goes only to a full worker with a running job it may preempt
         (as reported, less the urgent jobs already sent there and not yet reported, plus the jobs it may preempt
         sent there since), to the worker where the wait model expects it to start first (a worker reads a job
         after the step in progress, and one may be midway through a long prompt's chunk while the other decodes);
         a job with no such victim anywhere stays in Redis, where aging, queue timeouts and wait estimates still
-        apply to it."""
+        apply to it. ``read``: every queued job, in dispatch order, where the credit pass read them all (the
+        queues are not read again)."""
         room = {wid: w.victims_left(self._urgent_sent, self.estimator.tier_of)
                 for wid, w in self.workers.workers.items() if w.credit == 0}
         # Where the starts tie, a worker with a victim no preemption guard protects now goes first, then the one
@@ -130,7 +136,7 @@ class Dispatcher:
         guarded = {wid: {t: w.guarded_victims(t) for t in PREEMPTING_TIERS} for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())
         by_worker: dict[str, list[str]] = {}
-        candidates = self._urgent_candidates(most, skip)
+        candidates = self._urgent_candidates(most, skip, read)
         starts = self.estimator.starts_s(sorted({t for _, t in candidates}, key=lambda t: t.rank), now) \
             if candidates else {}
         places = self._places([j for j, _ in candidates])
@@ -145,11 +151,17 @@ class Dispatcher:
                 room[wid][t] -= 1
         return by_worker, {j: "preemption" for js in by_worker.values() for j in js}
 
-    def _urgent_candidates(self, most: int, skip: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, Tier]]:
+    def _urgent_candidates(self, most: int, skip: frozenset[str] | set[str] = frozenset(),
+                           read: list[str] | None = None) -> list[tuple[str, Tier]]:
         """Up to ``most`` queued jobs admitted as P0 or P1, in dispatch order, with their tiers. Jobs aged up
         from P2/P3 share the P1 queue, ahead of newer P1s, but wait for a free slot like the tier they were
         admitted at: they are passed over here, so however many there are, they cannot hide a P1 from the
-        victims it may preempt (the scan reads further until it finds enough, to PREEMPTION_SCAN_MAX)."""
+        victims it may preempt (the scan reads further until it finds enough, to PREEMPTION_SCAN_MAX). ``read``:
+        every queued job, in dispatch order (a job admitted as P0 or P1 is in its own queue, ahead of P2's and
+        P3's): a peek of the P0/P1 queues would read them again, a Redis round trip per pass on uneven workers."""
+        if read is not None and most > 0:
+            ids = [i for i in read if i not in skip]
+            return [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in PREEMPTING_TIERS][:most]
         limit = most
         while limit > 0:
             peeked = self.queue.peek(list(PREEMPTING_TIERS), limit)

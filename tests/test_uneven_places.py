@@ -74,3 +74,34 @@ def test_a_queued_job_ahead_that_fits_none_of_the_jobs_workers_takes_none_of_the
     # Where the job ahead fits the job's worker too, it does take its slot first.
     admit(d, Tier.P0, 100, 300)
     assert d.estimator.for_queued(job, Tier.P1, NOW) > 3
+
+
+def test_the_preemption_pass_beside_free_slots_reads_no_queue_the_credit_pass_read_to_its_end(server):
+    """On uneven workers with a full worker holding a victim, every dispatch pass that found credit peeked the P0/P1
+    queues again after the credit pass had read every queued job: a second Redis round trip (about doubling the
+    pass's time with a local Redis) for jobs already in hand. An urgent job only the full worker fits still
+    preempts there, found in what the credit pass read."""
+    d = Plan(server)
+    worker(d, "wk-small", 3, {t.value: 64 for t in ALL_TIERS})
+    d.workers.hello(P.WorkerHello("wk-big", "m", 512, 4096, 1, 1000, {t.value: 2048 for t in ALL_TIERS}), b"wk-big",
+                    NOW)
+    d.workers.load(P.WorkerLoad("wk-big", 0, 1000, {"P3": 1}, {}, ["b3"], 0.0, {"P0": 1, "P1": 1}, 1000.0, 50.0,
+                                {"b3": [Tier.P3.rank, 0, 0, 10, 400, 0b11]}), NOW)
+    client = server.client()
+
+    def peeks() -> tuple[dict, int]:
+        client.config_resetstat()
+        plan = d._plan(NOW)[0]
+        return plan, int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    assert peeks() == ({}, 1)
+    small = admit(d, Tier.P3, 10, 10)
+    urgent = admit(d, Tier.P0, 100, 100)
+    assert peeks() == ({"wk-small": [small], "wk-big": [urgent]}, 1)
+    d.queue.client.zrem(d.queue.keys.queue(Tier.P3), small)
+    d.queue.client.zrem(d.queue.keys.queue(Tier.P0), urgent)
+    # The credit pass fills its slots from the head of the queues: an urgent job past them is looked for.
+    ahead = [admit(d, Tier.P0, 10, 10) for _ in range(3)]
+    urgent = admit(d, Tier.P1, 100, 100)
+    plan, n = peeks()
+    assert plan == {"wk-small": sorted(ahead), "wk-big": [urgent]} and n > 1
