@@ -74,6 +74,7 @@ class BigWorker:
         self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=worker_id.encode())
         self.sock.connect(endpoint)
         self.free = threading.Event()
+        self.draining = threading.Event()  # set: its reports say it drains (told to stop: a redeploy's SIGTERM)
         self.received: list[P.DispatchJob] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -84,7 +85,8 @@ class BigWorker:
         self.sock.send(P.encode(P.WorkerHello(self.worker_id, self.model, 512, 2048, 1, 128, limits, 256)))
         while not self._stop.is_set():
             free = 1 if self.free.is_set() else 0
-            self.sock.send(P.encode(P.WorkerLoad(self.worker_id, free, 128, {} if free else {"P3": 1}, {}, [], 0.0)))
+            self.sock.send(P.encode(P.WorkerLoad(self.worker_id, free, 128, {} if free else {"P3": 1}, {}, [], 0.0,
+                                                 draining=self.draining.is_set())))
             while self.sock.poll(500):
                 msg = P.decode(self.sock.recv())
                 if isinstance(msg, P.DispatchJob):
@@ -156,6 +158,31 @@ def test_a_queued_job_no_worker_left_can_run_fails_with_the_reason_rather_than_w
             big.result(timeout=60)
         assert big_worker.received == []
         lab.close()
+
+
+def test_a_queued_job_only_a_draining_worker_fits_waits_for_it_rather_than_failing_on_a_smaller_one(
+        tmp_path, tiny_model_dir):
+    """The big worker drains (a redeploy), and a job only it fits is queued (handed back, or admitted before): no
+    worker that is not draining fits it, so dispatch took it for a job no worker left could run and sent it to the
+    small worker, which failed it, though the big one was still there and came back. It waits for it now."""
+    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
+        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
+        try:
+            big_worker.draining.set()
+            c.worker_ids.append("wk-big")
+            c.wait_workers("gw-0")
+            lab = c.client("lab-co", timeout_s=60.0)
+            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+            start_small_worker(c)
+            small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
+            assert len(small.result(timeout=60).token_ids) == 20  # dispatch ran with the small worker's credit
+            assert c.state(big.id) == "queued", c.job(big.id).get("reason")
+            big_worker.draining.clear()  # back from its redeploy
+            big_worker.free.set()
+            assert big.result(timeout=60).token_ids == [7] * 100
+            lab.close()
+        finally:
+            big_worker.stop()
 
 
 def test_a_job_one_worker_fits_is_admitted_though_a_smaller_worker_serves_beside_it(tmp_path, tiny_model_dir):
