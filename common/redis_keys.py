@@ -184,3 +184,29 @@ def load_scripts(client: redis.Redis) -> dict[str, Script]:
         }
         _LOADED[client] = scripts
     return scripts
+
+
+def run_pipelined(client: redis.Redis, calls: list[tuple[str, list, list]]) -> list:
+    """Each (script name, keys, args) of ``calls`` as EVALSHA, in one round trip; their replies, in order. Not
+    Script objects on a pipeline: those ask SCRIPT EXISTS first on every execute, a second round trip each time. A
+    script Redis does not hold (it restarted) is loaded, and only the calls it refused are run again. The first
+    other error a call met is raised."""
+    scripts = load_scripts(client)
+    replies = _evalsha_all(client, scripts, calls)
+    missing = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+    if missing:
+        for name in {calls[i][0] for i in missing}:
+            client.script_load(scripts[name].script)
+        for i, r in zip(missing, _evalsha_all(client, scripts, [calls[i] for i in missing])):
+            replies[i] = r
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+    return replies
+
+
+def _evalsha_all(client: redis.Redis, scripts: dict[str, Script], calls: list[tuple[str, list, list]]) -> list:
+    pipe = client.pipeline(transaction=False)
+    for name, keys, args in calls:
+        pipe.evalsha(scripts[name].sha, len(keys), *keys, *args)
+    return pipe.execute(raise_on_error=False)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import redis
 
 from common.errors import DuplicateRequest, IncompleteResult
-from common.redis_keys import KeySpace, load_scripts
+from common.redis_keys import KeySpace, load_scripts, run_pipelined
 from common.tiers import ALL_TIERS, Tier
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, IdempotencyMismatch, JobRecord, JobState, Overloaded,
@@ -263,6 +263,18 @@ class RedisQueue(QueueSweeps):
         """Finish a dispatched job as done or failed; False (nothing changed) if the attempt is stale or
         ``worker`` does not hold its lease. A done job needs ``num_tokens`` and ``token_ids`` (msgpack)
         of that many tokens: anything else raises IncompleteResult and changes nothing."""
+        return self.complete_recording(job_id, attempt=attempt, state=state, fields=fields, worker=worker,
+                                       now_ms=now_ms)[0]
+
+    def complete_recording(
+        self, job_id: str, *, attempt: int, state: str, fields: Mapping[str, str | int | float | bytes],
+        worker: str, now_ms: int | None = None, first_prefill_ms: int | None = None,
+        first_token_claim: str | None = None,
+    ) -> tuple[bool, bool]:
+        """complete(), and in the same round trip, before it, what the token log's next flush would have written
+        into the job's hash (a finished job's record must not change after its result): its first prefill start
+        (first_prefill.lua) and the claim of its first token's observation for the gateway named (first_token.lua).
+        Returns (stored, claim won)."""
         final = JobState(state)
         if final not in (JobState.DONE, JobState.FAILED):
             raise ValueError(f"complete() takes state 'done' or 'failed', got {state!r}")
@@ -277,15 +289,23 @@ class RedisQueue(QueueSweeps):
         keys = [self.keys.job(job_id), self.keys.inflight, self.keys.drain, self.keys.tokens(job_id)]
         args = [job_id, str(attempt), final.value, _now(now_ms), self._retention_ms,
                 str(int(self.drain_tau_s * 1000)), worker, self._reply_deadline_ms(), *flat]  # fmt: skip
+        calls = []
+        if first_prefill_ms is not None:
+            calls.append(("first_prefill", [self.keys.job(job_id)], [int(first_prefill_ms)]))
+        if first_token_claim is not None:
+            calls.append(("first_token", [self.keys.job(job_id)], [first_token_claim]))
         try:
-            stored = self._scripts["complete"](keys=keys, args=args)
+            if calls:
+                *before, stored = run_pipelined(self.client, [*calls, ("complete", keys, args)])
+            else:
+                before, stored = [], self._scripts["complete"](keys=keys, args=args)
         except redis.ResponseError as e:
             if "incomplete result" in str(e):
                 raise IncompleteResult(str(e)) from None
             raise
         if stored == b"late":  # as the timeout it came close to: the caller keeps the result and stores it again
             raise redis.TimeoutError("the completion reached Redis as its caller gave up on it; nothing was changed")
-        return bool(stored)
+        return bool(stored), first_token_claim is not None and bool(before[-1])
 
     # --- cancel and reads ------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import msgpack
 import redis
 
-from common.redis_keys import KeySpace, load_scripts
+from common.redis_keys import KeySpace, run_pipelined
 
 MAX_ENTRIES = 8192  # more than any job has tokens (max_tokens_limit), fewer than a runaway writer could add
 TTL_MS = 3_600_000  # an abandoned stream (its writer died, the job dead-lettered) goes after an hour
@@ -38,21 +38,17 @@ class TokenLog:
         The claims go after the entries: whoever reads a token in the log finds its first token claimed.
         ``first_prefills``: job id -> its first prefill start (Redis ms) for its hash (first_prefill.lua), before
         the entries: a job whose tokens are in the log has its start recorded."""
-        pipe = self.client.pipeline(transaction=False)
-        scripts = load_scripts(self.client)
-        for job_id, start_ms in (first_prefills or {}).items():
-            scripts["first_prefill"](keys=[self.keys.job(job_id)], args=[int(start_ms)], client=pipe)
-        skip = len(first_prefills or {})
+        calls = [("first_prefill", [self.keys.job(job_id)], [int(start_ms)])
+                 for job_id, start_ms in (first_prefills or {}).items()]
+        skip = len(calls)
         batch = list(batch)
-        for job_id, index, tokens, worker, attempt in batch:
-            scripts["append_tokens"](keys=[self.keys.tokens(job_id), self.keys.job(job_id)],
-                                     args=[worker, attempt, index, msgpack.packb(tokens), MAX_ENTRIES, TTL_MS],
-                                     client=pipe)
-        for job_id in first_tokens:
-            scripts["first_token"](keys=[self.keys.job(job_id)], args=[gateway], client=pipe)
-        if not skip and not batch and not first_tokens:
+        calls += [("append_tokens", [self.keys.tokens(job_id), self.keys.job(job_id)],
+                   [worker, attempt, index, msgpack.packb(tokens), MAX_ENTRIES, TTL_MS])
+                  for job_id, index, tokens, worker, attempt in batch]
+        calls += [("first_token", [self.keys.job(job_id)], [gateway]) for job_id in first_tokens]
+        if not calls:
             return Appended([], [])
-        replies = [bool(r) for r in pipe.execute()[skip:]]
+        replies = [bool(r) for r in run_pipelined(self.client, calls)[skip:]]
         return Appended(replies[:len(batch)], replies[len(batch):])
 
     def read(self, positions: Mapping[str, str]) -> dict[str, list[tuple[str, int, list[int]]]]:

@@ -357,8 +357,8 @@ class Waits:
         """First starts heard here not yet written to their jobs' hashes (first_prefill.lua): job id -> Redis ms."""
         return dict(self._unrecorded)
 
-    def unrecorded_start(self, job_id: str) -> bool:
-        return job_id in self._unrecorded
+    def unrecorded_start_ms(self, job_id: str) -> int | None:
+        return self._unrecorded.get(job_id)
 
     def recorded(self, starts: dict[str, int]) -> None:
         for job_id in starts:

@@ -188,16 +188,22 @@ class WorkerLink:
         queued_s = self.waits.queued_s(msg.job_id, self.enqueued_at.get(msg.job_id))
         if queued_s is not None:
             fields["queued_s"] = queued_s
+        # What the next token-log flush would write into the job's hash goes with its result, in the same round
+        # trip: a finished job's record must not change under a client that read it.
+        start_ms = self.waits.unrecorded_start_ms(msg.job_id)
+        claim = self.config.gateway_id if metrics.first_token_pending(msg.job_id) else None
         try:
-            if metrics.first_token_pending(msg.job_id) or self.waits.unrecorded_start(msg.job_id):
-                # What the next flush would write into the job's hash goes before its result: a finished job's
-                # record must not change under a client that read it (and a flush far off would be too late).
-                self.flush_token_log()
-            stored = self.queue.complete(msg.job_id, attempt=msg.attempt, state=state, fields=fields, worker=worker)
+            stored, won = self.queue.complete_recording(msg.job_id, attempt=msg.attempt, state=state, fields=fields,
+                                                        worker=worker, first_prefill_ms=start_ms,
+                                                        first_token_claim=claim)
         except redis.RedisError:
             self._unstored.append((worker, msg))  # Redis is down: keep it, retry when it is back
             raise
         self.leases.pop(msg.job_id, None)
+        if start_ms is not None:
+            self.waits.recorded({msg.job_id: start_ms})
+        if claim is not None:
+            metrics.claimed(msg.job_id, won)
         if not stored:
             self._stale(msg)  # its lease expired (or it was cancelled) meanwhile
             return

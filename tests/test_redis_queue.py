@@ -665,3 +665,28 @@ def test_scripts_touch_only_the_keys_passed_in_KEYS():
         assert checked > 50
         for c in (qc, mc):
             c.close()
+
+
+def test_scripts_run_pipelined_in_one_round_trip_and_reload_after_redis_lost_them(client, keys):
+    """run_pipelined sends EVALSHA only: Script objects on a pipeline asked SCRIPT EXISTS first on every execute
+    (a second round trip per token-log flush). A script Redis lost (SCRIPT FLUSH, as after a restart) is loaded and
+    only the calls it refused are run again, so none runs twice."""
+    from common.redis_keys import run_pipelined
+
+    client.hset(keys.job("j"), mapping={"state": "dispatched", "worker": "w", "attempt": "1"})
+    calls = [("append_tokens", [keys.tokens("j"), keys.job("j")], ["w", 1, 0, msgpack.packb([7]), 100, 60_000]),
+             ("first_token", [keys.job("j")], ["gw-a"]), ("first_prefill", [keys.job("j")], [T0])]
+    client.script_flush()
+    load_scripts(client)["first_token"](keys=[keys.job("nobody")], args=["x"])  # loaded; the other two are not
+    client.config_resetstat()
+    assert run_pipelined(client, calls) == [1, 1, 1]
+    stats = client.info("commandstats")
+    assert "cmdstat_script" in stats and stats["cmdstat_evalsha"]["calls"] == 3 + 2  # two refused, run again
+    assert client.xlen(keys.tokens("j")) == 1 and client.hget(keys.job("j"), "ttft_observed_by") == b"gw-a"
+    client.config_resetstat()
+    assert run_pipelined(client, calls) == [1, 0, 0]  # the claim and the start are kept, the tokens appended
+    stats = client.info("commandstats")
+    assert "cmdstat_script" not in stats and stats["cmdstat_evalsha"]["calls"] == 3
+    client.hset(keys.job("j"), "state", "done")
+    with pytest.raises(redis.ResponseError):
+        run_pipelined(client, [("claim", [], [])])  # a call's own error is raised, not returned
