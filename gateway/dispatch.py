@@ -15,7 +15,7 @@ from common import protocol as P
 from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 from gateway import metrics
 from gateway.timeutil import ms as _ms
-from gateway.wait_estimator import first_prefill_ms
+from gateway.waits import first_prefill_ms
 
 # Queued P0/P1 jobs read at most per preemption pass, looking past jobs aged up from P2/P3 (a bound on its cost).
 PREEMPTION_SCAN_MAX = 1024

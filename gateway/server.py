@@ -36,7 +36,8 @@ from gateway.streaming import Streaming
 from gateway.streams import StreamTable
 from gateway.token_log import TokenLog
 from gateway.tenants import TenantDirectory
-from gateway.wait_estimator import WaitEstimator, Waits
+from gateway.wait_estimator import WaitEstimator
+from gateway.waits import Waits
 from gateway.worker_link import WorkerLink, new_stale_memory
 from gateway.workers import WorkerRegistry
 

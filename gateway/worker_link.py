@@ -22,7 +22,7 @@ import redis
 
 from common import protocol as P
 from gateway import metrics, security
-from gateway.wait_estimator import first_prefill_ms
+from gateway.waits import first_prefill_ms
 
 log = logging.getLogger("gateway")
 STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a flood costs no Redis reads

@@ -12,7 +12,7 @@ import pytest
 from common.tiers import ALL_TIERS, Tier
 from gateway.estimate import (MAX_RHO, RUNNING, SUSPENDED, WAITING, Arrivals, Held, Queued, Rates, Work, WorkerView,
                               rank_at, wait_s)
-from gateway.wait_estimator import Waits
+from gateway.waits import Waits
 from gateway.wait_learning import ArrivalRates, BiasCorrection, HandOffs, OutputLengths
 
 P0, P1, P2, P3 = Tier.P0, Tier.P1, Tier.P2, Tier.P3

@@ -15,7 +15,7 @@ from common.redis_server import RedisServer
 from common.tiers import Tier
 from gateway.redis_queue import DEFAULT_TIER_TIMEOUTS_S, RedisQueue
 from gateway.token_log import TokenLog
-from gateway.wait_estimator import Waits, first_prefill_ms
+from gateway.waits import Waits, first_prefill_ms
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 from tests.test_metrics_finals import logged_tokens
