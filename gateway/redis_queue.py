@@ -25,6 +25,7 @@ from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API
     QuotaRefused, QuotaSpec, Settled, StoreFull, TenantFull,
 )
 from gateway.queue_sweeps import SWEEP_LIMIT, QueueSweeps  # noqa: F401  (SWEEP_LIMIT: part of the queue's API)
+from gateway.token_log import first_prefill_call, first_token_call
 
 # Queue timeout per tier in seconds (None: waits forever); also the admission limit on the
 # estimated wait. Shared tier defaults live here until the configuration module exists.
@@ -291,9 +292,9 @@ class RedisQueue(QueueSweeps):
                 str(int(self.drain_tau_s * 1000)), worker, self._reply_deadline_ms(), *flat]  # fmt: skip
         calls = []
         if first_prefill_ms is not None:
-            calls.append(("first_prefill", [self.keys.job(job_id)], [int(first_prefill_ms)]))
+            calls.append(first_prefill_call(self.keys, job_id, first_prefill_ms))
         if first_token_claim is not None:
-            calls.append(("first_token", [self.keys.job(job_id)], [first_token_claim]))
+            calls.append(first_token_call(self.keys, job_id, first_token_claim))
         try:
             if calls:
                 *before, stored = run_pipelined(self.client, [*calls, ("complete", keys, args)])

@@ -26,6 +26,16 @@ class Appended(NamedTuple):
     claimed: list[bool]  # per first token: whether this gateway won its claim
 
 
+def first_prefill_call(keys: KeySpace, job_id: str, start_ms: int) -> tuple[str, list, list]:
+    """run_pipelined's call recording ``job_id``'s first prefill start (Redis ms) in its hash (first_prefill.lua)."""
+    return "first_prefill", [keys.job(job_id)], [int(start_ms)]
+
+
+def first_token_call(keys: KeySpace, job_id: str, gateway: str) -> tuple[str, list, list]:
+    """run_pipelined's call claiming for ``gateway`` the observation of ``job_id``'s first token (first_token.lua)."""
+    return "first_token", [keys.job(job_id)], [gateway]
+
+
 class TokenLog:
     def __init__(self, client: redis.Redis, keys: KeySpace) -> None:
         self.client, self.keys = client, keys
@@ -38,14 +48,13 @@ class TokenLog:
         The claims go after the entries: whoever reads a token in the log finds its first token claimed.
         ``first_prefills``: job id -> its first prefill start (Redis ms) for its hash (first_prefill.lua), before
         the entries: a job whose tokens are in the log has its start recorded."""
-        calls = [("first_prefill", [self.keys.job(job_id)], [int(start_ms)])
-                 for job_id, start_ms in (first_prefills or {}).items()]
+        calls = [first_prefill_call(self.keys, job_id, start_ms) for job_id, start_ms in (first_prefills or {}).items()]
         skip = len(calls)
         batch = list(batch)
         calls += [("append_tokens", [self.keys.tokens(job_id), self.keys.job(job_id)],
                    [worker, attempt, index, msgpack.packb(tokens), MAX_ENTRIES, TTL_MS])
                   for job_id, index, tokens, worker, attempt in batch]
-        calls += [("first_token", [self.keys.job(job_id)], [gateway]) for job_id in first_tokens]
+        calls += [first_token_call(self.keys, job_id, gateway) for job_id in first_tokens]
         if not calls:
             return Appended([], [])
         replies = [bool(r) for r in run_pipelined(self.client, calls)[skip:]]

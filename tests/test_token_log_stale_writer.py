@@ -3,6 +3,7 @@ job's token log when it resumes: the log was deleted with the result, and a writ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -20,14 +21,22 @@ from tests.test_metrics_finals import logged_tokens
 T0 = 1_700_000_000_000
 
 
-def test_tokens_are_appended_only_under_the_lease_the_job_hash_names():
+@contextlib.contextmanager
+def queue_and_log(*job_ids: str):
+    """A real redis-server with a fresh key prefix: its client, keys, queue and token log, ``job_ids`` admitted (P3)
+    at T0."""
     with RedisServer() as server:
         client = server.client()
         keys = KeySpace(prefix=f"test-{uuid.uuid4().hex[:10]}")
-        queue, log = RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S), TokenLog(client, keys)
-        for job_id in ("j", "k"):
+        queue = RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S)
+        for job_id in job_ids:
             queue.admit(job_id=job_id, tenant="acme", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x",
                         now_ms=T0, idempotency_key=None, quota=None, drain_rate_per_s={t: 10.0 for t in Tier})
+        yield client, keys, queue, TokenLog(client, keys)
+
+
+def test_tokens_are_appended_only_under_the_lease_the_job_hash_names():
+    with queue_and_log("j", "k") as (client, keys, queue, log):
         assert [r.id for r in queue.claim(["j"], worker="wk", gateway="gw", lease_ms=60_000, now_ms=T0)] == ["j"]
         got = log.append([("j", 0, [1, 2], "wk", 1), ("j", 2, [3], "wk", 2), ("j", 2, [3], "other", 1),
                           ("k", 0, [4], "wk", 1), ("gone", 0, [5], "wk", 1)])

@@ -6,30 +6,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 
 import pytest
 
-from common.redis_keys import KeySpace
-from common.redis_server import RedisServer
-from common.tiers import Tier
-from gateway.redis_queue import DEFAULT_TIER_TIMEOUTS_S, RedisQueue
-from gateway.token_log import TokenLog
 from gateway.waits import Waits, first_prefill_ms
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 from tests.test_metrics_finals import logged_tokens
-
-T0 = 1_700_000_000_000
+from tests.test_token_log_stale_writer import T0, queue_and_log
 
 
 def test_the_first_start_goes_to_the_hash_earliest_kept_and_a_gone_hash_stays_gone():
-    with RedisServer() as server:
-        client = server.client()
-        keys = KeySpace(prefix=f"test-{uuid.uuid4().hex[:10]}")
-        queue, log = RedisQueue(client, keys, tier_timeouts_s=DEFAULT_TIER_TIMEOUTS_S), TokenLog(client, keys)
-        queue.admit(job_id="j", tenant="acme", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", now_ms=T0,
-                    idempotency_key=None, quota=None, drain_rate_per_s={t: 10.0 for t in Tier})
+    with queue_and_log("j") as (client, keys, queue, log):
         log.append([], first_prefills={"j": T0 + 500, "gone": T0 + 1})
         log.append([], first_prefills={"j": T0 + 700})  # a later attempt's start: the wait had ended
         assert first_prefill_ms(queue.get("j")) == T0 + 500
