@@ -117,6 +117,12 @@ class SharedWorkerKeys:
     def claim(self, worker_id: str, key: str) -> str | None:
         """Bind ``worker_id`` to ``key`` (or refresh the binding) if it is free or already this key's; else the key
         it is bound to. Raises redis.RedisError when Redis does not answer."""
+        # Noted as asked before Redis is: a Redis that does not answer is asked again a quarter TTL later, not at
+        # every load report (each a blocked call of the gateway's loop, beside the lease extension's own).
+        self._refreshed[worker_id] = time.monotonic()
+        self._refreshed.move_to_end(worker_id)
+        while len(self._refreshed) > WORKER_KEY_MEMORY:
+            self._refreshed.popitem(last=False)
         name = self.keys.worker_key(worker_id)
         for _ in range(3):  # each turn loses only to the binding expiring between two commands
             if self.client.set(name, key, nx=True, px=self.ttl_ms):
@@ -128,14 +134,10 @@ class SharedWorkerKeys:
                 return bound.decode(errors="replace")
             if self.client.pexpire(name, self.ttl_ms):
                 break
-        self._refreshed[worker_id] = time.monotonic()
-        self._refreshed.move_to_end(worker_id)
-        while len(self._refreshed) > WORKER_KEY_MEMORY:
-            self._refreshed.popitem(last=False)
         return None
 
     def due(self, worker_id: str) -> bool:
-        """True if ``worker_id``'s binding was last refreshed here a quarter of its TTL ago or more."""
+        """True if ``worker_id``'s binding was last asked for here a quarter of its TTL ago or more."""
         return time.monotonic() - self._refreshed.get(worker_id, float("-inf")) >= self.ttl_ms / 4000
 
 

@@ -141,3 +141,5 @@ def test_the_clusters_binding_decides_while_redis_answers_and_memory_while_it_do
     assert alone.claim("wk-1", "key-a", set()) is None
     assert alone.claim("wk-1", "key-b", set()) == "key-a"
     alone.refresh("wk-1", "key-a")  # logged, not raised
+    # Asked at the hello a moment ago: a Redis that does not answer is not asked again at every load report.
+    assert not alone.shared.due("wk-1")
