@@ -10,6 +10,7 @@ same from every gateway: aggregate it with ``max``, not ``sum``.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import OrderedDict
 
 from prometheus_client import Counter, Histogram
@@ -65,10 +66,11 @@ for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() s
 # it ages out.
 _HELD: OrderedDict[str, list] = OrderedDict()
 _MAX_TRACKED = 200_000
-# job id -> (tier, TTFT): first tokens seen here, observed once this gateway claims them in Redis (first_token.lua,
-# with the next token-log flush). Seen here alone says little: a job's first token reaches a second gateway when
-# its lease moved on before the token log had it, or when the gateway holding it stood still with the frames unread.
-_FIRST_TOKENS: OrderedDict[str, tuple[str, float]] = OrderedDict()
+# job id -> (tier, TTFT, claim tag): first tokens seen here, observed once this gateway claims them in Redis
+# (first_token.lua, with the next token-log flush; the tag wins a claim asked again after a lost reply). Seen here
+# alone says little: a job's first token reaches a second gateway when its lease moved on before the token log had
+# it, or when the gateway holding it stood still with the frames unread.
+_FIRST_TOKENS: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
 
 
 def admitted(tier: str) -> None:
@@ -91,7 +93,7 @@ def first_token(job_id: str, now: float) -> None:
         return
     held[2] = True
     if held[1] is not None:
-        _FIRST_TOKENS[job_id] = (held[0], max(0.0, now - held[1]))
+        _FIRST_TOKENS[job_id] = (held[0], max(0.0, now - held[1]), uuid.uuid4().hex[:16])
         while len(_FIRST_TOKENS) > _MAX_TRACKED:
             _FIRST_TOKENS.popitem(last=False)
 
@@ -104,6 +106,12 @@ def first_tokens() -> list[str]:
 def first_token_pending(job_id: str) -> bool:
     """Whether ``job_id``'s first token was seen here and not claimed yet."""
     return job_id in _FIRST_TOKENS
+
+
+def claim_tag(job_id: str) -> str:
+    """The tag of ``job_id``'s pending claim (first_token.lua), the same each time it is asked; "" if none."""
+    pending = _FIRST_TOKENS.get(job_id)
+    return pending[2] if pending is not None else ""
 
 
 def claimed(job_id: str, won: bool) -> None:

@@ -16,6 +16,7 @@ import msgpack
 import redis
 
 from common.redis_keys import KeySpace, run_pipelined
+from gateway import metrics
 
 MAX_ENTRIES = 8192  # more than any job has tokens (max_tokens_limit), fewer than a runaway writer could add
 TTL_MS = 3_600_000  # an abandoned stream (its writer died, the job dead-lettered) goes after an hour
@@ -32,8 +33,9 @@ def first_prefill_call(keys: KeySpace, job_id: str, start_ms: int) -> tuple[str,
 
 
 def first_token_call(keys: KeySpace, job_id: str, gateway: str) -> tuple[str, list, list]:
-    """run_pipelined's call claiming for ``gateway`` the observation of ``job_id``'s first token (first_token.lua)."""
-    return "first_token", [keys.job(job_id)], [gateway]
+    """run_pipelined's call claiming for ``gateway`` the observation of ``job_id``'s first token (first_token.lua),
+    under the tag of the claim pending here (metrics.claim_tag): asked again after a lost reply, it wins again."""
+    return "first_token", [keys.job(job_id)], [gateway, metrics.claim_tag(job_id)]
 
 
 class TokenLog:

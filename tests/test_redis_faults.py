@@ -384,3 +384,26 @@ def test_a_full_redis_still_takes_a_hand_back():
             _empty(q.client, filled)
         assert q.client.hget(q.keys.job("j"), "releases") == b"1"
         q.client.close()
+
+
+def test_a_first_token_claim_redis_ran_after_its_gateway_gave_up_is_still_observed(tmp_path, tiny_model_dir):
+    """Redis stalls while the token-log flush that claims a job's first token (first_token.lua) is on its way: the
+    gateway gives up on it (2 s) and keeps the claim to ask again. Redis then ran the claim it had received, so the
+    gateway's retry found the first token claimed already and dropped its observation: no gateway observed the
+    job's time to first token (ts_time_to_first_token_seconds). A claim asked again is answered as the first was."""
+    metrics = f"127.0.0.1:{free_port()}"
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1, lease_s=10.0,
+                         gateway_env={"TS_GATEWAY_METRICS_BIND": metrics}) as c:
+        url = f"http://{metrics}/metrics"
+        first_token = load_scripts(c.redis)["first_token"]
+        c.redis.script_load(first_token.script)  # as after any earlier claim: the held EVALSHA finds its script
+        before = total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3")
+        c.proxy.hold(first_token.sha.encode(), 4.0)
+        with c.client("batch-co", timeout_s=30.0) as b:
+            job = b.submit(prompt_token_ids=[5, 6], max_tokens=40, ignore_eos=True, tier="P3", seed=3)
+            assert c.proxy.held.wait(30), "no claim reached Redis"
+            assert c.proxy.released.wait(10)
+            assert len(job.result(timeout=60).token_ids) == 40
+        assert c.job(job.id)["ttft_observed_by"] == b"gw-0", "not the case tested"
+        wait_for(lambda: total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3") - before == 1, 10,
+                 "the gateway to observe the first token it claimed")

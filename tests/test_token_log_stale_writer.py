@@ -73,3 +73,19 @@ def test_a_gateway_resumed_after_its_job_ended_elsewhere_does_not_recreate_its_t
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
+
+
+def test_a_first_token_claim_asked_again_wins_again_and_only_under_its_own_tag():
+    """A claim whose reply was lost (Redis ran it after the gateway gave up) is asked again under the same tag and
+    won; the same gateway's claim under another tag (it restarted, or saw a first token again on a later attempt)
+    loses, as another gateway's does."""
+    from common.redis_keys import run_pipelined
+
+    with queue_and_log("j") as (client, keys, queue, log):
+        call = ("first_token", [keys.job("j")], ["gw-a", "tag-1"])
+        assert run_pipelined(client, [call]) == [1]
+        assert run_pipelined(client, [call]) == [1]
+        assert run_pipelined(client, [("first_token", [keys.job("j")], ["gw-a", "tag-2"])]) == [0]
+        assert run_pipelined(client, [("first_token", [keys.job("j")], ["gw-b", "tag-1"])]) == [0]
+        assert run_pipelined(client, [("first_token", [keys.job("j")], ["gw-a"])]) == [0]
+        assert client.hget(keys.job("j"), "ttft_observed_by") == b"gw-a"

@@ -5,10 +5,25 @@
 --
 -- KEYS[1]  job hash
 -- ARGV[1]  the claiming gateway's id
+-- ARGV[2]  this claim's tag (optional; one per first token seen): a claim Redis ran after its gateway gave up on
+--          the reply (Redis stood still) is asked again with the same tag, and won again. Else the retry lost to
+--          the claim it repeats, and no gateway observed the first token. A gateway's id alone would not do: one
+--          restarted, or sent the job again, may see a first token it observed already.
 --
--- Returns 1 if this call claimed it, else 0.
+-- Returns 1 if this claim won it, else 0.
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
     return 0
 end
-return redis.call('HSETNX', KEYS[1], 'ttft_observed_by', ARGV[1])
+local tag = ARGV[2] or ''
+if redis.call('HSETNX', KEYS[1], 'ttft_observed_by', ARGV[1]) == 1 then
+    if tag ~= '' then
+        redis.call('HSET', KEYS[1], 'ttft_claim', tag)
+    end
+    return 1
+end
+local held = redis.call('HMGET', KEYS[1], 'ttft_observed_by', 'ttft_claim')
+if tag ~= '' and held[1] == ARGV[1] and held[2] == tag then
+    return 1
+end
+return 0
