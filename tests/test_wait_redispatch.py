@@ -81,3 +81,44 @@ def test_a_job_redispatched_by_another_gateway_keeps_its_first_start(tmp_path, t
     # gw-0 wrote attempt 1's start where gw-1 read it: the stored wait is that start, give or take the clocks' ms
     assert (int(h["first_prefill_ms"]) - int(h["enqueued_at_ms"])) / 1e3 == pytest.approx(stored, abs=0.05)
     assert 0.0 <= result.queued_s <= bound, (result.queued_s, bound)
+
+
+def test_a_first_start_written_late_by_a_resumed_gateway_is_the_stored_wait(tmp_path, tiny_model_dir):
+    """gw-0 hears attempt 1 start and freezes before its token-log flush writes that start; the worker is killed and
+    gw-1 runs attempt 2 (the hash names no earlier start, so gw-1 measures the wait to attempt 2's start). gw-0
+    resumes and writes attempt 1's start while attempt 2 runs. The stored wait used to be gw-1's (attempt 2's
+    start, which holds attempt 1's run and the lease's expiry) beside a first_prefill_ms that says otherwise."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=1, lease_s=2.0,
+                        process_env={"gw-0": {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": "8"}}) as c:
+        gw0, gw1 = c.procs["gw-0"].pid, c.procs["gw-1"].pid
+        stopped = {gw1}
+        os.kill(gw1, signal.SIGSTOP)  # gw-0 dispatches attempt 1
+        try:
+            with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
+                job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
+                next(iter(job.stream(timeout=60)))
+            os.kill(gw0, signal.SIGSTOP)
+            stopped.add(gw0)
+            assert "first_prefill_ms" not in c.job(job.id), "gw-0 flushed attempt 1's start: nothing is tested"
+            c.kill("wk-0")
+            os.kill(gw1, signal.SIGCONT)
+            stopped.discard(gw1)
+            c.restart("wk-0")
+            wait_for(lambda: c.job(job.id)["attempt"] == b"2" and "first_prefill_ms" in c.job(job.id), 120,
+                     "gw-1 to run attempt 2 and record its start")
+            second = int(c.job(job.id)["first_prefill_ms"])
+            os.kill(gw0, signal.SIGCONT)
+            stopped.discard(gw0)
+            wait_for(lambda: int(c.job(job.id)["first_prefill_ms"]) < second, 30, "gw-0 to write attempt 1's start")
+            assert c.state(job.id) == "dispatched", "attempt 2 ended first: nothing is tested"
+            wait_for(lambda: c.state(job.id) == "done", 180, "attempt 2 to finish")
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        h = c.job(job.id)
+        with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
+            result = b0.job(job.id).result(timeout=30)
+    assert (h["attempt"], h["gateway"]) == (b"2", b"gw-1"), h.get("reason")
+    first_s = (int(h["first_prefill_ms"]) - int(h["enqueued_at_ms"])) / 1e3
+    assert float(h["queued_s"]) == pytest.approx(first_s, abs=0.05), (float(h["queued_s"]), first_s)
+    assert result.queued_s == pytest.approx(first_s, abs=0.05)

@@ -18,6 +18,8 @@
 -- ARGV[8]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
 -- ARGV[9..]   result fields: name, value, name, value, ...
 --
+-- A result's queued_s is the earliest recorded first start (first_prefill_ms) less the admission, if that is less.
+--
 -- Returns: 1 if recorded, 0 if stale; "late", changing nothing, when run past ARGV[8] (Redis stood still
 -- meanwhile): the caller keeps the result to store again, and a retry that found it stored would take it for
 -- stale, so no gateway would count the job finished.
@@ -50,6 +52,13 @@ local tier = fields[3]
 redis.call('HSET', KEYS[1], 'state', state, 'finished_at_ms', now)
 if #ARGV >= 9 then
     redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+end
+-- The wait ends at the earliest start any gateway recorded (first_prefill.lua). The caller may have measured it to
+-- a later attempt's start: the gateway that heard the first stood still before writing it, and wrote it since.
+local starts = redis.call('HMGET', KEYS[1], 'queued_s', 'first_prefill_ms', 'enqueued_at_ms')
+local given, first, enq = tonumber(starts[1]), tonumber(starts[2]), tonumber(starts[3])
+if given and first and enq and math.max(0, first - enq) / 1000 < given then
+    redis.call('HSET', KEYS[1], 'queued_s', string.format('%.17g', math.max(0, first - enq) / 1000))
 end
 redis.call('DEL', KEYS[4])
 redis.call('HDEL', KEYS[1], 'payload')
