@@ -241,3 +241,27 @@ def test_isolated_p0_prefill_runs_in_a_step_of_its_own():
     step(s2)
     s2.add(req("q0", Tier.P0, prompt=12))
     assert len(step(s2).chunks) == 3
+
+
+@pytest.mark.parametrize("head_tier", [Tier.P0, Tier.P1])
+def test_a_waiting_urgent_request_starts_in_the_next_step_beside_long_lower_tier_prefills(head_tier):
+    """Without isolation, running P3 prompts mid-prefill took the whole token budget before the waiting list
+    was looked at: an urgent request with a free slot and blocks waited until every one of them had finished
+    its prompt (13 steps here). Now it starts in the next step, and the prefills go on with what is left."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096),
+                  BlockManager(512, 4), PriorityPolicy(), PreemptionConfig(bytes_per_block=1))
+    long = [req(f"p3-{i}", Tier.P3, prompt=400, max_tokens=4) for i in range(2)]
+    for r in long:
+        s.add(r)
+    step(s)
+    urgent = req("urgent", head_tier, prompt=12)
+    s.add(urgent)
+    out = step(s)
+    assert urgent in [c.request for c in out.chunks]
+    assert sum(c.num_tokens for c in out.chunks) == 64  # the budget is still used in full
+    assert any(c.request in long for c in out.chunks)  # the prefills go on beside it
+    for _ in range(100):
+        if not s.has_unfinished():
+            break
+        step(s)
+    assert all(r.status is RequestStatus.FINISHED for r in long + [urgent])

@@ -130,6 +130,7 @@ class Scheduler(GivingWay):
         urgent_only = self._isolate_p0_prefill()
         if urgent_only:
             self._last_isolated_step = self.step_index
+        head, kept = (None, 0) if urgent_only else self._kept_for_head(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -137,7 +138,10 @@ class Scheduler(GivingWay):
             if urgent_only and req.tier is not Tier.P0:
                 i += 1
                 continue
-            n = self._tokens_this_step(req, budget)
+            room = budget
+            if head is not None and req.tier.rank > head.tier.rank and req.num_uncomputed_tokens > 1:
+                room -= kept
+            n = self._tokens_this_step(req, room) if room > 0 else 0
             if n and (self._allocate(req, n) or self._reclaim_for_growth(req, n)):
                 chunks.append(self._chunk(req, n))
                 budget -= n
@@ -201,6 +205,29 @@ class Scheduler(GivingWay):
         return (head.tier is Tier.P0 and not head.started and len(self.running) < self.config.max_num_seqs
                 and any(r.tier is not Tier.P0 for r in self.running)
                 and self._missing(head, 1) <= self._usable_free(head))
+
+    def _kept_for_head(self, budget: int) -> tuple[Request | None, int]:
+        """The waiting head and the tokens of this step kept for its next chunk, where it can start now: running
+        work it outranks prefills with the rest. Without this, lower-tier prompts mid-prefill took the whole
+        budget before the waiting list was looked at, and an urgent request with a free slot and blocks waited
+        for every one of them to finish its prompt. Decodes (one token each) are not held back.
+
+        Only where the free blocks also hold what the held-back prompts still need: else starting the head
+        would take the blocks a prompt resumed after a preemption was let in for (_resume_tokens), it would
+        give way again before its residency, and a stream of urgent requests would recompute it over and
+        over; making room is _make_room_for_waiting's decision, with its guards."""
+        if not self.policy.preempts or not self.waiting:
+            return None, 0
+        head = self.waiting[0]
+        if not self._has_slot(head) or any(head is p for p in self._preempted):
+            return None, 0
+        n = self._tokens_this_step(head, budget)
+        held_back = [r for r in self.running if r.tier.rank > head.tier.rank and r.num_uncomputed_tokens > 1]
+        if n == 0 or not held_back:
+            return None, 0
+        need = self._missing(head, n, starting=True) + sum(self._missing(r, r.num_uncomputed_tokens)
+                                                           for r in held_back)
+        return (head, n) if need <= self._usable_free(head) else (None, 0)
 
     def _tokens_this_step(self, req: Request, budget: int) -> int:
         n = min(req.num_uncomputed_tokens, budget)
