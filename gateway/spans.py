@@ -8,6 +8,7 @@ stay in that one trace.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -57,16 +58,25 @@ class GatewaySpans:
         return tracing.carrier()
 
     def dispatched(self, rec, parent: dict[str, str], worker: str, reason: str, now_ns: int) -> dict[str, str]:
-        """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join."""
+        """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join.
+
+        Both are on Redis's clock, as the wait's start (admission, requeue) and its events are: the claim's
+        dispatched_at_ms ends the wait, and the dispatch begins there. Ended on the gateway's wall clock, a gateway
+        behind Redis by more than the wait made a span that ended before it began (the wait lost: explain and
+        Jaeger took it as none). ``queue.clock_offset_ms`` says how far the gateway's clock was from Redis's then
+        (the claim's reply time included), so that a reader can tell spans of other clocks apart."""
         ctx = tracing.context_from(parent)
         attrs = tracing.request_attributes(rec.id, rec.tier.value, rec.tenant)
         start_ms = self._queue_start_ms(rec)
         queue = self._queue_span(rec, ctx, attrs, start_ms, rec.attempt)
-        queue.end(end_time=now_ns)
-        # The wait on Redis's clock at both ends (claim.lua's dispatched_at_ms), as the queue's own times are.
-        end_ms = rec.dispatched_at_ms if rec.dispatched_at_ms is not None else now_ns // 1_000_000
-        metrics.dispatched(rec.tier_granted.value, (end_ms - start_ms) / 1e3)
-        span = self.tracer.start_span("gateway.dispatch", context=ctx, kind=SpanKind.PRODUCER, start_time=now_ns,
+        sent_ms = rec.dispatched_at_ms
+        offset_ns = 0 if sent_ms is None else now_ns - sent_ms * 1_000_000
+        if sent_ms is not None:
+            queue.set_attribute("queue.clock_offset_ms", offset_ns // 1_000_000)
+        end_ns = max(now_ns - offset_ns, start_ms * 1_000_000)
+        queue.end(end_time=end_ns)
+        metrics.dispatched(rec.tier_granted.value, (end_ns // 1_000_000 - start_ms) / 1e3)
+        span = self.tracer.start_span("gateway.dispatch", context=ctx, kind=SpanKind.PRODUCER, start_time=end_ns,
                                       attributes=attrs | {"dispatch.worker": worker, "dispatch.reason": reason,
                                                           "dispatch.attempt": rec.attempt})
         lost = rec.result.get("lost_worker")
@@ -76,7 +86,7 @@ class GatewaySpans:
             released = rec.released_attempt == rec.attempt - 1
             span.set_attribute("dispatch.requeue_cause", "released" if released else "lease_expired")
         carrier = tracing.carrier_of(span)
-        span.end()
+        span.end(end_time=end_ns + max(0, time.time_ns() - now_ns))  # as long as it took here
         return carrier
 
     def left_queue(self, rec, outcome: str, end_ns: int) -> None:

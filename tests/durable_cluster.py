@@ -84,7 +84,9 @@ class DurableCluster:
             flag, jump = self.clock_jump.get(name, (None, 0.0))
             if skew or jump:  # this gateway's wall clock runs `skew` seconds off (and steps); everything else is real
                 step = f" + ({jump!r} if os.path.exists({str(flag)!r}) else 0.0)" if jump else ""
+                # time_ns too: span times are read from it (a host's wall clock is off for both).
                 code = (f"import os, sys, time, runpy; _t = time.time; time.time = lambda: _t() + {skew!r}{step}; "
+                        f"_n = time.time_ns; time.time_ns = lambda: _n() + int(1e9 * ({skew!r}{step})); "
                         f"sys.argv = ['gateway'] + sys.argv[1:]; runpy.run_module('gateway', run_name='__main__')")
                 return [sys.executable, "-c", code, *args]
             return [sys.executable, "-m", "gateway", *args]

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 from common.traces import accounting
+from common.traces.clocks import clock_offsets
 from common.traces.missing import missing_spans
 from common.traces.model import Cause, Decision, Explanation, NoSchedulingSpans, Phase, Suspension
 from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, PHASES,
@@ -297,7 +298,7 @@ class _Analyser:
             attempts=max(attempts, 1 if self.own else 0),
             workers=workers, blame=[c for _, _, c in sorted(causes, key=lambda x: (x[0], x[1]))],
             phases=self._phases(dispatches, suspensions), suspensions=suspensions, decisions=decisions,
-            missing=missing_spans(self.own, self.t0))
+            missing=missing_spans(self.own, self.t0), clock_offsets=clock_offsets(self.own))
 
     def _dead_letter_causes(self, dispatches: list[Span], add) -> None:
         """Its last allowed attempt lost its lease: the job was dead-lettered (no next dispatch tells of it)."""

@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.traces.clocks import clock_text
+
 
 class NoSchedulingSpans(LookupError):
     """No trace of the request, or its traces hold none of the scheduling spans."""
@@ -109,6 +111,8 @@ class Explanation:
     transit: dict[str, float] = field(default_factory=dict)  # kind -> seconds: to_gateway, admission, ...
     # Spans the others show existed but the input lacks (common/traces/missing.py): the times leave out theirs.
     missing: list[str] = field(default_factory=list)
+    # Dispatches whose gateway's wall clock was off Redis's (common/traces/clocks.py): attempt, service, offset_s.
+    clock_offsets: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +133,7 @@ class Explanation:
             lines.append("incomplete: not in the input (a rotated spans file removed, beyond up.py's --spans-keep, or "
                          "a process that died before exporting them), so the times above may leave out what they held:")
             lines += [f"  - {m}" for m in self.missing]
+        lines += clock_text(self.clock_offsets)
         if self.blame:
             lines.append("why:")
             for c in self.blame:
