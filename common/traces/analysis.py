@@ -298,7 +298,18 @@ class _Analyser:
             attempts=max(attempts, 1 if self.own else 0),
             workers=workers, blame=[c for _, _, c in sorted(causes, key=lambda x: (x[0], x[1]))],
             phases=self._phases(dispatches, suspensions), suspensions=suspensions, decisions=decisions,
-            missing=missing_spans(self.own, self.t0), clock_offsets=clock_offsets(self.own))
+            missing=missing_spans(self.own, self.t0), clock_offsets=clock_offsets(self.own),
+            to_first_prefill_s=self._to_first_prefill(queues))
+
+    def _to_first_prefill(self, queues: list[Span]) -> float | None:
+        """Admission to the first prefill found: what JobResult.queued_s reports (first_prefill_ms - admission). Not
+        queued_s here, which holds every queue wait of every attempt: after a re-dispatch the two differ by design.
+        None without the first attempt's queue span (its start is the admission) or any prefill."""
+        first = [q for q in queues if (attr_int(q.get("queue.attempt")) or 1) == 1]
+        prefills = [p.start_ns for p in self.spans(WORKER_PREFILL) if p.start_ns > 0]
+        if not first or not prefills:
+            return None
+        return round(max(0, min(prefills) - min(q.start_ns for q in first)) / 1e9, 9)
 
     def _dead_letter_causes(self, dispatches: list[Span], add) -> None:
         """Its last allowed attempt lost its lease: the job was dead-lettered (no next dispatch tells of it)."""

@@ -9,6 +9,10 @@ from typing import Any
 from common.traces.clocks import clock_text
 
 
+# Queued time told apart from JobResult.queued_s past this: they differ by the hand-offs (a few ms) always.
+WAITS_DIFFER_S = 0.05
+
+
 class NoSchedulingSpans(LookupError):
     """No trace of the request, or its traces hold none of the scheduling spans."""
 
@@ -113,6 +117,9 @@ class Explanation:
     missing: list[str] = field(default_factory=list)
     # Dispatches whose gateway's wall clock was off Redis's (common/traces/clocks.py): attempt, service, offset_s.
     clock_offsets: list[dict[str, Any]] = field(default_factory=list)
+    # Admission to its first prefill (what JobResult.queued_s reports), None where its spans do not tell; not
+    # queued_s, which also holds the worker's queue and every later attempt's waits.
+    to_first_prefill_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +140,10 @@ class Explanation:
             lines.append("incomplete: not in the input (a rotated spans file removed, beyond up.py's --spans-keep, or "
                          "a process that died before exporting them), so the times above may leave out what they held:")
             lines += [f"  - {m}" for m in self.missing]
+        if self.to_first_prefill_s is not None and abs(self.to_first_prefill_s - self.queued_s) >= WAITS_DIFFER_S:
+            lines.append(f"queued {self.queued_s:.2f} s in all (every gateway and worker queue, of {self.attempts} "
+                         f"attempt{'s' if self.attempts != 1 else ''}); {self.to_first_prefill_s:.2f} s from "
+                         "admission to its first prefill (JobResult.queued_s)")
         lines += clock_text(self.clock_offsets)
         if self.blame:
             lines.append("why:")
