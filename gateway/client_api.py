@@ -11,6 +11,7 @@ import time
 import uuid
 
 import msgpack
+import redis
 
 from common import protocol as P
 from common import tracing
@@ -142,6 +143,16 @@ class ClientApi:
             return None
         return rec
 
+    def _cancelled_at_ns(self, job_id: str) -> int:
+        """When cancel.lua cancelled the job, on Redis's clock as its wait's start is: ended on this gateway's wall
+        clock, a gateway behind Redis's told a job that waited seconds that it waited none. Its own clock if Redis
+        does not say (the cancel is done: a span is no reason to answer it as failed)."""
+        try:
+            at = self.queue.client.hget(self.queue.keys.job(job_id), "finished_at_ms")
+            return int(at) * 1_000_000 if at else time.time_ns()
+        except (redis.RedisError, ValueError):
+            return time.time_ns()
+
     def on_status(self, ident: bytes, req: P.StatusRequest) -> None:
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
@@ -182,7 +193,7 @@ class ClientApi:
             return
         before = self.queue.cancel(req.job_id)
         if before is not None and before.state == "queued":
-            self.spans.left_queue(before, "cancelled", time.time_ns())
+            self.spans.left_queue(before, "cancelled", self._cancelled_at_ns(req.job_id))
         if before is not None and before.state == "dispatched":
             w = self.workers.workers.get(before.worker)
             if w is not None:

@@ -6,6 +6,7 @@ read back by explain."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -55,3 +56,28 @@ def test_a_gateway_clock_behind_redis_keeps_the_queue_wait(tiny_model_dir, tmp_p
     assert explain.main([second.id, "--spans", str(spans)]) == 0
     text = capsys.readouterr().out
     assert "clocks disagree" in text, text
+
+
+def test_a_gateway_clock_behind_redis_keeps_the_wait_of_a_job_cancelled_in_its_queue(tiny_model_dir, tmp_path):
+    """A job cancelled while queued: its gateway.queue span began at the admission on Redis's clock and ended at the
+    gateway's wall clock, clamped to its start; a gateway 30 s behind Redis told a job that waited seconds that it
+    waited none. It ends at the cancel as Redis recorded it (finished_at_ms), as an expiry's does."""
+    spans = tmp_path / "spans.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "otlp_json_file", "TS_SPANS_FILE": str(spans), "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    # No worker: the job waits in its queue until it is cancelled.
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, gateway_env=env,
+                        clock_skew_s={"gw-0": SKEW_S}) as c:
+        with c.client("batch-co", timeout_s=30.0) as batch:
+            job = batch.submit(prompt_token_ids=[5], max_tokens=1, tier="P3")
+            time.sleep(1.0)
+            assert batch.cancel(job.id) and c.state(job.id) == "cancelled"
+        rec = c.job(job.id)
+    waited_s = (int(rec["finished_at_ms"]) - int(rec["enqueued_at_ms"])) / 1e3
+
+    def queue_spans():
+        return [s for s in read_spans_file(spans, job.id).spans if s.name == "gateway.queue"]
+
+    wait_for(lambda: queue_spans(), 10, "the queue span to be exported")
+    [queue] = queue_spans()
+    assert queue.get("queue.outcome") == "cancelled"
+    assert queue.duration_s == pytest.approx(waited_s, abs=0.002), (queue.duration_s, waited_s)
