@@ -83,8 +83,14 @@ def fingerprint(req: SubmitRequest, adm: Admission) -> str:
     may size another on a retry of the same request)."""
     # temperature and top_p as floats, as the SDK sends them: a raw client's 0 and 0.0 are one request (packed as
     # sent, they were two), and the keys stored before from the SDK's requests keep their fingerprints.
-    return _digest(req, adm, None if req.max_tokens_defaulted else req.max_tokens, float(req.temperature),
-                   float(req.top_p))
+    return _digest(req, adm, None if req.max_tokens_defaulted else req.max_tokens, _as_float(req.temperature),
+                   _as_float(req.top_p))
+
+
+def _as_float(value) -> float:
+    """``value`` as a float, -0.0 as 0.0: equal numbers that msgpack packs apart (a client's encoder may write -0.0,
+    P.encode leaves a 0.0 temperature out), while every other float, so every stored fingerprint, stays as it was."""
+    return float(value) + 0.0
 
 
 def fingerprint_before(req: SubmitRequest, adm: Admission) -> str:

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import httpx
+import msgpack
 import pytest
 import zmq
 
@@ -108,6 +109,32 @@ def test_a_raw_client_retrying_with_an_int_for_a_float_is_the_same_request(tmp_p
             sock.close(linger=0)
 
 
+def test_a_retry_sending_minus_zero_is_the_same_request(tmp_path, tiny_model_dir):
+    """-0.0 == 0.0, but msgpack packs them apart: a client of its own (not P.encode, which leaves a field equal to its
+    default out) whose encoder wrote -0.0 on a retry was refused, its key used for another request."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0) as c:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            sock.connect(c.endpoint())
+            idem = uuid.uuid4().hex
+            a = _submit(sock, c.key("lab-co"), idem, "r1", temperature=0.5)
+            assert isinstance(a, P.SubmitReply) and not a.duplicate, a
+            b = _submit(sock, c.key("lab-co"), idem, "r2", temperature=0.0)  # another request: refused
+            assert isinstance(b, P.ErrorReply) and b.field == "idempotency_key", b
+            idem = uuid.uuid4().hex
+            a = _submit(sock, c.key("lab-co"), idem, "r3", temperature=0.0, top_p=0.5)
+            assert isinstance(a, P.SubmitReply) and not a.duplicate, a
+            body = {"api_key": c.key("lab-co"), "max_tokens": 4, "prompt_token_ids": [5, 6, 7], "temperature": -0.0,
+                    "top_p": 0.5, "tier": "P3", "idempotency_key": idem, "request_id": "r4"}
+            sock.send(msgpack.packb({"v": P.SCHEMA_VERSION, "k": "SubmitRequest", "b": body}, use_bin_type=True))
+            assert sock.poll(30_000), "no answer from the gateway"
+            b = P.decode(sock.recv())
+            assert isinstance(b, P.SubmitReply), b
+            assert b.job_id == a.job_id and b.duplicate
+        finally:
+            sock.close(linger=0)
+
+
 def test_the_fingerprint_of_what_the_sdk_sends_is_unchanged():
     """Keys live 24 h across an upgrade: a request the SDK sends keeps the fingerprint stored before (these values
     are the fingerprints of the release before)."""
@@ -117,6 +144,11 @@ def test_the_fingerprint_of_what_the_sdk_sends_is_unchanged():
     req = submit_request("k", None, [1, 2, 3, 4], 40, 0.7, 0.9, 20, 12, "P1", "key-2", True)
     assert admission.fingerprint(req, admission.Admission(None, Tier.P1, [1, 2, 3, 4])) == \
         "fd6a50959203799961299650d2cb994b"
+    # -0.0 == 0.0: a client whose encoder writes -0.0 asks for what the SDK's 0.0 asks for.
+    minus = submit_request("k", None, [5, 6, 7], 12, -0.0, 1, None, None, "P2", "key-1", False)
+    assert minus.temperature == 0.0 and str(minus.temperature) == "-0.0"
+    assert admission.fingerprint(minus, admission.Admission(None, Tier.P2, [5, 6, 7])) == \
+        "2eb81eb11baccd91fb629ad5f6099302"
 
 
 # The gateway of the release before SubmitRequest.max_tokens_defaulted: the real gateway, run with SubmitRequest as it
