@@ -69,7 +69,7 @@ def rotate(path: str | os.PathLike, max_bytes: int, keep: int) -> bool:
         if max_bytes <= 0 or not stat.S_ISREG(st.st_mode) or st.st_size < max_bytes:
             return False  # /dev/null, a pipe: nothing to rotate
         keep = max(1, keep)
-        Path(f"{path}.{keep}").unlink(missing_ok=True)
+        prune(path, keep - 1)  # FILE.keep makes room; FILE.keep+1.. a run that kept more left
         for n in range(keep - 1, 0, -1):
             older = Path(f"{path}.{n}")
             if older.exists():
@@ -78,6 +78,23 @@ def rotate(path: str | os.PathLike, max_bytes: int, keep: int) -> bool:
     except OSError:  # gone meanwhile, or a folder we may not rename in: the spans go on growing, the cluster runs
         return False
     return True
+
+
+def prune(path: str | os.PathLike, keep: int) -> None:
+    """Remove ``path``'s rotated files beyond ``keep`` (FILE.N, N > keep): a run with a higher --spans-keep left them,
+    and rotate's shift never reaches them again."""
+    path = Path(path)
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        n = name[len(path.name) + 1:] if name.startswith(path.name + ".") else ""
+        if n.isascii() and n.isdigit() and int(n) > keep:
+            try:
+                Path(path.parent, name).unlink(missing_ok=True)
+            except OSError:  # a folder of that name, say: not ours, and no reason to stop rotating
+                pass
 
 
 def rotated_files(path: str | os.PathLike) -> list[Path]:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from common import keys as curve_keys  # noqa: E402
 from common.redis_server import RedisServer, redact_url  # noqa: E402
 from common.ports import free_port  # noqa: E402
-from common.spans_file import rotate as rotate_spans  # noqa: E402
+from common.spans_file import prune as prune_spans, rotate as rotate_spans  # noqa: E402
 from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
 from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard, sweep_dead_runs  # noqa: E402
@@ -421,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         state = cluster.start()
         stopping["up"] = True
         cluster.guard.remove_state(args.state_file, cluster.secrets / "keys")
+        if state["spans_file"] and args.spans_max_mb:  # rotations beyond --spans-keep, of a run that kept more
+            prune_spans(state["spans_file"], args.spans_keep)
         write_state(args.state_file, state)
         print(f"cluster up: gateway {state['gateway']}, redis {redact_url(state['redis'])}, "
               f"logs in {state['logs']}", flush=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.spans_file import AppendStream, rotate, rotated_files
+from common.spans_file import AppendStream, prune, rotate, rotated_files
 from gateway.sdk import GatewayClient
 from scripts import explain
 from tests.cluster_helpers import ROOT, process_running, wait_for
@@ -28,6 +28,8 @@ def test_the_spans_file_is_rotated_and_explain_reads_the_rotated_ones(tmp_path, 
     cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", "1", "--model", str(tiny_model_dir),
            "--no-http", "--state-file", str(state_file), "--max-running", "2", "--logs-dir", str(tmp_path / "logs"),
            "--spans-file", str(spans), "--spans-max-mb", str(MAX_MB), "--spans-keep", "2"]
+    for n in (3, 4):  # a run before kept 4: more than this one keeps
+        Path(f"{spans}.{n}").write_text("{}\n")
     env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="100")  # batches every 0.1 s: the test waits less
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=(tmp_path / "up.log").open("w"), stderr=subprocess.STDOUT, env=env)
     pids: list[int] = []
@@ -36,6 +38,7 @@ def test_the_spans_file_is_rotated_and_explain_reads_the_rotated_ones(tmp_path, 
         assert proc.poll() is None, (tmp_path / "up.log").read_text()
         st = json.loads(state_file.read_text())
         pids = list(st["pids"].values())
+        assert not Path(f"{spans}.3").exists() and not Path(f"{spans}.4").exists()  # beyond --spans-keep 2
         ids: list[str] = []
         with GatewayClient(st["gateway"], st["tenants"]["lab-co"]["api_key"], timeout_s=10) as client:
             def one_job() -> str:
@@ -89,3 +92,25 @@ def test_a_writer_follows_the_rotation_and_nothing_is_lost(tmp_path):
     assert [json.loads(ln)["n"] for ln in lines] == list(range(10))  # all of them, oldest file first
     assert len(rotated_files(path)) > 3 and all(p.stat().st_size < 60 for p in rotated_files(path))
     assert not rotate(tmp_path / "absent", 1, keep=1) and not rotate(os.devnull, 1, keep=1)
+
+
+def test_a_lower_keep_removes_the_rotations_beyond_it(tmp_path):
+    # --spans-keep lowered between two runs on one file: rotate removed FILE.keep alone, so FILE.3.. of the run
+    # that kept more stayed on disk for ever (and explain read them as the newest run's).
+    path = tmp_path / "spans.jsonl"
+    for n in range(1, 6):
+        Path(f"{path}.{n}").write_text(f"old {n}\n")
+    (tmp_path / "spans.jsonl.x").write_text("not a rotation\n")
+    (tmp_path / "spans.jsonl.9.tmp").write_text("not a rotation\n")
+    path.write_text("x" * 30)
+    assert rotate(path, 20, keep=2)
+    assert [p.name for p in rotated_files(path)] == ["spans.jsonl.2", "spans.jsonl.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["spans.jsonl.1", "spans.jsonl.2", "spans.jsonl.9.tmp", "spans.jsonl.x"]
+    assert Path(f"{path}.2").read_text() == "old 1\n" and Path(f"{path}.1").read_text() == "x" * 30
+    # Below the size, nothing rotates; prune alone removes what a lower keep leaves beyond it.
+    Path(f"{path}.3").write_text("old\n")
+    assert not rotate(path, 20, keep=1) and Path(f"{path}.3").exists()
+    prune(path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spans.jsonl.1", "spans.jsonl.9.tmp", "spans.jsonl.x"]
+    prune(tmp_path / "absent", keep=1)  # nothing there: nothing to do
