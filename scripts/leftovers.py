@@ -117,11 +117,13 @@ def alive(ident: object) -> bool:
     return now == started
 
 
-def sweep_dead_runs(folder: Path, prefix: str) -> list[Path]:
+def sweep_dead_runs(folder: Path, prefix: str, also: tuple[Path, ...] | list[Path] = ()) -> list[Path]:
     """Remove what a dead run (launcher and helper both gone) left: each ``prefix``* folder of ours in ``folder``
-    holding a record. The folders removed."""
+    holding a record, and each in ``also`` (one a state file names: its run may have had another temporary
+    folder). The folders removed."""
     removed = []
-    for d in sorted(Path(folder).glob(prefix + "*")):
+    found = sorted(Path(folder).glob(prefix + "*"))
+    for d in found + [Path(p) for p in also if Path(p).name.startswith(prefix) and Path(p) not in found]:
         try:
             if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
                 continue

@@ -12,7 +12,8 @@ file: it exists while the cluster is up. The state file also holds http (the HTT
 URL or null) and metrics (every process's /metrics URL). Killed outright (SIGKILL), up.py takes its
 processes with it on Linux (each gets SIGTERM), and a helper of its own (scripts/leftovers.py) removes its
 state file, its secrets folder and Redis's folder as soon as it dies. Both killed at once (or the machine
-crashed), the next run removes them as it starts (a record in the secrets folder names them; a live run's stay).
+crashed), the next run removes them as it starts (a record in the secrets folder names them; a live run's stay):
+those in its temporary folder, and those the state file it is given names, wherever they are.
 
 Files: the logs and spans go to --logs-dir (default: a new ts-cluster-* folder in the temporary
 directory), which is kept after the cluster stops, for reading. The secrets (CURVE keys, the Redis
@@ -100,11 +101,25 @@ def port_free(port: int) -> bool:
     return True
 
 
-def sweep_leftovers() -> None:
+def sweep_leftovers(state_file: Path | None = None) -> None:
     """Remove the secrets, Redis's folder and the state file of runs dead with their leftovers helper (kill -9 of
-    both, a crash of the machine): nobody else will. A live run's are left alone."""
-    for d in sweep_dead_runs(Path(tempfile.gettempdir()), SECRETS_PREFIX):
+    both, a crash of the machine): nobody else will. Those in the temporary folder, and the run's that
+    ``state_file`` names (started with another TMPDIR, it is found there alone). A live run's are left alone."""
+    also = [] if state_file is None else recorded_secrets(state_file)
+    for d in sweep_dead_runs(Path(tempfile.gettempdir()), SECRETS_PREFIX, also):
         print(f"up.py: removed {d}, left by a run that died without cleaning up", file=sys.stderr, flush=True)
+
+
+def recorded_secrets(state_file: Path) -> list[Path]:
+    """The secrets folder a state file names (its keys folder's parent), if any: a lead, checked by the sweep."""
+    try:
+        if not Path(state_file).is_file():  # /dev/null, a pipe: nothing to read, or a read that never ends
+            return []
+        with open(state_file, "rb") as f:
+            keys_dir = json.loads(f.read(1 << 20))["keys"]["dir"]
+        return [Path(keys_dir).parent] if isinstance(keys_dir, str) and keys_dir else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def write_state(path: Path, state: dict) -> None:
@@ -130,7 +145,7 @@ class Cluster:
         if args.logs_dir:
             args.logs_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = args.logs_dir or Path(tempfile.mkdtemp(prefix="ts-cluster-"))  # logs and spans: kept
-        sweep_leftovers()
+        sweep_leftovers(args.state_file)
         self.secrets = Path(tempfile.mkdtemp(prefix=SECRETS_PREFIX))  # removed by stop()
         # Removes it (and Redis's folder, the state file) if we are killed outright; its record in the folder lets
         # a later run's sweep do it if the guard dies with us.
@@ -403,9 +418,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    cluster = Cluster(args)  # its sweep reads the state file first: it may name a dead run's leftovers
     # The state file says "this cluster is up": one left by a killed run must not pass for the new cluster.
     remove_state(args.state_file)
-    cluster = Cluster(args)
     stopping = {"now": False, "up": False}
 
     def on_signal(signum, frame):

@@ -1,0 +1,101 @@
+"""What a dead launcher (scripts/up.py) left, found through the state file a new one is given: its secrets folder
+and Redis's sit in the temporary folder of that run, which need not be this one's. Real processes: up.py,
+redis-server, a gateway and a worker on the tiny model; real files and pids for the sweep itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from scripts import up
+from scripts.leftovers import LEFTOVERS_FILE, identity
+from tests.cluster_helpers import process_running, wait_for
+from tests.test_up_lifecycle import children, cmdline, reap_orphans, up_in
+
+pytestmark = pytest.mark.faults
+
+
+def test_a_dead_run_of_another_temporary_folder_is_swept_through_its_state_file(tmp_path, tiny_model_dir):
+    # The sweep looked in this run's temporary folder alone: a run started with another TMPDIR, killed with its
+    # helper, kept its CURVE keys, API keys, Redis password and AOF on disk for ever, though the state file this
+    # run was given named them.
+    first_tmp, second_tmp = tmp_path / "tmp-first", tmp_path / "tmp-second"
+    first_tmp.mkdir()
+    second_tmp.mkdir()
+    first, state_file = up_in(tmp_path, tiny_model_dir, first_tmp, "first")
+    second: subprocess.Popen | None = None
+    pids: list[int] = []
+    left: list[Path] = []
+    try:
+        wait_for(lambda: state_file.exists() or first.poll() is not None, 120, "the first cluster to start")
+        assert first.poll() is None, (tmp_path / "up-first.log").read_text()
+        st = json.loads(state_file.read_text())
+        pids = list(st["pids"].values())
+        left = [Path(st["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{st['pids']['redis']}/cwd"))]
+        assert all(p.parent == first_tmp for p in left)
+        helper = next(c for c in children(first.pid) if "-m scripts.leftovers" in cmdline(c))
+        os.kill(helper, signal.SIGKILL)
+        first.kill()
+        first.wait()
+        wait_for(lambda: not any(process_running(p) for p in pids + [helper]), 30, "the first cluster to exit")
+        assert all(p.is_dir() for p in left)
+
+        second, _ = up_in(tmp_path, tiny_model_dir, second_tmp, "second")
+        wait_for(lambda: (state_file.exists() and json.loads(state_file.read_text())["pids"]["redis"] not in pids)
+                 or second.poll() is not None, 120, "the second cluster to start")
+        assert second.poll() is None, (tmp_path / "up-second.log").read_text()
+        assert not any(p.exists() for p in left), [str(p) for p in left if p.exists()]
+        assert "left by a run that died" in (tmp_path / "up-second.log").read_text()
+        pids += list(json.loads(state_file.read_text())["pids"].values())
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=40) == 0
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait()
+        reap_orphans(pids)
+        for d in left:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _run(tmpdir: Path, owner: list, state_file: Path) -> tuple[Path, Path]:
+    """A run's leftovers as up.py records them: its secrets folder (keys, the record) and Redis's, beside it."""
+    secrets = tmpdir / f"{up.SECRETS_PREFIX}{owner[0]}"
+    redis_dir = tmpdir / f"redis-server-{owner[0]}"
+    (secrets / "keys").mkdir(parents=True)
+    redis_dir.mkdir()
+    lines = [{"owner": owner, "helper": owner}, {"dir": str(secrets)}, {"dir": str(redis_dir)},
+             {"state": str(state_file.resolve()), "keys_dir": str(secrets / "keys")}]
+    (secrets / LEFTOVERS_FILE).write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    state_file.write_text(json.dumps({"keys": {"dir": str(secrets / "keys")}}))
+    return secrets, redis_dir
+
+
+def test_the_state_file_leads_to_a_dead_run_and_never_to_a_live_one(tmp_path, monkeypatch):
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the sweep's own folder: this test's
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    state_file = tmp_path / "cluster.json"
+    live = _run(other, identity(os.getpid()), state_file)  # this process: alive
+    up.sweep_leftovers(state_file)
+    assert all(p.is_dir() for p in live) and state_file.exists()
+    shutil.rmtree(live[0])
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = _run(other, [int(gone.stdout), "0"], state_file)  # exited (and a start time no process has)
+    up.sweep_leftovers(state_file)
+    assert not any(p.exists() for p in dead) and not state_file.exists()
+    # Neither a state file that is not a file nor one naming no secrets folder of ours is read as a lead.
+    up.sweep_leftovers(Path(os.devnull))
+    (tmp_path / "plain.json").write_text(json.dumps({"keys": {"dir": str(tmp_path / "keys")}}))
+    up.sweep_leftovers(tmp_path / "plain.json")
+    assert (tmp_path / "plain.json").exists() and other.is_dir()
