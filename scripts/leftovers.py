@@ -141,6 +141,19 @@ def sweep_dead_runs(folder: Path, prefix: str, also: tuple[Path, ...] | list[Pat
     return removed
 
 
+def live_owner(folder: Path) -> int | None:
+    """The pid of the launcher whose record ``folder`` holds, while it runs; else None."""
+    try:
+        lines = _read_record(Path(folder) / LEFTOVERS_FILE)
+    except OSError:
+        return None
+    owner = lines[0].get("owner") if lines else None
+    # alive() counts a malformed identity as alive (the sweep's caution); here only a well-formed one is a run.
+    if isinstance(owner, list) and len(owner) == 2 and isinstance(owner[0], int) and owner[0] > 0 and alive(owner):
+        return owner[0]
+    return None
+
+
 def _read_record(path: Path) -> list[dict]:
     out = []
     for raw in path.read_text(encoding="utf-8").splitlines():

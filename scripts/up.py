@@ -51,7 +51,7 @@ from common.ports import free_port  # noqa: E402
 from common.spans_file import prune as prune_spans, rotate as rotate_spans  # noqa: E402
 from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
-from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard, sweep_dead_runs  # noqa: E402
+from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard, live_owner, sweep_dead_runs  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
 SECRETS_PREFIX = "ts-cluster-secrets-"  # a temporary folder per run: the keys, the Redis password, the API keys
@@ -418,6 +418,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    for folder in recorded_secrets(args.state_file):
+        # Removed and rewritten, it would be this cluster's while the other runs on (and removes it as it stops).
+        if (pid := live_owner(folder)) is not None:
+            print(f"up.py: --state-file {args.state_file} is the state of a running cluster (up.py pid {pid}); "
+                  "stop that one, or pick another path", file=sys.stderr)
+            return 1
     cluster = Cluster(args)  # its sweep reads the state file first: it may name a dead run's leftovers
     # The state file says "this cluster is up": one left by a killed run must not pass for the new cluster.
     remove_state(args.state_file)

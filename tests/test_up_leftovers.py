@@ -99,3 +99,33 @@ def test_the_state_file_leads_to_a_dead_run_and_never_to_a_live_one(tmp_path, mo
     (tmp_path / "plain.json").write_text(json.dumps({"keys": {"dir": str(tmp_path / "keys")}}))
     up.sweep_leftovers(tmp_path / "plain.json")
     assert (tmp_path / "plain.json").exists() and other.is_dir()
+
+
+def test_a_second_launcher_on_a_live_clusters_state_file_is_refused(tmp_path, tiny_model_dir):
+    # A second up.py given a running cluster's --state-file removed that file and wrote its own; the first one's
+    # stop then removed the second's: a cluster up with no state file, and clients meanwhile read the wrong one's.
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    first, state_file = up_in(tmp_path, tiny_model_dir, tmpdir, "first")
+    pids: list[int] = []
+    try:
+        wait_for(lambda: state_file.exists() or first.poll() is not None, 120, "the first cluster to start")
+        assert first.poll() is None, (tmp_path / "up-first.log").read_text()
+        before = state_file.read_text()
+        pids = list(json.loads(before)["pids"].values())
+        second, _ = up_in(tmp_path, tiny_model_dir, tmpdir, "second")
+        try:
+            assert second.wait(timeout=60) == 1
+        finally:
+            second.kill()
+            second.wait()
+        log = (tmp_path / "up-second.log").read_text()
+        assert f"running cluster (up.py pid {first.pid})" in log, log
+        assert state_file.read_text() == before and all(process_running(p) for p in pids)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=40) == 0
+        assert not state_file.exists()
+    finally:
+        first.kill()
+        first.wait()
+        reap_orphans(pids)
