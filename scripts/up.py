@@ -51,10 +51,12 @@ from common.ports import free_port  # noqa: E402
 from common.spans_file import prune as prune_spans, rotate as rotate_spans  # noqa: E402
 from common.process import die_with_parent  # noqa: E402
 from common.tracing import SPANS_FILE_ENV  # noqa: E402
-from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard, live_owner, sweep_dead_runs  # noqa: E402
+from scripts.leftovers import LEFTOVERS_FILE, LeftoversGuard  # noqa: E402
+from scripts.readiness import port_free, wait_gateway, wait_http  # noqa: E402
+from scripts.up_files import (SECRETS_PREFIX, remove_state, running_launcher, sweep_leftovers,  # noqa: E402, F401
+                              write_state)
 from scripts.supervisor import Supervisor  # noqa: E402
 
-SECRETS_PREFIX = "ts-cluster-secrets-"  # a temporary folder per run: the keys, the Redis password, the API keys
 DEV_TENANTS = {  # name -> (tiers, P0 rate per second, P0 burst)
     "chat-co": (["P0", "P1", "P2", "P3"], 2.0, 4),
     "api-co": (["P1", "P2", "P3"], None, None),
@@ -86,53 +88,6 @@ def write_tenants(path: Path) -> dict:
         lines.append("")
     path.write_text("\n".join(lines))
     return out
-
-
-def port_free(port: int) -> bool:
-    """Whether a server could listen on ``port`` now (SO_REUSEADDR, as uvicorn: a port in TIME_WAIT is free)."""
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def sweep_leftovers(state_file: Path | None = None) -> None:
-    """Remove the secrets, Redis's folder and the state file of runs dead with their leftovers helper (kill -9 of
-    both, a crash of the machine): nobody else will. Those in the temporary folder, and the run's that
-    ``state_file`` names (started with another TMPDIR, it is found there alone). A live run's are left alone."""
-    also = [] if state_file is None else recorded_secrets(state_file)
-    for d in sweep_dead_runs(Path(tempfile.gettempdir()), SECRETS_PREFIX, also):
-        print(f"up.py: removed {d}, left by a run that died without cleaning up", file=sys.stderr, flush=True)
-
-
-def recorded_secrets(state_file: Path) -> list[Path]:
-    """The secrets folder a state file names (its keys folder's parent), if any: a lead, checked by the sweep."""
-    try:
-        if not Path(state_file).is_file():  # /dev/null, a pipe: nothing to read, or a read that never ends
-            return []
-        with open(state_file, "rb") as f:
-            keys_dir = json.loads(f.read(1 << 20))["keys"]["dir"]
-        return [Path(keys_dir).parent] if isinstance(keys_dir, str) and keys_dir else []
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def write_state(path: Path, state: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.touch(mode=0o600)  # readable by its owner only: it holds the key paths and the Redis URL
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.replace(path)  # atomic: readers never see half a file
-
-
-def remove_state(path: Path) -> None:
-    """Remove a state file (a regular file only: --state-file /dev/null stays)."""
-    if path.is_file():
-        path.unlink(missing_ok=True)
 
 
 class Cluster:
@@ -210,9 +165,10 @@ class Cluster:
                           "worker_secrets": {f"wk-{i}": str(key_paths[f"worker:wk-{i}"])
                                              for i in range(max(1, a.workers))}}}
         for g in gateways:
-            self._wait_ready(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout)
+            wait_gateway(g["endpoint"], tenants["lab-co"]["api_key"], a.workers, a.ready_timeout,
+                         self._raise_if_one_exited, self.tmp)
         if http:
-            self._wait_http(http, a.ready_timeout)
+            wait_http(http, a.ready_timeout, self._raise_if_one_exited, self.tmp / "http.log")
         return self.with_pids(state, self.pids())
 
     def _spawn_http(self, env: dict, model: Path, gateways: list[dict], health_key: str) -> str:
@@ -230,24 +186,6 @@ class Cluster:
         port = free_port()
         self.metrics.append(f"http://127.0.0.1:{port}/metrics")
         return {prefix + "METRICS_BIND": f"127.0.0.1:{port}"}
-
-    def _wait_http(self, base: str, timeout: float) -> None:
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._raise_if_one_exited()
-            try:  # the front door itself (the gateways and workers were waited for already)
-                with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                    models = json.loads(r.read()) if r.status == 200 else {}
-                # Ours says so: a server that took the port meanwhile answers too, while ours dies.
-                if any(m.get("owned_by") == "tiered-serve" for m in models.get("data", [])):
-                    return
-            except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
-                pass
-            time.sleep(0.1)  # polling a condition with a deadline
-        raise RuntimeError(f"HTTP front door {base} not serving within {timeout}s; see {self.tmp / 'http.log'}")
 
     def pids(self) -> dict[str, int]:
         return {"redis": self.redis.pid} | {name: p.pid for name, p in self.procs.items()}
@@ -282,25 +220,6 @@ class Cluster:
         for name, proc in self.procs.items():
             sup.add(name, proc, lambda name=name: self.restart(name))
         return sup
-
-    def _wait_ready(self, endpoint: str, key: str, workers: int, timeout: float) -> None:
-        from gateway.sdk import GatewayClient
-
-        deadline = time.monotonic() + timeout
-        # retries=0: a probe; a gateway still starting is this loop's business, not a warning in the log.
-        client = GatewayClient(endpoint, key, timeout_s=2.0, retries=0)
-        try:
-            while time.monotonic() < deadline:
-                self._raise_if_one_exited()
-                try:
-                    if len(client.info().workers) >= workers:
-                        return
-                except TimeoutError:
-                    pass
-                time.sleep(0.1)  # polling a condition with a deadline, not synchronising on time
-            raise RuntimeError(f"cluster not ready within {timeout}s; see the logs in {self.tmp}")
-        finally:
-            client.close()
 
     def _raise_if_one_exited(self) -> None:
         dead = [name for name, p in self.procs.items() if p.poll() is not None]
@@ -418,12 +337,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for folder in recorded_secrets(args.state_file):
-        # Removed and rewritten, it would be this cluster's while the other runs on (and removes it as it stops).
-        if (pid := live_owner(folder)) is not None:
-            print(f"up.py: --state-file {args.state_file} is the state of a running cluster (up.py pid {pid}); "
-                  "stop that one, or pick another path", file=sys.stderr)
-            return 1
+    # Removed and rewritten, it would be this cluster's while the other runs on (and removes it as it stops).
+    if (pid := running_launcher(args.state_file)) is not None:
+        print(f"up.py: --state-file {args.state_file} is the state of a running cluster (up.py pid {pid}); "
+              "stop that one, or pick another path", file=sys.stderr)
+        return 1
     cluster = Cluster(args)  # its sweep reads the state file first: it may name a dead run's leftovers
     # The state file says "this cluster is up": one left by a killed run must not pass for the new cluster.
     remove_state(args.state_file)
