@@ -118,7 +118,7 @@ class ClientApi:
                                 f"{result.tier.value} queue timeout", estimated_wait_s=result.estimated_wait_s)
         assert isinstance(result, Admitted)
         GatewaySpans.admitted(span, result.job_id, t.name, adm.tier_requested, result.tier, quota is not None,
-                              result.estimated_wait_s, result.position, result.ahead_by_tier)
+                              result.estimated_wait_s, result.position, result.ahead_by_tier, result.admitted_at_ms)
         if not result.duplicate:
             metrics.admitted(result.tier.value)
             self.estimator.admitted(result.job_id, t.name, result.tier, len(adm.prompt_token_ids), req.max_tokens,

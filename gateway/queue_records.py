@@ -58,6 +58,8 @@ class Admitted:
     ahead_by_tier: dict[Tier, int] | None = field(default=None, compare=False)
     # Redis ms at which its promised start falls due (a P2 or P3 job given one; gateway/promises.py), else None.
     promise_at_ms: int | None = field(default=None, compare=False)
+    # Redis ms of the admission (its enqueued_at_ms; fresh admissions only): the admission span's clock offset.
+    admitted_at_ms: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class RedisQueue(QueueSweeps):
             raise redis.TimeoutError("the admission reached Redis as its caller gave up on it; nothing was stored")
         if kind == "admitted":
             return Admitted(job_id, Tier(reply[1].decode()), float(reply[2]), False, int(reply[3]),
-                            dict(zip(ALL_TIERS, (int(n) for n in reply[4:8]))), int(reply[8]) if reply[8] else None)
+                            dict(zip(ALL_TIERS, (int(n) for n in reply[4:8]))), int(reply[8]) if reply[8] else None,
+                            int(reply[9]) if len(reply) > 9 else None)
         if kind == "quota":
             return QuotaRefused(float(reply[1]))
         if kind == "overloaded":

@@ -43,13 +43,20 @@ class GatewaySpans:
     @staticmethod
     def admitted(span: trace.Span, job_id: str, tenant: str, tier_requested: Tier, tier: Tier,
                  quota_applies: bool, estimated_wait_s: float, position: int | None,
-                 ahead: dict[Tier, int] | None) -> dict[str, str]:
-        """Record the admission; returns the context to store with the job (the parent of its later spans)."""
+                 ahead: dict[Tier, int] | None, admitted_at_ms: int | None = None) -> dict[str, str]:
+        """Record the admission; returns the context to store with the job (the parent of its later spans).
+
+        The span is on this gateway's wall clock (it began before Redis was asked), the job's queue span on Redis's
+        from ``admitted_at_ms`` (admit.lua's time): ``admission.clock_offset_ms`` (this clock minus Redis's, the
+        reply's time included) lets a reader put the two on one clock. Without it, a gateway 30 s behind Redis
+        had explain tell 30 s of admission between them."""
         quota = "none" if not quota_applies else ("downgraded" if tier is not tier_requested else "ok")
         span.set_attributes(tracing.request_attributes(job_id, tier.value, tenant) | {
             "admission.tier_requested": tier_requested.value, "admission.tier_granted": tier.value,
             "admission.quota": quota, "admission.estimated_wait_s": estimated_wait_s,
         })
+        if admitted_at_ms is not None:
+            span.set_attribute("admission.clock_offset_ms", time.time_ns() // 1_000_000 - admitted_at_ms)
         if position is not None:
             span.set_attribute("queue.position", position)
         for t in ALL_TIERS:

@@ -31,9 +31,10 @@
 -- ARGV[24]    optional: Redis TIME in ms after which the caller no longer waits for the reply; "": none
 --
 -- Returns one of:
---   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms}
+--   {"admitted", tier, estimated_wait_s, position, ahead_P0, ahead_P1, ahead_P2, ahead_P3, promise_at_ms, now_ms}
 --                                                    position = queued jobs ahead of it, then per tier;
---                                                    promise_at_ms "" where none was made
+--                                                    promise_at_ms "" where none was made; now_ms: the admission
+--                                                    (enqueued_at_ms), so the admission span can tell Redis's clock
 --   {"duplicate", existing job id}                   the idempotency key was seen before, for this request
 --   {"mismatch", existing job id}                    ... for another request (both fingerprints given, unequal)
 --   {"quota", retry_after_s}                         P0 bucket empty, policy refuse
@@ -181,4 +182,4 @@ if tenant_cap > 0 then
     end
     redis.call('ZADD', KEYS[9], now, job_id)
 end
-return {'admitted', tier, tostring(estimate), ahead, by_tier[1], by_tier[2], by_tier[3], by_tier[4], promise_at}
+return {'admitted', tier, tostring(estimate), ahead, by_tier[1], by_tier[2], by_tier[3], by_tier[4], promise_at, now}

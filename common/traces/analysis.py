@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 from common.traces import accounting
-from common.traces.clocks import clock_offsets
+from common.traces.clocks import clock_offsets, on_redis_clock
 from common.traces.missing import missing_spans
 from common.traces.model import Cause, Decision, Explanation, NoSchedulingSpans, Phase, Suspension
 from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, PHASES,
@@ -32,7 +32,7 @@ from common.traces.spans import Span
 def explain_request(spans: Iterable[Span], request_id: str, *, fallback_all: bool = False,
                     min_wait_s: float = 0.005) -> Explanation:
     """Explain one request. Raises NoSchedulingSpans when there is nothing to explain."""
-    sel = select_request_spans(spans, request_id, fallback_all=fallback_all)
+    sel = select_request_spans(on_redis_clock(spans), request_id, fallback_all=fallback_all)
     if not any(s.name in SCHEDULING_SPANS for s in sel.own) and not sel.decisions:
         raise NoSchedulingSpans(sel.request_id, sel.trace_ids)
     return _Analyser(sel, min_wait_s).run()

@@ -2,28 +2,52 @@
 
 A gateway's queue and dispatch spans are on Redis's clock (gateway/spans.py); its admission span, and the worker's
 spans, are on their own hosts' clocks. Each queue span that ended at a dispatch says how far the dispatching
-gateway's wall clock was from Redis's then (``queue.clock_offset_ms``, the claim's reply time included). Past
-``TOLERANCE_S`` the gaps explain names between spans of different processes may be off by as much.
+gateway's wall clock was from Redis's then (``queue.clock_offset_ms``, the claim's reply time included), and the
+admission span how far the admitting gateway's was as admit.lua ran (``admission.clock_offset_ms``): explain reads
+the admission on Redis's clock by it (``on_redis_clock``), so that the queue wait follows it without a gap the skew
+made. Past ``TOLERANCE_S`` the gaps explain names between spans of different processes may be off by as much.
 """
 
 from __future__ import annotations
 
-from common.traces.schema import GATEWAY_QUEUE, attr_int
-from common.traces.spans import Span
+from collections.abc import Iterable
+from dataclasses import replace
+
+from common.traces.schema import GATEWAY_ADMIT, GATEWAY_QUEUE, attr_int
+from common.traces.spans import Span, SpanEvent
 
 # Above a claim's reply time on a loaded host (a few tens of ms), below what would mislead about a wait.
 TOLERANCE_S = 0.25
 CLOCK_OFFSET = "queue.clock_offset_ms"
+ADMISSION_OFFSET = "admission.clock_offset_ms"
+
+
+def on_redis_clock(spans: Iterable[Span]) -> list[Span]:
+    """``spans``, each admission span that says its clock's offset moved onto Redis's clock (the others as they
+    are). The offset holds admit.lua's reply time, so the admission still ends at or after the queue span's start."""
+    out = []
+    for s in spans:
+        ms = attr_int(s.get(ADMISSION_OFFSET)) if s.name == GATEWAY_ADMIT else None
+        if ms and s.start_ns > 0:
+            d = ms * 1_000_000
+            s = replace(s, start_ns=s.start_ns - d, end_ns=s.end_ns - d,
+                        events=[SpanEvent(e.name, e.time_ns - d, e.attributes) for e in s.events])
+        out.append(s)
+    return out
 
 
 def clock_offsets(own: list[Span]) -> list[dict]:
-    """The dispatches whose gateway's clock was off Redis's by more than TOLERANCE_S: attempt, service, offset_s
-    (the gateway's clock minus Redis's: negative, behind)."""
+    """The admissions and dispatches whose gateway's clock was off Redis's by more than TOLERANCE_S: at
+    (``admission`` or ``dispatch``), attempt (a dispatch's), service, offset_s (the gateway's clock minus Redis's:
+    negative, behind)."""
     out = []
-    for q in sorted((s for s in own if s.name == GATEWAY_QUEUE), key=lambda s: s.start_ns):
-        ms = attr_int(q.get(CLOCK_OFFSET))
+    for s in sorted((s for s in own if s.name in (GATEWAY_ADMIT, GATEWAY_QUEUE)), key=lambda s: s.start_ns):
+        admission = s.name == GATEWAY_ADMIT
+        ms = attr_int(s.get(ADMISSION_OFFSET if admission else CLOCK_OFFSET))
         if ms is not None and abs(ms) / 1e3 > TOLERANCE_S:
-            out.append({"attempt": attr_int(q.get("queue.attempt")), "service": q.service, "offset_s": ms / 1e3})
+            out.append({"at": "admission" if admission else "dispatch",
+                        "attempt": None if admission else attr_int(s.get("queue.attempt")), "service": s.service,
+                        "offset_s": ms / 1e3})
     return out
 
 
@@ -31,8 +55,12 @@ def clock_text(offsets: list[dict]) -> list[str]:
     lines = []
     for o in offsets:
         how = "behind" if o["offset_s"] < 0 else "ahead of"
+        if o.get("at") == "admission":
+            lines.append(f"clocks disagree: the gateway was {abs(o['offset_s']):.2f} s {how} Redis's clock at the "
+                         "admission; its admission is told on Redis's clock (admission.clock_offset_ms)")
+            continue
         at = f" at the dispatch of attempt {o['attempt']}" if o.get("attempt") else " at a dispatch"
         lines.append(f"clocks disagree: the gateway was {abs(o['offset_s']):.2f} s {how} Redis's clock{at}; queue and "
-                     "dispatch times are Redis's, the admission's and the worker's their own, so the gaps between "
-                     "them may be off by as much")
+                     "dispatch times are Redis's, the worker's its own, so the gaps between them may be off by as "
+                     "much")
     return lines
