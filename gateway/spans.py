@@ -92,6 +92,12 @@ class GatewaySpans:
         if rec.attempt > 1:  # why the previous attempt ended: its worker handed it back (draining), or it was lost
             released = rec.released_attempt == rec.attempt - 1
             span.set_attribute("dispatch.requeue_cause", "released" if released else "lease_expired")
+            # The first prefill of an earlier attempt as the hash recorded it (first_prefill.lua, Redis's clock): the
+            # end of the wait JobResult.queued_s reports. A worker killed before its exporter ran left no prefill span
+            # of that attempt, and explain measured the wait to a later attempt's, silently longer.
+            first = rec.result.get("first_prefill_ms")
+            if first is not None:
+                span.set_attribute("dispatch.first_prefill_ms", int(first))
         carrier = tracing.carrier_of(span)
         span.end(end_time=end_ns + max(0, time.time_ns() - now_ns))  # as long as it took here
         return carrier

@@ -5,6 +5,7 @@ worker was killed before it exported its spans."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -57,3 +58,26 @@ def test_a_gateway_clock_behind_redis_is_not_told_as_admission_time(tiny_model_d
     assert "admission 30" not in text, text
     assert "at the admission" in text, text
 
+
+def test_a_first_attempt_never_exported_keeps_its_wait_to_the_first_prefill(tiny_model_dir, tmp_path, capsys):
+    """A worker killed -9 before its batch exporter ran (OTEL_BSP_SCHEDULE_DELAY, 5 s by default) exports nothing of
+    the attempt: explain took to_first_prefill_s from the second attempt's prefill, seconds after the first one that
+    JobResult.queued_s reports, and said nothing. The re-dispatch's span carries the first prefill as the job's hash
+    recorded it (Redis's clock), which explain uses."""
+    spans = tmp_path / "spans.jsonl"
+    quiet = {"wk-0": {"OTEL_BSP_SCHEDULE_DELAY": "600000"}}  # the first attempt's worker exports nothing
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, lease_s=2.0, gateway_env=_spans_env(spans),
+                        process_env=quiet) as c:
+        with c.client("batch-co", timeout_s=120.0) as batch:
+            job = batch.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P2")
+            wait_for(lambda: c.state(job.id) == "dispatched" and "first_prefill_ms" in c.job(job.id), 60,
+                     "the first attempt's prefill to be recorded")
+            c.kill("wk-0")
+            wait_for(lambda: c.state(job.id) == "queued", 30, "the lease to expire and the job to be re-queued")
+            time.sleep(1.0)
+            quiet["wk-0"] = {}
+            c.restart("wk-0")
+            result = job.result(timeout=120)
+            assert c.job(job.id)["attempt"] == b"2"
+    d, text = _explained(job.id, spans, capsys, lambda d: d["running_s"] > 0 and d["attempts"] == 2)
+    assert d["to_first_prefill_s"] == pytest.approx(result.queued_s, abs=0.05), (d["to_first_prefill_s"], result)

@@ -285,6 +285,7 @@ class _Analyser:
         other = max(0.0, total - queued - running - suspended - in_transit)
         self._to_worker_causes(dispatches, add)
 
+        to_first_prefill, prefill_attempt = self._to_first_prefill(queues, dispatches)
         tier = next((attr_str(s.get(REQUEST_TIER)) for s in self.own if s.get(REQUEST_TIER) is not None), None)
         tenant = next((attr_str(s.get(TENANT_ID)) for s in self.own if s.get(TENANT_ID) is not None), None)
         attempts = max([len(dispatches), len(self.spans(WORKER_REQUEST))]
@@ -299,17 +300,29 @@ class _Analyser:
             workers=workers, blame=[c for _, _, c in sorted(causes, key=lambda x: (x[0], x[1]))],
             phases=self._phases(dispatches, suspensions), suspensions=suspensions, decisions=decisions,
             missing=missing_spans(self.own, self.t0), clock_offsets=clock_offsets(self.own),
-            to_first_prefill_s=self._to_first_prefill(queues))
+            to_first_prefill_s=to_first_prefill, to_first_prefill_attempt=prefill_attempt)
 
-    def _to_first_prefill(self, queues: list[Span]) -> float | None:
-        """Admission to the first prefill found: what JobResult.queued_s reports (first_prefill_ms - admission). Not
-        queued_s here, which holds every queue wait of every attempt: after a re-dispatch the two differ by design.
-        None without the first attempt's queue span (its start is the admission) or any prefill."""
+    def _to_first_prefill(self, queues: list[Span], dispatches: list[Span]) -> tuple[float | None, int | None]:
+        """Admission to the first prefill found, and the attempt that prefill is of: what JobResult.queued_s reports
+        (first_prefill_ms - admission). Not queued_s here, which holds every queue wait of every attempt: after a
+        re-dispatch the two differ by design. A re-dispatch's span holds the earlier attempts' first prefill as the
+        job's hash recorded it (Redis's clock, as the admission's): that one, where given, as a worker killed before
+        its exporter ran left no prefill span of its attempt. (None, None) without the first attempt's queue span
+        (its start is the admission) or any prefill."""
         first = [q for q in queues if (attr_int(q.get("queue.attempt")) or 1) == 1]
+        if not first:
+            return None, None
+        admitted = min(q.start_ns for q in first)
+        recorded = [ms * 1_000_000 for d in dispatches if (ms := attr_int(d.get("dispatch.first_prefill_ms")))]
+        if recorded:
+            return round(max(0, min(recorded) - admitted) / 1e9, 9), None
         prefills = [p.start_ns for p in self.spans(WORKER_PREFILL) if p.start_ns > 0]
-        if not first or not prefills:
-            return None
-        return round(max(0, min(prefills) - min(q.start_ns for q in first)) / 1e9, 9)
+        if not prefills:
+            return None, None
+        at = min(prefills)
+        before = [d for d in dispatches if d.start_ns <= at]
+        attempt = (attr_int(before[-1].get("dispatch.attempt")) or len(before)) if before else 1
+        return round(max(0, at - admitted) / 1e9, 9), attempt
 
     def _dead_letter_causes(self, dispatches: list[Span], add) -> None:
         """Its last allowed attempt lost its lease: the job was dead-lettered (no next dispatch tells of it)."""

@@ -120,6 +120,10 @@ class Explanation:
     # Admission to its first prefill (what JobResult.queued_s reports), None where its spans do not tell; not
     # queued_s, which also holds the worker's queue and every later attempt's waits.
     to_first_prefill_s: float | None = None
+    # The attempt whose prefill to_first_prefill_s was measured to, where no span recorded the first one (a
+    # re-dispatch's dispatch.first_prefill_ms): past 1, an earlier attempt's prefill may be missing (its worker killed
+    # before exporting it), and to_first_prefill_s longer than JobResult.queued_s. None: the first prefill.
+    to_first_prefill_attempt: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +148,10 @@ class Explanation:
             lines.append(f"queued {self.queued_s:.2f} s in all (every gateway and worker queue, of {self.attempts} "
                          f"attempt{'s' if self.attempts != 1 else ''}); {self.to_first_prefill_s:.2f} s from "
                          "admission to its first prefill (JobResult.queued_s)")
+        if self.to_first_prefill_s is not None and (self.to_first_prefill_attempt or 1) > 1:
+            lines.append(f"first prefill found is attempt {self.to_first_prefill_attempt}'s: "
+                         f"{self.to_first_prefill_s:.2f} s from admission; an earlier attempt's, if it ran, is not in "
+                         "the input (its worker killed before exporting it), so JobResult.queued_s may be shorter")
         lines += clock_text(self.clock_offsets)
         if self.blame:
             lines.append("why:")
