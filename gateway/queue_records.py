@@ -149,6 +149,13 @@ class DrainStat:
     rate_per_s: float  # decayed completion rate at the time asked
 
 
+class Stored(NamedTuple):
+    """A result complete.lua stored: the figures a later read of it reports (streaming._send_final)."""
+
+    queued_s: float | None  # None: no wait was measured
+    total_s: float  # admission until finished_at_ms, on Redis's clock
+
+
 class Settled(NamedTuple):
     """A job whose lease expired: back in its queue or dead-lettered, and who held it."""
 

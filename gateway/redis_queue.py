@@ -22,7 +22,7 @@ from common.redis_keys import KeySpace, load_scripts, run_pipelined
 from common.tiers import ALL_TIERS, Tier
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, IdempotencyMismatch, JobRecord, JobState, Overloaded,
-    QuotaRefused, QuotaSpec, Settled, StoreFull, TenantFull,
+    QuotaRefused, QuotaSpec, Settled, Stored, StoreFull, TenantFull,
 )
 from gateway.queue_sweeps import SWEEP_LIMIT, QueueSweeps  # noqa: F401  (SWEEP_LIMIT: part of the queue's API)
 from gateway.token_log import first_prefill_call, first_token_call
@@ -266,17 +266,17 @@ class RedisQueue(QueueSweeps):
         ``worker`` does not hold its lease. A done job needs ``num_tokens`` and ``token_ids`` (msgpack)
         of that many tokens: anything else raises IncompleteResult and changes nothing."""
         return self.complete_recording(job_id, attempt=attempt, state=state, fields=fields, worker=worker,
-                                       now_ms=now_ms)[0]
+                                       now_ms=now_ms)[0] is not None
 
     def complete_recording(
         self, job_id: str, *, attempt: int, state: str, fields: Mapping[str, str | int | float | bytes],
         worker: str, now_ms: int | None = None, first_prefill_ms: int | None = None,
         first_token_claim: str | None = None,
-    ) -> tuple[bool, bool]:
+    ) -> tuple[Stored | None, bool]:
         """complete(), and in the same round trip, before it, what the token log's next flush would have written
         into the job's hash (a finished job's record must not change after its result): its first prefill start
         (first_prefill.lua) and the claim of its first token's observation for the gateway named (first_token.lua).
-        Returns (stored, claim won)."""
+        Returns (the figures stored, None if the attempt was stale; claim won)."""
         final = JobState(state)
         if final not in (JobState.DONE, JobState.FAILED):
             raise ValueError(f"complete() takes state 'done' or 'failed', got {state!r}")
@@ -307,7 +307,11 @@ class RedisQueue(QueueSweeps):
             raise
         if stored == b"late":  # as the timeout it came close to: the caller keeps the result and stores it again
             raise redis.TimeoutError("the completion reached Redis as its caller gave up on it; nothing was changed")
-        return bool(stored), first_token_claim is not None and bool(before[-1])
+        won = first_token_claim is not None and bool(before[-1])
+        if not stored:
+            return None, won
+        _, queued, total_ms = stored
+        return Stored(float(queued) if queued else None, int(total_ms) / 1000), won
 
     # --- cancel and reads ------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:

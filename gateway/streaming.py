@@ -16,6 +16,7 @@ import redis
 
 from common import protocol as P
 from gateway import metrics
+from gateway.queue_records import Stored
 from gateway.streams import JobStream
 from gateway.timeutil import FINAL_STATES
 
@@ -149,16 +150,22 @@ class Streaming:
             self._send(self.clients, sub, P.TokenChunk(job_id, start, ids, text))
 
     def _finish_stream(self, job_id: str, state: str, finish_reason: str | None, reason: str | None,
-                       run_s: float = 0.0, preemptions: int = 0) -> None:
+                       run_s: float = 0.0, preemptions: int = 0, stored: Stored | None = None,
+                       ttft_s: float | None = None) -> None:
+        """``stored``, ``ttft_s``: the figures of a result this gateway stored (complete.lua), which the final
+        message repeats: a later read of the result reports those."""
         s = self.streams.streams.pop(job_id, None)
         enq = self.enqueued_at.pop(job_id, None)
+        queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
+        admitted = self.waits.admitted_at(job_id, enq)
+        self.waits.forget(job_id)
         if s is None:
             return
         now = self.clock()
-        total = now - enq if enq is not None else 0.0
-        ttft = s.first_token_at - enq if (s.first_token_at is not None and enq is not None) else None
-        queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
-        self.waits.forget(job_id)
+        total = now - admitted if admitted is not None else 0.0
+        ttft = s.first_token_at - admitted if (s.first_token_at is not None and admitted is not None) else None
+        if stored is not None:
+            total, queued_s, ttft = stored.total_s, stored.queued_s, ttft_s
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
                          queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
                          total_s=total, preemptions=preemptions,

@@ -102,9 +102,13 @@ class Waits:
     def queued_s(self, job_id: str, enqueued_at: float | None) -> float | None:
         """``enqueued_at``: the admission, if this gateway made it; else the one Redis told at the dispatch."""
         started = self._started.get(job_id)
-        if enqueued_at is None:
-            enqueued_at = self._admitted.get(job_id)
+        enqueued_at = self.admitted_at(job_id, enqueued_at)
         return None if started is None or enqueued_at is None else max(0.0, started - enqueued_at)
+
+    def admitted_at(self, job_id: str, enqueued_at: float | None) -> float | None:
+        """The job's admission on this gateway's clock: ``enqueued_at`` if this gateway made it, else the one Redis
+        told at the dispatch (None if neither)."""
+        return self._admitted.get(job_id) if enqueued_at is None else enqueued_at
 
     def forget(self, job_id: str) -> None:
         self._dispatched.pop(job_id, None)

@@ -182,8 +182,11 @@ class WorkerLink:
                   "preemptions": msg.preemptions, "ttft_s": -1.0 if msg.ttft_s is None else msg.ttft_s}
         if reason:
             fields["reason"] = reason
-        if s is not None and s.first_token_at is not None and msg.job_id in self.enqueued_at:
-            fields["ttft_s"] = s.first_token_at - self.enqueued_at[msg.job_id]
+        # From the admission, whichever gateway made it (Redis told it at the dispatch): the worker's own figure
+        # starts at its receipt of this attempt, so it leaves the job's wait out.
+        admitted = self.waits.admitted_at(msg.job_id, self.enqueued_at.get(msg.job_id))
+        if s is not None and s.first_token_at is not None and admitted is not None:
+            fields["ttft_s"] = max(0.0, s.first_token_at - admitted)
         self._prefill_started(worker, msg)
         queued_s = self.waits.queued_s(msg.job_id, self.enqueued_at.get(msg.job_id))
         if queued_s is not None:
@@ -204,18 +207,21 @@ class WorkerLink:
             self.waits.recorded({msg.job_id: start_ms})
         if claim is not None:
             metrics.claimed(msg.job_id, won)
-        if not stored:
+        if stored is None:
             self._stale(msg)  # its lease expired (or it was cancelled) meanwhile
             return
         for w in self.workers.workers.values():
             w.pending.discard(msg.job_id)
         self._urgent_sent.discard(msg.job_id)
-        self.estimator.finished(msg.job_id, state, msg.num_tokens, queued_s)
+        # The figures stored (complete.lua may have moved the wait to an earlier start another gateway recorded):
+        # what a later read of the result says, so the listeners here and the estimates are told the same.
+        self.estimator.finished(msg.job_id, state, msg.num_tokens, stored.queued_s)
         self._count_end(msg.job_id, state)
         if s is not None and state == "done":
             s.tokens = tokens
-        self._finish_stream(msg.job_id, state, msg.finish_reason, reason,
-                            run_s=msg.run_s, preemptions=msg.preemptions)
+        ttft_s = float(fields["ttft_s"])
+        self._finish_stream(msg.job_id, state, msg.finish_reason, reason, run_s=msg.run_s,
+                            preemptions=msg.preemptions, stored=stored, ttft_s=None if ttft_s < 0 else ttft_s)
         self._dirty = True
 
     def _count_end(self, job_id: str, state: str) -> None:

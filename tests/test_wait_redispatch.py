@@ -13,6 +13,7 @@ from gateway.waits import Waits, first_prefill_ms
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 from tests.test_metrics_finals import logged_tokens
+from tests.test_result_figures import result_in_thread
 from tests.test_token_log_stale_writer import T0, queue_and_log
 
 
@@ -107,18 +108,27 @@ def test_a_first_start_written_late_by_a_resumed_gateway_is_the_stored_wait(tmp_
             wait_for(lambda: c.job(job.id)["attempt"] == b"2" and "first_prefill_ms" in c.job(job.id), 120,
                      "gw-1 to run attempt 2 and record its start")
             second = int(c.job(job.id)["first_prefill_ms"])
+            listener = c.client("batch-co", "gw-1", timeout_s=30.0)
+            waiter, heard = result_in_thread(listener, job.id)  # its final message comes from gw-1's memory
             os.kill(gw0, signal.SIGCONT)
             stopped.discard(gw0)
             wait_for(lambda: int(c.job(job.id)["first_prefill_ms"]) < second, 30, "gw-0 to write attempt 1's start")
             assert c.state(job.id) == "dispatched", "attempt 2 ended first: nothing is tested"
             wait_for(lambda: c.state(job.id) == "done", 180, "attempt 2 to finish")
+            waiter.join(30)
+            listener.close()
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
         h = c.job(job.id)
         with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
             result = b0.job(job.id).result(timeout=30)
+        with c.client("batch-co", "gw-1", timeout_s=30.0) as b1:
+            at_gw1 = b1.job(job.id).result(timeout=30)
     assert (h["attempt"], h["gateway"]) == (b"2", b"gw-1"), h.get("reason")
     first_s = (int(h["first_prefill_ms"]) - int(h["enqueued_at_ms"])) / 1e3
     assert float(h["queued_s"]) == pytest.approx(first_s, abs=0.05), (float(h["queued_s"]), first_s)
     assert result.queued_s == pytest.approx(first_s, abs=0.05)
+    # The client that waited on gw-1 was told gw-1's own figure (attempt 2's start): two waits for one job.
+    assert "result" in heard, heard
+    assert heard["result"].queued_s == at_gw1.queued_s == result.queued_s, (heard["result"], result)

@@ -20,7 +20,9 @@
 --
 -- A result's queued_s is the earliest recorded first start (first_prefill_ms) less the admission, if that is less.
 --
--- Returns: 1 if recorded, 0 if stale; "late", changing nothing, when run past ARGV[8] (Redis stood still
+-- Returns: {1, the queued_s stored ("" if none), total ms (admission to finished_at_ms)} if recorded: the figures a
+-- later read of the result reports, for the caller's final message to its listeners and its wait estimates; 0 if
+-- stale; "late", changing nothing, when run past ARGV[8] (Redis stood still
 -- meanwhile): the caller keeps the result to store again, and a retry that found it stored would take it for
 -- stale, so no gateway would count the job finished.
 --
@@ -57,8 +59,10 @@ end
 -- a later attempt's start: the gateway that heard the first stood still before writing it, and wrote it since.
 local starts = redis.call('HMGET', KEYS[1], 'queued_s', 'first_prefill_ms', 'enqueued_at_ms')
 local given, first, enq = tonumber(starts[1]), tonumber(starts[2]), tonumber(starts[3])
+local queued = starts[1] or ''
 if given and first and enq and math.max(0, first - enq) / 1000 < given then
-    redis.call('HSET', KEYS[1], 'queued_s', string.format('%.17g', math.max(0, first - enq) / 1000))
+    queued = string.format('%.17g', math.max(0, first - enq) / 1000)
+    redis.call('HSET', KEYS[1], 'queued_s', queued)
 end
 redis.call('DEL', KEYS[4])
 redis.call('HDEL', KEYS[1], 'payload')
@@ -70,4 +74,4 @@ local rate, ts = tonumber(stats[1]) or 0, tonumber(stats[2]) or now
 rate = rate * math.exp(-math.max(0, now - ts) / tau_ms) + 1000 / tau_ms
 redis.call('HSET', KEYS[3], 'rate:' .. tier, string.format('%.17g', rate), 'ts:' .. tier, math.max(ts, now))
 redis.call('HINCRBY', KEYS[3], 'completed:' .. tier, 1)
-return 1
+return {1, queued, math.max(0, now - (enq or now))}
