@@ -68,7 +68,9 @@ class QueueSweeps:
         if not ids:
             return []
         keys = [*self.keys.queues(), self.keys.aging, self.keys.promises, *(self.keys.job(i) for i in ids)]
-        flat = self._scripts["promote"](keys=keys, args=[str(now_ms), *ids])
+        flat = self._scripts["promote"](keys=keys, args=[str(now_ms), self._reply_deadline_ms(), *ids])
+        if flat == b"late":  # as the timeout it came close to: the next pass promotes these jobs, and counts them
+            raise redis.TimeoutError("the promotion reached Redis as its caller gave up on it; nothing was changed")
         return [(job_id.decode(), Tier(old.decode())) for job_id, old in zip(flat[0::2], flat[1::2])]
 
     def expire(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[str]:

@@ -407,3 +407,51 @@ def test_a_first_token_claim_redis_ran_after_its_gateway_gave_up_is_still_observ
         assert c.job(job.id)["ttft_observed_by"] == b"gw-0", "not the case tested"
         wait_for(lambda: total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3") - before == 1, 10,
                  "the gateway to observe the first token it claimed")
+
+
+def test_a_promotion_run_late_is_counted(tmp_path, tiny_model_dir):
+    """Redis stalls while a maintenance pass's promotion of a P3 whose promised start fell due is on its way: the
+    gateway gives up on it (2 s). Redis then ran the promotion it had received: the job moved to P2 and left the
+    promises index, so no later pass found it and no gateway counted it (ts_promotions_total). A promotion run past
+    its caller's deadline changes nothing; the next pass promotes the job and counts it."""
+    metrics = f"127.0.0.1:{free_port()}"
+    env = {"TS_GATEWAY_METRICS_BIND": metrics, "TS_GATEWAY_PROMISE_LEAD_S": "1000"}  # each promise due at once
+    with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, gateway_env=env) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)  # a worker to promise on, with no slot free
+        url = f"http://{metrics}/metrics"
+        try:
+            worker.load([], free=0)
+            wait_for(lambda: c.client("batch-co").info().workers, 10, "the gateway to know the worker")
+            promote = load_scripts(c.redis)["promote"]
+            c.redis.script_load(promote.script)  # as after any earlier promotion: the held EVALSHA finds its script
+            before = total(scrape(url), "ts_promotions_total", tier="P3")
+            c.proxy.hold(promote.sha.encode(), 4.0)
+            with c.client("batch-co", timeout_s=20.0) as batch:
+                job = batch.submit(prompt_token_ids=[1, 2], max_tokens=2, tier="P3")
+            assert "promise_at_ms" in c.job(job.id), "no promise was made: nothing is tested"
+            assert c.proxy.held.wait(15), "no promotion reached Redis"
+            assert c.proxy.released.wait(10)
+            wait_for(lambda: c.job(job.id)["tier"] == b"P2", 10, "the job to be promoted")
+            wait_for(lambda: total(scrape(url), "ts_promotions_total", tier="P3") - before == 1, 10,
+                     "the gateway to count the job it promoted")
+        finally:
+            worker.close()
+
+
+def test_a_promotion_run_past_its_deadline_writes_nothing():
+    """The queue layer of the test above: promote.lua run after its caller gave up moves nothing and its caller
+    hears a timeout; on time, it promotes the job."""
+    with RedisServer() as s:
+        q = RedisQueue(s.client(), KeySpace(prefix="late-prom"), tier_timeouts_s={t: None for t in ALL_TIERS})
+        q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
+                quota=None, drain_rate_per_s={}, estimate_s=1.0, promise_s=0.0)
+        now_ms = q.server_ms() + 1_000
+        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+        sampled, read_by = q.clock_sample
+        q.clock_sample = (sampled - 10_000, read_by)
+        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+            q.promote(now_ms)
+        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        q.server_ms()
+        assert q.promote(now_ms) == [("j", Tier.P3)]
+        q.client.close()

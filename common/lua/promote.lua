@@ -10,15 +10,21 @@
 -- KEYS[6]     promises index zset
 -- KEYS[7..]   job hashes
 -- ARGV[1]     now, ms (the moved jobs' tier_since and promoted_at)
--- ARGV[2..]   job ids, in the order of KEYS[7..]
+-- ARGV[2]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
+-- ARGV[3..]   job ids, in the order of KEYS[7..]
 --
--- Returns: flat {job id, old tier, ...} for the jobs moved.
+-- Returns: flat {job id, old tier, ...} for the jobs moved; "late", changing nothing, when run past ARGV[2] (Redis
+-- stood still meanwhile): a job promoted unseen would be counted by no gateway (ts_promotions_total), for no later
+-- pass would find it in the promises index.
 
+if ARGV[2] ~= '' and clock_ms('') > tonumber(ARGV[2]) then
+    return 'late'
+end
 local now = tonumber(ARGV[1])
 local up = {P2 = {2, 'P1'}, P3 = {3, 'P2'}}  -- from a tier: the key index of the queue it moves to, its name
 local moved = {}
 for i = 7, #KEYS do
-    local job_key, job_id = KEYS[i], ARGV[i - 5]
+    local job_key, job_id = KEYS[i], ARGV[i - 4]
     local f = redis.call('HMGET', job_key, 'state', 'tier', 'promise_at_ms', 'enqueued_at_ms', 'tier_granted')
     local to = up[f[2] or '']
     -- Only from the tier it was admitted at: one aged up already has moved at least as far.
