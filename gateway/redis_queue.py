@@ -182,15 +182,15 @@ class RedisQueue(QueueSweeps):
 
     def _reply_deadline_ms(self) -> str:
         """admit.lua's ARGV[24], claim.lua's, cancel.lua's and requeue.lua's ARGV[5], complete.lua's ARGV[8],
-        expire.lua's ARGV[3], promote.lua's ARGV[2]: in Redis's clock, a moment before this call's reply is given up on (a timeout). A
-        Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the commands it received once it goes
-        on: past this moment the admission was already answered "unavailable, nothing was stored", the claimed jobs
-        were sent to no worker, the cancel was answered "unavailable" (the retry would be told the job was not
-        cancelled) and its worker not told, the requeued leases' workers were not told to stop, the completion is
-        kept to store again (its retry would find it stored, and take it for stale), the expired and the promoted
-        jobs were counted by no gateway, so the script must change nothing.
-        Redis's clock at any moment after the sample is at least the sample plus the monotonic time since it was
-        read; "" (no deadline) without a timeout or a recent sample."""
+        expire.lua's ARGV[3], promote.lua's ARGV[2]: in Redis's clock, a moment before this call's reply is given up on
+        (a timeout). A Redis that stood still (SIGSTOP, a slow disk, a failover's pause) runs the commands it received
+        once it goes on: past this moment the admission was already answered "unavailable, nothing was stored", the
+        claimed jobs were sent to no worker, the cancel was answered "unavailable" (the retry would be told the job was
+        not cancelled) and its worker not told, the requeued leases' workers were not told to stop, the completion is
+        kept to store again (its retry would find it stored, and take it for stale), the expired and the promoted jobs
+        were counted by no gateway, so the script must change nothing.
+        Redis's clock at any moment after the sample is at least the sample plus the monotonic time since it was read;
+        "" (no deadline) without a timeout or a recent sample."""
         if not self._reply_timeout_s or self.clock_sample is None:
             return ""
         sampled_ms, read_by = self.clock_sample
