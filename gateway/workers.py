@@ -23,6 +23,10 @@ from gateway.estimate_types import PREEMPTED_BY
 MAX_STEP_COST_S = 3600.0
 # A job's context past this many tokens is a broken worker's report (no model holds one): not believed.
 MAX_CONTEXT_TOKENS = 1 << 24
+# A worker that drained (told to stop) and then fell silent is remembered by its size this long: a redeploy brings it
+# back, model loading included, and the jobs only it fits wait for it (up to their queue timeouts) rather than fail on
+# a smaller worker, or be refused as too big for the cluster. A scale-down's worker is forgotten after it.
+DRAINED_MEMORY_S = 300.0
 
 
 def reported_guard(entry: list) -> int:
@@ -58,6 +62,11 @@ def reported_step(load: WorkerLoad | None) -> StepCost | None:
     if not all(0 <= x <= MAX_STEP_COST_S for x in (base, token, pair)) or not base + token > 0:
         return None  # NaN fails every comparison
     return StepCost(float(base), float(token), float(pair))
+
+
+def hello_fits(hello: WorkerHello, tier: Tier, tokens: int) -> bool:
+    limit = (hello.tier_max_tokens or {}).get(tier.value)
+    return limit is None or tokens <= limit
 
 
 @dataclass
@@ -134,8 +143,7 @@ class WorkerState:
     def fits(self, tier: Tier, tokens: int) -> bool:
         """A job of ``tier`` holding ``tokens`` (prompt + max_tokens) fits here, as the hello says (a worker that
         does not say is taken to: it refuses what does not, and the job fails with why)."""
-        limit = (self.hello.tier_max_tokens or {}).get(tier.value)
-        return limit is None or tokens <= limit
+        return hello_fits(self.hello, tier, tokens)
 
     @property
     def preemption_cost_s(self) -> float:
@@ -143,11 +151,15 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, drained_memory_s: float = DRAINED_MEMORY_S) -> None:
         self.timeout_s = timeout_s
         self.workers: dict[str, WorkerState] = {}
+        # Workers that drained and timed out: id -> (hello, when dropped), for DRAINED_MEMORY_S.
+        self.drained: dict[str, tuple[WorkerHello, float]] = {}
+        self.drained_memory_s = drained_memory_s
 
     def hello(self, msg: WorkerHello, identity: bytes, now: float) -> None:
+        self.drained.pop(msg.worker_id, None)
         old = self.workers.get(msg.worker_id)
         # A worker re-announces every few seconds: its latest report stays as it was, with when it came (its age
         # advances the running work it lists, gateway/wait_estimator.report_age_s).
@@ -166,25 +178,37 @@ class WorkerRegistry:
     def expire(self, now: float) -> list[str]:
         gone = [wid for wid, w in self.workers.items() if now - w.last_seen > self.timeout_s]
         for wid in gone:
-            del self.workers[wid]
+            w = self.workers.pop(wid)
+            if w.draining:
+                self.drained[wid] = (w.hello, now)
+        for wid in [wid for wid, (_, at) in self.drained.items() if now - at > self.drained_memory_s]:
+            del self.drained[wid]
         return gone
 
     def uneven(self) -> bool:
-        """The workers' hellos give different tier limits: a job may fit some of them and not the others."""
-        return len({tuple(sorted((w.hello.tier_max_tokens or {}).items())) for w in self.workers.values()}) > 1
+        """The workers' hellos give different tier limits: a job may fit some of them and not the others (also a
+        drained worker's, remembered: a job only it fits waits for it)."""
+        hellos = [w.hello for w in self.workers.values()] + [h for h, _ in self.drained.values()]
+        return len({tuple(sorted((h.tier_max_tokens or {}).items())) for h in hellos}) > 1
 
     def places(self, tier: Tier, tokens: int) -> set[str] | None:
         """The workers a job of ``tier`` holding ``tokens`` (prompt + max_tokens) may go to, where it fits some and not
-        others; None: anywhere (workers alike, every one fits, or none registered does: nothing here can run it now,
-        and rather than wait for a worker that may never come, a P3 having no queue timeout, it is sent on and fails
-        with the reason). Empty: only draining workers fit it; it waits while one is registered (a redeploy's worker
-        comes back, and the jobs it handed back were otherwise sent on to fail on a smaller one)."""
+        others; None: anywhere (workers alike, every one fits, or none registered or drained lately does: nothing
+        here can run it now, and rather than wait for a worker that may never come, a P3 having no queue timeout, it
+        is sent on and fails with the reason). Empty: only draining workers fit it, or drained ones (DRAINED_MEMORY_S);
+        it waits for them (a redeploy's worker comes back, and the jobs it handed back were otherwise sent on to fail
+        on a smaller one, also once it had exited and timed out before its restart)."""
         if not self.uneven():
             return None
         fit = {w.hello.worker_id for w in self.workers.values() if not w.draining and w.fits(tier, tokens)}
         if fit:
             return fit if len(fit) < len(self.workers) else None
-        return set() if any(w.fits(tier, tokens) for w in self.workers.values()) else None
+        return set() if self.returning_fits(tier, tokens) else None
+
+    def returning_fits(self, tier: Tier, tokens: int) -> bool:
+        """A draining worker, or one that drained lately, fits such a job: a redeploy brings it back."""
+        return any(w.fits(tier, tokens) for w in self.workers.values() if w.draining) or \
+            any(hello_fits(h, tier, tokens) for h, _ in self.drained.values())
 
     def total_credit(self) -> int:
         return sum(w.credit for w in self.workers.values())
@@ -210,3 +234,4 @@ class WorkerRegistry:
         said = [w for w in self.workers.values() if w.hello.tier_max_tokens and tier in w.hello.tier_max_tokens]
         live = [w for w in said if not w.draining] or said
         return max(w.hello.tier_max_tokens[tier] for w in live) if live else None
+
