@@ -13,10 +13,14 @@ from dataclasses import dataclass
 import msgpack
 
 from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
-from common.errors import Forbidden, InvalidRequest, TierLimitExceeded, Unauthorized
+from common.errors import Forbidden, InvalidRequest, Overloaded, TierLimitExceeded, Unauthorized
 from common.protocol import SubmitRequest
 from common.tiers import Tier, parse_tier
 from gateway.tenants import Tenant, TenantDirectory
+
+# The wait told with a refusal of a job only a draining worker fits: when to ask again, not an estimate (nothing says
+# when the worker is back: its drain takes up to its drain_timeout_s, then the restart).
+DRAINING_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -28,9 +32,12 @@ class Admission:
 
 def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size: int | None,
           max_model_len: int, max_tokens_limit: int,
-          tier_max_tokens: Callable[[str], int | None] = lambda tier: None) -> Admission:
+          tier_max_tokens: Callable[[str], int | None] = lambda tier: None,
+          returning_max_tokens: Callable[[str], int | None] = lambda tier: None) -> Admission:
     """``tier_max_tokens(tier)``: the workers' limit on prompt + max_tokens for the tier (their share of the
-    KV cache), or None if unknown; a job over it could never finish and is refused."""
+    KV cache), or None if unknown; a job over it could never finish and is refused. ``returning_max_tokens(tier)``:
+    that of the workers draining or drained lately (a redeploy brings them back): a job over the first limit and
+    within this one is refused as overloaded (retryable), not as invalid."""
     tenant = tenants.lookup(req.api_key)
     if tenant is None:
         raise Unauthorized("unknown API key")
@@ -54,11 +61,6 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                              f"model's context of {max_model_len}", field="prompt" if len(ids) >= max_model_len
                              else "max_tokens")
-    limit = tier_max_tokens(tier.value)
-    if limit is not None and len(ids) + req.max_tokens > limit:
-        raise TierLimitExceeded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
-                                f"tokens a {tier.value} job may hold on this cluster's workers", tier=tier.value,
-                                limit_tokens=limit)
     # After the length check (cheap, and it bounds this one); min and max run in C.
     if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
         raise InvalidRequest(f"token ids must be in 0..{vocab_size - 1}", field="prompt_token_ids")
@@ -73,6 +75,17 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
     if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= MAX_IDEMPOTENCY_KEY_LEN:
         raise InvalidRequest(f"idempotency_key must be 1..{MAX_IDEMPOTENCY_KEY_LEN} characters",
                              field="idempotency_key")
+    # Last: a request refused as overloaded below must be valid in every other way, or its retry is refused anyway.
+    limit = tier_max_tokens(tier.value)
+    if limit is not None and len(ids) + req.max_tokens > limit:
+        later = returning_max_tokens(tier.value)
+        if later is not None and len(ids) + req.max_tokens <= later:
+            raise Overloaded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) fits only workers that are "
+                             f"draining or restarting (a redeploy), past the {limit} tokens a {tier.value} job may "
+                             "hold on the others; nothing was stored, retry shortly", DRAINING_RETRY_S)
+        raise TierLimitExceeded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
+                                f"tokens a {tier.value} job may hold on this cluster's workers", tier=tier.value,
+                                limit_tokens=limit)
     return Admission(tenant, tier, list(ids))
 
 

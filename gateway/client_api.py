@@ -15,6 +15,7 @@ import redis
 
 from common import protocol as P
 from common import tracing
+from common import errors
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, promises, security
@@ -44,9 +45,13 @@ class ClientApi:
             adm = admission.check(req, self.tenants, tokenize=tokenize, vocab_size=self.workers.vocab_size(),
                                   max_model_len=max_len,
                                   max_tokens_limit=self.config.max_tokens_limit,
-                                  tier_max_tokens=self.workers.tier_max_tokens)
+                                  tier_max_tokens=self.workers.tier_max_tokens,
+                                  returning_max_tokens=self.workers.returning_max_tokens)
         except (Unauthorized, Forbidden, InvalidRequest) as e:
             return self._error_for(e)
+        except errors.Overloaded as e:  # fits only a worker a redeploy is restarting: nothing stored, nothing charged
+            self.counters["refused_overloaded"] += 1
+            return P.ErrorReply("overloaded", str(e), estimated_wait_s=e.estimated_wait_s)
         now = self.clock()
         job_id = uuid.uuid4().hex
         t = adm.tenant

@@ -235,3 +235,10 @@ class WorkerRegistry:
         live = [w for w in said if not w.draining] or said
         return max(w.hello.tier_max_tokens[tier] for w in live) if live else None
 
+    def returning_max_tokens(self, tier: str) -> int | None:
+        """Largest prompt + max_tokens for ``tier`` that a draining worker, or one that drained lately, says it
+        accepts (None: none says): a job past tier_max_tokens but within this waits out a redeploy, not refused as
+        too big for the cluster."""
+        hellos = [w.hello for w in self.workers.values() if w.draining] + [h for h, _ in self.drained.values()]
+        said = [h.tier_max_tokens[tier] for h in hellos if h.tier_max_tokens and tier in h.tier_max_tokens]
+        return max(said) if said else None

@@ -66,11 +66,11 @@ def test_a_p0_the_quota_would_downgrade_past_p1s_share_is_refused_not_admitted_t
 
 class BigWorker:
     """A peer on the gateway's worker socket, as a worker with a big KV cache: it says hello (every tier may hold
-    2,048 tokens there), reports every half second from a thread, offers its one slot only once ``free`` is set,
+    ``limit`` tokens there), reports every half second from a thread, offers its one slot only once ``free`` is set,
     and finishes what it is sent at once (``token`` x max_tokens). ``stop()`` ends it without a word, as a kill."""
 
-    def __init__(self, endpoint: str, model: str, worker_id: str = "wk-big") -> None:
-        self.worker_id, self.model = worker_id, model
+    def __init__(self, endpoint: str, model: str, worker_id: str = "wk-big", limit: int = 2048) -> None:
+        self.worker_id, self.model, self.limit = worker_id, model, limit
         self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=worker_id.encode())
         self.sock.connect(endpoint)
         self.free = threading.Event()
@@ -81,7 +81,7 @@ class BigWorker:
         self._thread.start()
 
     def _run(self) -> None:
-        limits = {t: 2048 for t in ("P0", "P1", "P2", "P3")}
+        limits = {t: self.limit for t in ("P0", "P1", "P2", "P3")}
         self.sock.send(P.encode(P.WorkerHello(self.worker_id, self.model, 512, 2048, 1, 128, limits, 256)))
         while not self._stop.is_set():
             free = 1 if self.free.is_set() else 0

@@ -110,8 +110,8 @@ def test_the_preemption_pass_beside_free_slots_reads_no_queue_the_credit_pass_re
 def test_a_job_only_a_drained_worker_fits_waits_for_its_return_a_while_and_a_killed_ones_not_at_all(server):
     """A drained worker exits without a goodbye and is dropped after worker_timeout_s; a redeploy restarts it a
     moment later. A job only it fits was then taken for one no worker left could run and sent to the small worker to
-    fail. The drained worker's size is remembered (DRAINED_MEMORY_S): the job waits until the worker is back or the
-    memory runs out. A worker that was not draining
+    fail. The drained worker's size is remembered (DRAINED_MEMORY_S): the job waits, and a new one is refused as
+    retryable (returning_max_tokens), until the worker is back or the memory runs out. A worker that was not draining
     when it went silent (killed, crashed) is not waited for, as before."""
     d = Plan(server)
     d.workers.timeout_s = 5.0
@@ -120,17 +120,17 @@ def test_a_job_only_a_drained_worker_fits_waits_for_its_return_a_while_and_a_kil
     d.workers.workers["wk-small"].last_seen = NOW + 1e6  # it keeps reporting
     big = admit(d, Tier.P3, 100, 100)
     assert d.workers.expire(NOW + 6) == ["wk-big"]
-    assert d._plan_by_credit()[0] == {}
+    assert d._plan_by_credit()[0] == {} and d.workers.returning_max_tokens("P3") == 2048
     small = admit(d, Tier.P3, 10, 20)  # the job ahead takes none of the small worker's slots, nor its estimate's
     assert d._plan_by_credit()[0] == {"wk-small": [small]}
     assert d.estimator.for_queued(small, Tier.P3, NOW) < 1
     d.queue.client.zrem(d.queue.keys.queue(Tier.P3), small)
     worker(d, "wk-big", 1, {t.value: 2048 for t in ALL_TIERS})  # redeployed: same id and size
-    assert d._plan_by_credit()[0] == {"wk-big": [big]}
+    assert d._plan_by_credit()[0] == {"wk-big": [big]} and d.workers.returning_max_tokens("P3") is None
     d.workers.workers["wk-big"].load = P.WorkerLoad("wk-big", 0, 1000, {}, {}, [], 0.0, draining=True)
     assert d.workers.expire(NOW + 6) == ["wk-big"]
     assert d.workers.expire(NOW + 7 + d.workers.drained_memory_s) == []  # not back: forgotten
-    assert d._plan_by_credit()[0] == {"wk-small": [big]}
+    assert d._plan_by_credit()[0] == {"wk-small": [big]} and d.workers.returning_max_tokens("P3") is None
     worker(d, "wk-big", 0, {t.value: 2048 for t in ALL_TIERS})  # serving, then killed: no drain before it
     assert d.workers.expire(NOW + 6) == ["wk-big"] and not d.workers.drained
     assert d._plan_by_credit()[0] == {"wk-small": [big]}
