@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import msgpack
 
@@ -136,7 +137,16 @@ class Dispatcher:
         guarded = {wid: {t: w.guarded_victims(t) for t in PREEMPTING_TIERS} for wid, w in self.workers.workers.items()}
         most = sum(max(0, n) for v in room.values() for n in v.values())
         by_worker: dict[str, list[str]] = {}
-        candidates = self._urgent_candidates(most, skip, read)
+        victims = {wid for wid, v in room.items() if any(n > 0 for n in v.values())}
+
+        def placeable(ids: list[str]) -> set[str]:
+            # Those that fit a worker with a victim: the P0s only a draining worker fits (handed back in a redeploy),
+            # or only a full one with none, took every candidate's place, and a P0 behind them that a victim on a
+            # smaller worker could serve waited for a free slot (a priority inversion, for the whole redeploy).
+            places = self._places(ids)
+            return {i for i in ids if i not in places or places[i] & victims}
+
+        candidates = self._urgent_candidates(most, skip, read, placeable)
         starts = self.estimator.starts_s(sorted({t for _, t in candidates}, key=lambda t: t.rank), now) \
             if candidates else {}
         places = self._places([j for j, _ in candidates])
@@ -152,21 +162,28 @@ class Dispatcher:
         return by_worker, {j: "preemption" for js in by_worker.values() for j in js}
 
     def _urgent_candidates(self, most: int, skip: frozenset[str] | set[str] = frozenset(),
-                           read: list[str] | None = None) -> list[tuple[str, Tier]]:
+                           read: list[str] | None = None,
+                           placeable: Callable[[list[str]], set[str]] | None = None) -> list[tuple[str, Tier]]:
         """Up to ``most`` queued jobs admitted as P0 or P1, in dispatch order, with their tiers. Jobs aged up
         from P2/P3 share the P1 queue, ahead of newer P1s, but wait for a free slot like the tier they were
         admitted at: they are passed over here, so however many there are, they cannot hide a P1 from the
         victims it may preempt (the scan reads further until it finds enough, to PREEMPTION_SCAN_MAX). ``read``:
         every queued job, in dispatch order (a job admitted as P0 or P1 is in its own queue, ahead of P2's and
-        P3's): a peek of the P0/P1 queues would read them again, a Redis round trip per pass on uneven workers."""
+        P3's): a peek of the P0/P1 queues would read them again, a Redis round trip per pass on uneven workers.
+        ``placeable``: of the ids given, those some worker may take now; the others are passed over too."""
+        def urgent(ids: list[str]) -> list[tuple[str, Tier]]:
+            found = [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in PREEMPTING_TIERS]
+            if placeable is None or not found:
+                return found
+            kept = placeable([i for i, _ in found])
+            return [(i, t) for i, t in found if i in kept]
+
         if read is not None and most > 0:
-            ids = [i for i in read if i not in skip]
-            return [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in PREEMPTING_TIERS][:most]
+            return urgent([i for i in read if i not in skip])[:most]
         limit = most
         while limit > 0:
             peeked = self.queue.peek(list(PREEMPTING_TIERS), limit)
-            ids = [i for i in peeked if i not in skip]
-            found = [(i, t) for i, t in zip(ids, self._granted_tiers(ids)) if t in PREEMPTING_TIERS]
+            found = urgent([i for i in peeked if i not in skip])
             if len(found) >= most or len(peeked) < limit or limit >= PREEMPTION_SCAN_MAX:
                 return found[:most]
             limit = min(PREEMPTION_SCAN_MAX, 4 * limit)

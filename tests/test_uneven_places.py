@@ -31,11 +31,11 @@ def worker(d: Plan, wid: str, free: int, limits: dict[str, int], work: dict | No
                                 draining=draining), NOW)
 
 
-def admit(d: Plan, tier: Tier, prompt: int, max_tokens: int) -> str:
+def admit(d: Plan, tier: Tier, prompt: int, max_tokens: int, at: float = NOW) -> str:
     job_id = uuid.uuid4().hex
     payload = msgpack.packb({"prompt_token_ids": [5] * prompt, "max_tokens": max_tokens})
     r = d.queue.admit(job_id=job_id, tenant="t", tier_requested=tier, tier=tier, payload=payload,
-                      now_ms=int(NOW * 1000), idempotency_key=None, quota=None, drain_rate_per_s={}, estimate_s=0.0)
+                      now_ms=int(at * 1000), idempotency_key=None, quota=None, drain_rate_per_s={}, estimate_s=0.0)
     assert isinstance(r, Admitted)
     return job_id
 
@@ -134,3 +134,19 @@ def test_a_job_only_a_drained_worker_fits_waits_for_its_return_a_while_and_a_kil
     worker(d, "wk-big", 0, {t.value: 2048 for t in ALL_TIERS})  # serving, then killed: no drain before it
     assert d.workers.expire(NOW + 6) == ["wk-big"] and not d.workers.drained
     assert d._plan_by_credit()[0] == {"wk-small": [big]}
+
+
+def test_p0s_waiting_for_a_draining_worker_keep_no_p0_behind_them_from_a_victim_on_another(server):
+    """The big worker drains and hands back its P0s (a redeploy); only it fits them, so they wait. The small worker
+    is full, with a P3 a P0 may preempt. The preemption pass took as many queued P0/P1s as there were victims, the
+    waiting big ones first: none of them could go, and a small P0 behind them waited for the P3 to end by itself (a
+    priority inversion lasting the redeploy, and DRAINED_MEMORY_S after it). It preempts the P3 at once now."""
+    d = Plan(server)
+    worker(d, "wk-small", 0, {t.value: 64 for t in ALL_TIERS})
+    d.workers.load(P.WorkerLoad("wk-small", 0, 1000, {"P3": 1}, {}, ["s3"], 0.0, {"P0": 1, "P1": 1}, 1000.0, 50.0,
+                                {"s3": [Tier.P3.rank, 0, 0, 10, 40, 0b11]}), NOW)
+    worker(d, "wk-big", 0, {t.value: 2048 for t in ALL_TIERS}, draining=True)
+    for i in range(3):
+        admit(d, Tier.P0, 100, 100, at=NOW - 10 + i)
+    small = admit(d, Tier.P0, 10, 20)
+    assert d._plan(NOW)[0] == {"wk-small": [small]}
