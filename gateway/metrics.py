@@ -114,6 +114,13 @@ def claim_tag(job_id: str) -> str:
     return pending[2] if pending is not None else ""
 
 
+def claim_ttft_ms(job_id: str) -> int | None:
+    """The pending first token's delay after the admission, ms (first_token.lua keeps the earliest in the hash, for
+    the gateway that stores the result: it may never have heard that token); None if none is pending."""
+    pending = _FIRST_TOKENS.get(job_id)
+    return round(pending[1] * 1000) if pending is not None else None
+
+
 def claimed(job_id: str, won: bool) -> None:
     """The claim of ``job_id``'s first token was answered: observed if this gateway won it, else dropped."""
     pending = _FIRST_TOKENS.pop(job_id, None)

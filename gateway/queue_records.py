@@ -154,6 +154,7 @@ class Stored(NamedTuple):
 
     queued_s: float | None  # None: no wait was measured
     total_s: float  # admission until finished_at_ms, on Redis's clock
+    ttft_s: float | None = None  # None: no first token was measured
 
 
 class Settled(NamedTuple):

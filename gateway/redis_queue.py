@@ -310,8 +310,8 @@ class RedisQueue(QueueSweeps):
         won = first_token_claim is not None and bool(before[-1])
         if not stored:
             return None, won
-        _, queued, total_ms = stored
-        return Stored(float(queued) if queued else None, int(total_ms) / 1000), won
+        _, queued, total_ms, ttft = stored
+        return Stored(float(queued) if queued else None, int(total_ms) / 1000, float(ttft) if ttft else None), won
 
     # --- cancel and reads ------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:

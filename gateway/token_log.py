@@ -34,8 +34,11 @@ def first_prefill_call(keys: KeySpace, job_id: str, start_ms: int) -> tuple[str,
 
 def first_token_call(keys: KeySpace, job_id: str, gateway: str) -> tuple[str, list, list]:
     """run_pipelined's call claiming for ``gateway`` the observation of ``job_id``'s first token (first_token.lua),
-    under the tag of the claim pending here (metrics.claim_tag): asked again after a lost reply, it wins again."""
-    return "first_token", [keys.job(job_id)], [gateway, metrics.claim_tag(job_id)]
+    under the tag of the claim pending here (metrics.claim_tag): asked again after a lost reply, it wins again. With
+    the token's delay after the admission: the hash keeps the earliest first token, whoever wins the claim."""
+    after_ms = metrics.claim_ttft_ms(job_id)
+    return "first_token", [keys.job(job_id)], [gateway, metrics.claim_tag(job_id),
+                                               "" if after_ms is None else after_ms]
 
 
 class TokenLog:

@@ -219,9 +219,8 @@ class WorkerLink:
         self._count_end(msg.job_id, state)
         if s is not None and state == "done":
             s.tokens = tokens
-        ttft_s = float(fields["ttft_s"])
         self._finish_stream(msg.job_id, state, msg.finish_reason, reason, run_s=msg.run_s,
-                            preemptions=msg.preemptions, stored=stored, ttft_s=None if ttft_s < 0 else ttft_s)
+                            preemptions=msg.preemptions, stored=stored, ttft_s=stored.ttft_s)
         self._dirty = True
 
     def _count_end(self, job_id: str, state: str) -> None:

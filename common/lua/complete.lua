@@ -18,9 +18,12 @@
 -- ARGV[8]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
 -- ARGV[9..]   result fields: name, value, name, value, ...
 --
--- A result's queued_s is the earliest recorded first start (first_prefill_ms) less the admission, if that is less.
+-- A result's queued_s is the earliest recorded first start (first_prefill_ms) less the admission, if that is less;
+-- its ttft_s likewise the earliest recorded first token (first_token_ms, first_token.lua), if that is less (or no
+-- TTFT, -1, was given).
 --
--- Returns: {1, the queued_s stored ("" if none), total ms (admission to finished_at_ms)} if recorded: the figures a
+-- Returns: {1, the queued_s stored ("" if none), total ms (admission to finished_at_ms), the ttft_s stored ("" if
+-- none)} if recorded: the figures a
 -- later read of the result reports, for the caller's final message to its listeners and its wait estimates; 0 if
 -- stale; "late", changing nothing, when run past ARGV[8] (Redis stood still
 -- meanwhile): the caller keeps the result to store again, and a retry that found it stored would take it for
@@ -57,12 +60,21 @@ if #ARGV >= 9 then
 end
 -- The wait ends at the earliest start any gateway recorded (first_prefill.lua). The caller may have measured it to
 -- a later attempt's start: the gateway that heard the first stood still before writing it, and wrote it since.
-local starts = redis.call('HMGET', KEYS[1], 'queued_s', 'first_prefill_ms', 'enqueued_at_ms')
+local starts = redis.call('HMGET', KEYS[1], 'queued_s', 'first_prefill_ms', 'enqueued_at_ms', 'ttft_s',
+                          'first_token_ms')
 local given, first, enq = tonumber(starts[1]), tonumber(starts[2]), tonumber(starts[3])
 local queued = starts[1] or ''
 if given and first and enq and math.max(0, first - enq) / 1000 < given then
     queued = string.format('%.17g', math.max(0, first - enq) / 1000)
     redis.call('HSET', KEYS[1], 'queued_s', queued)
+end
+-- Likewise the first token: the storing gateway may have heard only a later attempt's (the one that heard the
+-- first stood still, and another ran the job on from its token log).
+local ttft_given, first_token = tonumber(starts[4]), tonumber(starts[5])
+local ttft = (ttft_given and ttft_given >= 0) and starts[4] or ''
+if first_token and enq and (ttft == '' or math.max(0, first_token - enq) / 1000 < ttft_given) then
+    ttft = string.format('%.17g', math.max(0, first_token - enq) / 1000)
+    redis.call('HSET', KEYS[1], 'ttft_s', ttft)
 end
 redis.call('DEL', KEYS[4])
 redis.call('HDEL', KEYS[1], 'payload')
@@ -74,4 +86,4 @@ local rate, ts = tonumber(stats[1]) or 0, tonumber(stats[2]) or now
 rate = rate * math.exp(-math.max(0, now - ts) / tau_ms) + 1000 / tau_ms
 redis.call('HSET', KEYS[3], 'rate:' .. tier, string.format('%.17g', rate), 'ts:' .. tier, math.max(ts, now))
 redis.call('HINCRBY', KEYS[3], 'completed:' .. tier, 1)
-return {1, queued, math.max(0, now - (enq or now))}
+return {1, queued, math.max(0, now - (enq or now)), ttft}

@@ -2,6 +2,10 @@
 -- it here first, so that a job whose first token reached two gateways (its lease lost before the token log was
 -- written, then the token seen again on the next attempt; or a gateway frozen with the frames unread while
 -- another took the job's stream over) is observed once. A job whose hash is gone is not recreated.
+-- With the claim, when the first token came (first_token_ms, Redis ms; the earliest any gateway tells, claim won or
+-- not): the gateway storing the result may have heard only a later attempt's first token (the one that heard the
+-- first froze, and another ran the job on), and complete.lua stores the TTFT to the earliest. A finished job's
+-- record is not changed: its stored TTFT was measured to the first token it keeps.
 --
 -- KEYS[1]  job hash
 -- ARGV[1]  the claiming gateway's id
@@ -9,11 +13,21 @@
 --          the reply (Redis stood still) is asked again with the same tag, and won again. Else the retry lost to
 --          the claim it repeats, and no gateway observed the first token. A gateway's id alone would not do: one
 --          restarted, or sent the job again, may see a first token it observed already.
+-- ARGV[3]  the first token's delay after the job's admission (enqueued_at_ms), ms (optional)
 --
 -- Returns 1 if this claim won it, else 0.
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
     return 0
+end
+local fields = redis.call('HMGET', KEYS[1], 'state', 'enqueued_at_ms', 'first_token_ms')
+local after, enq = tonumber(ARGV[3] or ''), tonumber(fields[2])
+if after and enq and (fields[1] == 'queued' or fields[1] == 'dispatched') then
+    local at = enq + math.max(0, math.floor(after + 0.5))
+    local old = tonumber(fields[3])
+    if old == nil or at < old then
+        redis.call('HSET', KEYS[1], 'first_token_ms', at)
+    end
 end
 local tag = ARGV[2] or ''
 if redis.call('HSETNX', KEYS[1], 'ttft_observed_by', ARGV[1]) == 1 then
