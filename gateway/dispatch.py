@@ -41,14 +41,18 @@ class Dispatcher:
                                         lease_ms=_ms(self.config.lease_s)):
                 body = msgpack.unpackb(rec.payload)
                 # Span times are Unix times: ``now`` is the loop's monotonic clock, good for intervals only.
-                ctx = self.spans.dispatched(rec, body.get("trace_context") or {}, wid, reason[rec.id],
-                                            time.time_ns())
+                now_ns = time.time_ns()
                 # The worker preempts by the tier the job was admitted at: aging only moved it up the queue.
                 # Its tokens come back here (reply_to): this gateway holds the lease and writes the token log.
                 # A re-dispatch goes on from what earlier attempts streamed (the token log, read into this gateway's
                 # buffer), so the stream here has no gap and the worker does not decode it all again.
                 resume = rec.attempt > 1 and w.hello.resumes
                 stream = self._open_stream(rec.id, rec.tenant) if resume else self.streams.get_or_create(rec.id)
+                # What the lost attempt's run left kept, for explain: not all of its time was lost (a worker that
+                # cannot resume decodes it all again).
+                kept = ((len(stream.tokens), stream.redis_pos) if resume else (0, "0-0")) if rec.attempt > 1 else None
+                ctx = self.spans.dispatched(rec, body.get("trace_context") or {}, wid, reason[rec.id], now_ns,
+                                            kept=kept)
                 self._send(self.worker_sock, w.identity, P.DispatchJob(
                     rec.id, rec.attempt, rec.tier_granted.value, rec.tenant, body["prompt_token_ids"],
                     body["max_tokens"], body["temperature"], body["top_p"], body["top_k"], body["seed"],

@@ -64,8 +64,10 @@ class GatewaySpans:
                 span.set_attribute(f"queue.ahead.{t.value}", ahead.get(t, 0))
         return tracing.carrier()
 
-    def dispatched(self, rec, parent: dict[str, str], worker: str, reason: str, now_ns: int) -> dict[str, str]:
-        """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join.
+    def dispatched(self, rec, parent: dict[str, str], worker: str, reason: str, now_ns: int,
+                   kept: tuple[int, str] | None = None) -> dict[str, str]:
+        """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join. ``kept``: a
+        re-dispatch's tokens from earlier attempts it resumes with, and the token log's last entry id read then.
 
         Both are on Redis's clock, as the wait's start (admission, requeue) and its events are: the claim's
         dispatched_at_ms ends the wait, and the dispatch begins there. Ended on the gateway's wall clock, a gateway
@@ -98,6 +100,14 @@ class GatewaySpans:
             first = rec.result.get("first_prefill_ms")
             if first is not None:
                 span.set_attribute("dispatch.first_prefill_ms", int(first))
+        if rec.attempt > 1 and kept is not None:
+            # The tokens the earlier attempts streamed that this one goes on from, and when the last of them was
+            # written (the log entry's id is Redis ms): explain tells the lost attempt's run up to it as kept work.
+            tokens, last_entry = kept
+            span.set_attribute("dispatch.resumed_tokens", tokens)
+            last_ms = int(last_entry.split("-")[0]) if tokens and last_entry != "0-0" else 0
+            if last_ms > 0:
+                span.set_attribute("dispatch.last_kept_token_ms", last_ms)
         carrier = tracing.carrier_of(span)
         span.end(end_time=end_ns + max(0, time.time_ns() - now_ns))  # as long as it took here
         return carrier

@@ -143,8 +143,15 @@ class _Analyser:
                 # worker is in its worker.request span, and the next attempt goes on from its tokens.
                 released = attr_str(d.get("dispatch.requeue_cause")) == "released"
                 prev = prev or attr_str(d.get("dispatch.lost_worker"))
-                # Time between handing it to the previous worker and the lease expiring: lost work.
+                # Time between handing it to the previous worker and the lease expiring: lost work, but for its run
+                # up to the last token this attempt resumed with (written to the token log then), which was kept.
                 lost = (at - dispatches[i - 1].end_ns) / 1e9 if i > 0 and requeue and not released else None
+                resumed = attr_int(d.get("dispatch.resumed_tokens"))
+                last_ms = attr_int(d.get("dispatch.last_kept_token_ms"))
+                kept_s = None
+                if lost is not None and resumed and last_ms:
+                    kept_s = min(lost, max(0.0, (last_ms * 1_000_000 - dispatches[i - 1].end_ns) / 1e9))
+                    lost -= kept_s
                 if released:
                     text = (f"worker {prev or '?'} handed it back (shutting down); attempt {attempt} on worker "
                             f"{worker}")
@@ -152,11 +159,17 @@ class _Analyser:
                     text = f"lease expired on worker {prev}; attempt {attempt} on worker {worker}"
                 else:
                     text = f"attempt {attempt} on worker {worker} (an earlier attempt's lease expired)"
+                said = [f"{resumed} token{'s' if resumed != 1 else ''} kept"
+                        + (f": {kept_s:.2f} s of its run on {prev}" if kept_s else "")] if resumed else []
                 if lost is not None and lost > 0:
-                    text += f" ({lost:.2f} s lost on {prev})"
-                add(1, Cause(self.rel(at), "redispatch", text, lost,
-                             detail={"attempt": attempt, "previous_worker": prev, "worker": worker,
-                                     "cause": "released" if released else "lease_expired"}))
+                    said.append(f"{lost:.2f} s lost on {prev}")
+                if said:
+                    text += f" ({'; '.join(said)})"
+                detail = {"attempt": attempt, "previous_worker": prev, "worker": worker,
+                          "cause": "released" if released else "lease_expired"}
+                if resumed is not None:
+                    detail |= {"kept_tokens": resumed, "kept_s": None if kept_s is None else round(kept_s, 9)}
+                add(1, Cause(self.rel(at), "redispatch", text, lost, detail=detail))
             if attr_str(d.get("dispatch.reason")) == "cheapest_preemption":
                 add(5, Cause(self.rel(d.start_ns), "dispatch",
                              f"dispatched to worker {worker} with no free credit anywhere: it had the cheapest "
@@ -281,6 +294,8 @@ class _Analyser:
             running = self.total(WORKER_PREFILL) + self.total(WORKER_DECODE) - suspended
         running = max(0.0, running)
         transit = accounting.transit(self.own, self.t0, self.t_end)
+        kept = transit.pop("kept")  # a lost attempt's run up to the last token the next one resumed with
+        running += kept
         in_transit = sum(v for k, v in transit.items() if k != "other")
         other = max(0.0, total - queued - running - suspended - in_transit)
         self._to_worker_causes(dispatches, add)
@@ -299,7 +314,7 @@ class _Analyser:
             attempts=max(attempts, 1 if self.own else 0),
             workers=workers, blame=[c for _, _, c in sorted(causes, key=lambda x: (x[0], x[1]))],
             phases=self._phases(dispatches, suspensions), suspensions=suspensions, decisions=decisions,
-            missing=missing_spans(self.own, self.t0), clock_offsets=clock_offsets(self.own),
+            missing=missing_spans(self.own, self.t0), clock_offsets=clock_offsets(self.own), kept_s=round(kept, 9),
             to_first_prefill_s=to_first_prefill, to_first_prefill_attempt=prefill_attempt)
 
     def _to_first_prefill(self, queues: list[Span], dispatches: list[Span]) -> tuple[float | None, int | None]:

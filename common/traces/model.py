@@ -124,6 +124,9 @@ class Explanation:
     # re-dispatch's dispatch.first_prefill_ms): past 1, an earlier attempt's prefill may be missing (its worker killed
     # before exporting it), and to_first_prefill_s longer than JobResult.queued_s. None: the first prefill.
     to_first_prefill_attempt: int | None = None
+    # Of running_s, a lost attempt's run up to the last token the next attempt resumed with (the re-dispatch's
+    # dispatch.last_kept_token_ms): its worker, killed, exported no span of it, but its tokens were kept.
+    kept_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
