@@ -69,8 +69,9 @@ promise falls due, P3 only), ``promoted_at_ms`` (when it did), ``worker`` and ``
 (holder while dispatched), ``dispatched_at_ms``, ``reason`` (why it failed, expired, died or was
 cancelled), ``finished_at_ms``, ``ttft_observed_by`` (the gateway that observed its time to first token:
 first_token.lua) and ``ttft_claim`` (that claim's tag), ``first_prefill_ms`` (the earliest first prefill start
-any attempt reported, the end of its wait: first_prefill.lua; complete.lua stores the wait to it), plus any result
-fields given to complete().
+any attempt reported, the end of its wait: first_prefill.lua; complete.lua stores the wait to it),
+``first_token_ms`` (the earliest first token any gateway told with its claim: first_token.lua; complete.lua stores
+the TTFT to it), plus any result fields given to complete().
 
 Drain rate formula (per tier, jobs/s): an exponentially decayed count of completions,
 ``rate(t) = (1/tau) * sum_i exp(-(t - t_i) / tau)`` over completion times ``t_i``. It is
