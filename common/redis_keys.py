@@ -57,6 +57,11 @@ key                     type         contents and lifetime
 ``worker-key:<id>``     string       the CURVE key (z85) worker ``<id>`` said hello with, so that no
                                      gateway gives its id to another key (gateway/security.py). TTL
                                      2 x max(lease, worker timeout), refreshed by its load reports.
+``drained-workers``     hash         worker id -> ``<until ms> <msgpack tier limits>`` of a worker whose
+                                     reports said it drains (gateway/drained.py): every gateway keeps a
+                                     job only it fits waiting for its return. An entry counts until
+                                     DRAINED_MEMORY_S + worker timeout after its last draining report;
+                                     deleted when the worker says hello or reports as not draining.
 ======================  ===========  ==========================================================
 
 Job hash fields: ``id``, ``tenant``, ``tier`` (current), ``tier_requested`` (asked by the
@@ -161,6 +166,10 @@ class KeySpace:
 
     def worker_key(self, worker_id: str) -> str:
         return f"{self.base}:worker-key:{quote(worker_id, safe='')}"
+
+    @property
+    def drained_workers(self) -> str:
+        return f"{self.base}:drained-workers"
 
     def scan_pattern(self) -> str:
         """A SCAN MATCH pattern for every key of this cluster (glob characters escaped)."""

@@ -22,6 +22,7 @@ import redis
 
 from common import protocol as P
 from gateway import metrics, security
+from gateway.drained import SharedDrained
 from gateway.waits import first_prefill_ms
 
 log = logging.getLogger("gateway")
@@ -51,6 +52,7 @@ class WorkerLink:
             return
         self._hello_asked.pop(ident, None)
         self.workers.hello(msg, ident, self.clock())
+        self._track_drain(msg.worker_id)
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
         self._dirty = True
 
@@ -62,6 +64,7 @@ class WorkerLink:
             return
         if self.worker_keys is not None:
             self.worker_keys.refresh(msg.worker_id, self.frame_key)
+        self._track_drain(msg.worker_id)
         self._dirty = True
         w = self.workers.workers[msg.worker_id]
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
@@ -73,6 +76,24 @@ class WorkerLink:
         self._urgent_sent &= set().union(*(x.pending for x in self.workers.workers.values()))
         if msg.job_ids:
             self.queue.extend_leases(msg.worker_id, msg.job_ids, None, int(self.config.lease_s * 1000))
+
+    def _track_drain(self, worker_id: str) -> None:
+        """Tell the cluster's memory of drained workers (gateway/drained.py) whether ``worker_id`` drains, and
+        read that memory again when due: on the workers' cadence, since only with workers heard does it matter
+        (their hellos and reports are what admission and dispatch go by)."""
+        memory = getattr(self, "shared_drained", None)
+        if memory is None:
+            memory = self.shared_drained = SharedDrained(self.queue.client, self.queue.keys,
+                                                         self.workers.drained_memory_s + self.workers.timeout_s)
+        now = self.clock()
+        if now >= self._redis_retry_at:  # else Redis is known to be down: the copy read last decides meanwhile
+            w = self.workers.workers[worker_id]
+            if w.draining:
+                memory.note(worker_id, w.hello.tier_max_tokens, now)
+            else:
+                memory.back(worker_id)
+            memory.refresh(now)
+        self.workers.shared_drained = memory.alive(now)
 
     def _holds_lease(self, ident: bytes, job_id: str, attempt: int) -> bool:
         """True if ``ident`` is the worker holding ``job_id``'s current lease for ``attempt``."""

@@ -65,7 +65,11 @@ def reported_step(load: WorkerLoad | None) -> StepCost | None:
 
 
 def hello_fits(hello: WorkerHello, tier: Tier, tokens: int) -> bool:
-    limit = (hello.tier_max_tokens or {}).get(tier.value)
+    return limits_fit(hello.tier_max_tokens, tier, tokens)
+
+
+def limits_fit(limits: dict[str, int] | None, tier: Tier, tokens: int) -> bool:
+    limit = (limits or {}).get(tier.value)
     return limit is None or tokens <= limit
 
 
@@ -157,6 +161,9 @@ class WorkerRegistry:
         # Workers that drained and timed out: id -> (hello, when dropped), for DRAINED_MEMORY_S.
         self.drained: dict[str, tuple[WorkerHello, float]] = {}
         self.drained_memory_s = drained_memory_s
+        # The cluster's memory of drained workers (gateway/drained.py): id -> tier limits, as read last. It holds
+        # those this gateway never heard drain (it restarted meanwhile, or it is another gateway's worker).
+        self.shared_drained: dict[str, dict[str, int]] = {}
 
     def hello(self, msg: WorkerHello, identity: bytes, now: float) -> None:
         self.drained.pop(msg.worker_id, None)
@@ -188,8 +195,14 @@ class WorkerRegistry:
     def uneven(self) -> bool:
         """The workers' hellos give different tier limits: a job may fit some of them and not the others (also a
         drained worker's, remembered: a job only it fits waits for it)."""
-        hellos = [w.hello for w in self.workers.values()] + [h for h, _ in self.drained.values()]
-        return len({tuple(sorted((h.tier_max_tokens or {}).items())) for h in hellos}) > 1
+        limits = [w.hello.tier_max_tokens for w in self.workers.values()] + self._drained_limits()
+        return len({tuple(sorted((x or {}).items())) for x in limits}) > 1
+
+    def _drained_limits(self) -> list[dict[str, int] | None]:
+        """The tier limits of the workers that drained lately, as this gateway remembers them and as the cluster
+        does; a registered worker is judged by what it says now (back from a redeploy, or draining again)."""
+        shared = [x for wid, x in self.shared_drained.items() if wid not in self.workers and wid not in self.drained]
+        return [h.tier_max_tokens for h, _ in self.drained.values()] + shared
 
     def places(self, tier: Tier, tokens: int) -> set[str] | None:
         """The workers a job of ``tier`` holding ``tokens`` (prompt + max_tokens) may go to, where it fits some and not
@@ -208,7 +221,7 @@ class WorkerRegistry:
     def returning_fits(self, tier: Tier, tokens: int) -> bool:
         """A draining worker, or one that drained lately, fits such a job: a redeploy brings it back."""
         return any(w.fits(tier, tokens) for w in self.workers.values() if w.draining) or \
-            any(hello_fits(h, tier, tokens) for h, _ in self.drained.values())
+            any(limits_fit(x, tier, tokens) for x in self._drained_limits())
 
     def total_credit(self) -> int:
         return sum(w.credit for w in self.workers.values())
@@ -239,6 +252,6 @@ class WorkerRegistry:
         """Largest prompt + max_tokens for ``tier`` that a draining worker, or one that drained lately, says it
         accepts (None: none says): a job past tier_max_tokens but within this waits out a redeploy, not refused as
         too big for the cluster."""
-        hellos = [w.hello for w in self.workers.values() if w.draining] + [h for h, _ in self.drained.values()]
-        said = [h.tier_max_tokens[tier] for h in hellos if h.tier_max_tokens and tier in h.tier_max_tokens]
+        limits = [w.hello.tier_max_tokens for w in self.workers.values() if w.draining] + self._drained_limits()
+        said = [x[tier] for x in limits if x and tier in x]
         return max(said) if said else None

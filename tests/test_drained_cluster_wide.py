@@ -1,0 +1,54 @@
+"""A redeploy's drained worker is remembered by the cluster, not by one gateway: a gateway restarted while the worker
+was away (or one that never heard it drain) knows that a job only it fits is waiting for it.
+
+Real processes (tests/durable_cluster.py): redis-server, a gateway, a real small worker, and a peer speaking the
+worker protocol as the big worker (tests/test_dispatch_fit.BigWorker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.sdk import Overloaded
+from tests.cluster_helpers import wait_for
+from tests.test_dispatch_fit import BigWorker, SmallWorkerCluster, start_small_worker
+
+pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
+
+
+def test_a_gateway_restarted_while_the_big_worker_redeploys_keeps_its_job_waiting_for_it(tmp_path, tiny_model_dir):
+    """The big worker drains and exits while a job only it fits is queued; then the gateway restarts (it is redeployed
+    too). The memory of the drained worker was the old gateway's alone: the new one saw only the small worker, took
+    the job for one any worker may run, and sent it there to fail ("pool holds only 4"); a new such job was refused as
+    invalid. The drained worker's size is in Redis now: the job waits for its return, a new one is told to retry."""
+    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
+        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
+        try:
+            c.worker_ids.append("wk-big")
+            c.wait_workers("gw-0")
+            start_small_worker(c)
+            lab = c.client("lab-co", timeout_s=60.0)
+            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)  # fits wk-big only
+            lab.close()
+            big_worker.draining.set()
+            time.sleep(1.5)  # its reports say so
+            big_worker.stop()  # drained: it exits
+            c.kill("gw-0")
+            c.restart("gw-0")
+            c.worker_ids.remove("wk-big")
+            c.wait_workers("gw-0")  # the small worker only
+            lab = c.client("lab-co", timeout_s=60.0)
+            small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
+            assert len(small.result(timeout=60).token_ids) == 20  # dispatch ran with the small worker's credit
+            assert c.state(big.id) == "queued", c.job(big.id).get("reason")
+            with pytest.raises(Overloaded, match="draining"):
+                lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+            big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))  # redeployed, same id and size
+            big_worker.free.set()
+            assert big.result(timeout=60).token_ids == [7] * 100
+            wait_for(lambda: not c.redis.hlen("ts:{c}:drained-workers"), 10, "the returned worker to be forgotten")
+            lab.close()
+        finally:
+            big_worker.stop()
