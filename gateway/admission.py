@@ -30,6 +30,16 @@ class Admission:
     prompt_token_ids: list[int]
 
 
+class OnlyDraining(Overloaded):
+    """Refused as overloaded: only workers a redeploy is restarting fit the request. ``admission``: the request's,
+    valid in every other way, so that a retry of a job admitted under its idempotency key before the drain gets that
+    job back (the key's promise), not a refusal saying nothing was stored."""
+
+    def __init__(self, message: str, admission: Admission) -> None:
+        super().__init__(message, DRAINING_RETRY_S)
+        self.admission = admission
+
+
 def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size: int | None,
           max_model_len: int, max_tokens_limit: int,
           tier_max_tokens: Callable[[str], int | None] = lambda tier: None,
@@ -80,9 +90,10 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
     if limit is not None and len(ids) + req.max_tokens > limit:
         later = returning_max_tokens(tier.value)
         if later is not None and len(ids) + req.max_tokens <= later:
-            raise Overloaded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) fits only workers that are "
-                             f"draining or restarting (a redeploy), past the {limit} tokens a {tier.value} job may "
-                             "hold on the others; nothing was stored, retry shortly", DRAINING_RETRY_S)
+            raise OnlyDraining(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) fits only workers that "
+                               f"are draining or restarting (a redeploy), past the {limit} tokens a {tier.value} job "
+                               "may hold on the others; nothing was stored, retry shortly",
+                               Admission(tenant, tier, list(ids)))
         raise TierLimitExceeded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
                                 f"tokens a {tier.value} job may hold on this cluster's workers", tier=tier.value,
                                 limit_tokens=limit)

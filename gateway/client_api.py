@@ -15,12 +15,11 @@ import redis
 
 from common import protocol as P
 from common import tracing
-from common import errors
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, promises, security
-from gateway.redis_queue import (Admitted, IdempotencyMismatch, Overloaded, QuotaRefused, QuotaSpec, StoreFull,
-                                 TenantFull)
+from gateway.redis_queue import (MIN_DRAIN_RATE_PER_S, Admitted, IdempotencyMismatch, Overloaded, QuotaRefused,
+                                 QuotaSpec, StoreFull, TenantFull)
 from gateway.spans import GatewaySpans
 
 log = logging.getLogger("gateway")
@@ -49,7 +48,9 @@ class ClientApi:
                                   returning_max_tokens=self.workers.returning_max_tokens)
         except (Unauthorized, Forbidden, InvalidRequest) as e:
             return self._error_for(e)
-        except errors.Overloaded as e:  # fits only a worker a redeploy is restarting: nothing stored, nothing charged
+        except admission.OnlyDraining as e:  # fits only a worker a redeploy is restarting: nothing stored or charged
+            if (replay := self._replay(req, e.admission)) is not None:
+                return replay
             self.counters["refused_overloaded"] += 1
             return P.ErrorReply("overloaded", str(e), estimated_wait_s=e.estimated_wait_s)
         now = self.clock()
@@ -134,6 +135,23 @@ class ClientApi:
             self._dirty = True
         return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
                              result.tier is not adm.tier_requested)
+
+    def _replay(self, req: P.SubmitRequest, adm: admission.Admission) -> P.SubmitReply | P.ErrorReply | None:
+        """What admit.lua answers a request whose idempotency key names a job already (that job, or the key's
+        mismatch), for a request refused before it reached admit.lua; None where the key names none (read only)."""
+        if req.idempotency_key is None:
+            return None
+        stored = self.queue.client.get(self.queue.keys.idem(adm.tenant.name, req.idempotency_key))
+        if stored is None:
+            return None
+        job_id, _, asked = stored.decode(errors="replace").partition(" ")
+        if asked and asked not in (admission.fingerprint(req, adm), admission.fingerprint_before(req, adm)):
+            return self._error_for(InvalidRequest(
+                f"idempotency_key {req.idempotency_key!r} was used for another request (job {job_id}); "
+                "a key stands for one request and its retries", field="idempotency_key"))
+        rates = [max(r, MIN_DRAIN_RATE_PER_S) for r in self.drain_rates(self.clock()).values()]
+        dup = self.queue._duplicate(job_id, adm.tier_requested, rates)
+        return P.SubmitReply(dup.job_id, dup.tier.value, dup.estimated_wait_s, True, dup.tier is not adm.tier_requested)
 
     def _own_job(self, ident: bytes, api_key: str, job_id: str):
         """The job record if the caller's tenant owns it; else replies with an error and returns None."""

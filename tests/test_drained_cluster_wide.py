@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gateway.sdk import Overloaded
+from gateway.sdk import InvalidRequest, Overloaded
 from tests.cluster_helpers import wait_for
 from tests.test_dispatch_fit import BigWorker, SmallWorkerCluster, start_small_worker
 
@@ -49,6 +49,38 @@ def test_a_gateway_restarted_while_the_big_worker_redeploys_keeps_its_job_waitin
             big_worker.free.set()
             assert big.result(timeout=60).token_ids == [7] * 100
             wait_for(lambda: not c.redis.hlen("ts:{c}:drained-workers"), 10, "the returned worker to be forgotten")
+            lab.close()
+        finally:
+            big_worker.stop()
+
+
+def test_a_retry_of_a_job_admitted_before_the_drain_gets_its_job_not_overloaded(tmp_path, tiny_model_dir):
+    """A job only the big worker fits is admitted under an idempotency key; its answer is lost, and the big worker
+    begins to drain (a redeploy) before the retry. The retry was refused as overloaded, "nothing was stored": the
+    admission checks ran before the key was looked up. The client was told its job did not exist while it waited in
+    the queue, and a new submission (a new key) would run it twice. The retry gets its job now; a new request under
+    another key is still refused, another request under the key is told so, and nothing is stored for either."""
+    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
+        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
+        try:
+            c.worker_ids.append("wk-big")
+            c.wait_workers("gw-0")
+            start_small_worker(c)
+            lab = c.client("lab-co", timeout_s=60.0)
+            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
+            big_worker.draining.set()
+            time.sleep(1.5)  # its reports say so
+            again = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
+            assert again.id == big.id and again.duplicate
+            jobs = set(c.redis.keys("ts:{c}:job:*"))
+            with pytest.raises(Overloaded, match="draining"):
+                lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-2")
+            with pytest.raises(InvalidRequest, match="idempotency_key"):  # another request under the key: as ever
+                lab.submit(prompt_token_ids=[6] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
+            assert set(c.redis.keys("ts:{c}:job:*")) == jobs
+            big_worker.draining.clear()  # back from its redeploy
+            big_worker.free.set()
+            assert again.result(timeout=60).token_ids == [7] * 100
             lab.close()
         finally:
             big_worker.stop()
