@@ -8,9 +8,15 @@ worker protocol as the big worker (tests/test_dispatch_fit.BigWorker).
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
+import redis
 
+from common.ports import free_port
+from common.redis_keys import KeySpace
+from common.redis_server import RedisServer
+from gateway.drained import SharedDrained
 from gateway.sdk import InvalidRequest, Overloaded
 from tests.cluster_helpers import wait_for
 from tests.test_dispatch_fit import BigWorker, SmallWorkerCluster, start_small_worker
@@ -84,3 +90,30 @@ def test_a_retry_of_a_job_admitted_before_the_drain_gets_its_job_not_overloaded(
             lab.close()
         finally:
             big_worker.stop()
+
+
+def test_the_cluster_memory_counts_for_its_time_and_an_outage_leaves_the_copy_read_last():
+    """SharedDrained against a real redis-server: a draining worker's limits are read back by another gateway's copy
+    (until when, on Redis's clock), a worker back is deleted, and a Redis that does not answer changes nothing read
+    (nor raises into the worker frame's handler)."""
+    with RedisServer() as server:
+        keys = KeySpace(prefix=f"dr-{uuid.uuid4().hex[:8]}")
+        writer, reader = (SharedDrained(server.client(), keys, ttl_s=0.5) for _ in range(2))
+        writer.note("wk-big", {"P3": 1024}, now=10.0)
+        reader.refresh(now=10.0)
+        assert reader.alive(10.0) == {"wk-big": {"P3": 1024}}
+        assert reader.alive(10.6) == {}  # its time is up on this gateway's clock too, read again or not
+        time.sleep(0.6)
+        reader.refresh(now=12.0)
+        assert reader.entries == {}  # Redis's clock: gone
+        writer.note("wk-big", {"P3": 1024}, now=13.0)
+        reader.refresh(now=13.0)
+        reader.back("wk-big")
+        assert not server.client().hexists(keys.drained_workers, "wk-big")
+        writer.note("wk-other", {"P3": 512}, now=14.0)
+        reader.refresh(now=14.0)
+        dead = redis.Redis(port=free_port(), socket_timeout=1)  # nothing listens there
+        reader.client, writer.client = dead, dead
+        writer.note("wk-third", {"P3": 256}, now=15.0)  # logged, not raised
+        reader.refresh(now=15.0)
+        assert reader.alive(14.2) == {"wk-other": {"P3": 512}}
