@@ -30,7 +30,9 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 @contextmanager
 def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways: int = 1, max_running: int = 2,
                   aging_interval: float = 60.0, lease_s: float = 10.0, kv_blocks: int = 0,
-                  env: dict[str, str] | None = None):
+                  env: dict[str, str] | None = None, http: bool = True):
+    """``http=False``: no OpenAI-compatible front door (state["http"] is None), for tests that never use it: its
+    process loads transformers and a tokenizer, about 3 s of CPU per cluster on a 2-core machine."""
     state_file = tmp_path / "cluster.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", str(workers), "--gateways", str(gateways),
            "--model", str(model_dir), "--state-file", str(state_file), "--max-running", str(max_running),
@@ -38,6 +40,8 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
            "--logs-dir", str(tmp_path / "logs")]
     if kv_blocks:
         cmd += ["--kv-blocks", str(kv_blocks)]
+    if not http:
+        cmd.append("--no-http")
     log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ) | (env or {}))
     try:

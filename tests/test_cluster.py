@@ -14,7 +14,7 @@ from tests.cluster_helpers import job_hash, local_cluster, snapshot, wait_for
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     with local_cluster(tmp_path_factory.mktemp("cluster"), tiny_model_dir, workers=2, max_running=2,
-                       aging_interval=1.0) as state:
+                       aging_interval=1.0, http=False) as state:
         yield state
 
 

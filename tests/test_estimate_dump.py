@@ -152,7 +152,7 @@ def test_a_real_gateway_dumps_each_admitted_jobs_estimate_and_the_replay_reprodu
                                                                                         capsys):
     dump = tmp_path / "estimates.jsonl"
     env = {"TS_GATEWAY_ESTIMATE_DUMP": str(dump)}
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env) as c:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env, http=False) as c:
         def client(tenant):
             return GatewayClient(c["gateway"], c["tenants"][tenant]["api_key"], timeout_s=30)
         lab, batch, api, chat = client("lab-co"), client("batch-co"), client("api-co"), client("chat-co")

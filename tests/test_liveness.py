@@ -255,7 +255,7 @@ def test_the_gateway_refuses_a_job_over_the_workers_tier_limit(tiny_model_dir, t
     from tests.cluster_helpers import local_cluster, snapshot
 
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=2, kv_blocks=8,
-                       env={"TS_WORKER_LOW_TIER_KV_SHARE": "0.5"}) as cluster:
+                       env={"TS_WORKER_LOW_TIER_KV_SHARE": "0.5"}, http=False) as cluster:
         lab = GatewayClient(cluster["gateway"], cluster["tenants"]["lab-co"]["api_key"], timeout_s=30)
         before = snapshot(cluster)
         with pytest.raises(InvalidRequest) as e:  # P3: half of 8 blocks of 16 tokens = 64

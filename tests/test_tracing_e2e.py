@@ -98,7 +98,7 @@ def traced_run(tiny_model_dir, tmp_path_factory):
            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     tmp = tmp_path_factory.mktemp("traced")
     try:
-        with local_cluster(tmp, tiny_model_dir, workers=1, max_running=2, env=env) as c:
+        with local_cluster(tmp, tiny_model_dir, workers=1, max_running=2, env=env, http=False) as c:
             def client(tenant):
                 return GatewayClient(c["gateway"], c["tenants"][tenant]["api_key"], timeout_s=60,
                                      tracer_provider=client_provider)

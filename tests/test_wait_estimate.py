@@ -31,7 +31,7 @@ def test_a_fresh_cluster_admits_the_p2_backlog_its_capacity_clears(tiny_model_di
     # 300 short P2 jobs at once: a fresh cluster (nothing finished yet) clears them in seconds, so none
     # may be refused against a 60 s queue timeout; the estimates come from the workers' calibrated rates.
     with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=2,
-                       env={"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 60}'}) as c:
+                       env={"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 60}'}, http=False) as c:
         batch = client(c, "batch-co")
         jobs = [batch.submit(prompt_token_ids=[5 + i % 50, 6, 7], max_tokens=4, tier="P2", ignore_eos=True)
                 for i in range(300)]
@@ -44,7 +44,7 @@ def test_a_fresh_cluster_admits_the_p2_backlog_its_capacity_clears(tiny_model_di
 
 
 def test_estimates_count_unpreemptible_work_and_fall_as_it_drains(tiny_model_dir, tmp_path):
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=2) as c:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=2, http=False) as c:
         lab, batch, chat = client(c, "lab-co"), client(c, "batch-co"), client(c, "chat-co")
         blockers = [lab.submit(prompt_token_ids=[3, 4], max_tokens=600, ignore_eos=True) for _ in range(2)]
         wait_for(lambda: running_on_workers(c, [b.id for b in blockers]), 60, "the P3 blockers to run")
@@ -68,7 +68,7 @@ def test_estimates_count_unpreemptible_work_and_fall_as_it_drains(tiny_model_dir
 def test_refused_on_the_estimate_and_expired_when_overtaken(tiny_model_dir, tmp_path):
     # Promises off: with them, the P2 below would stop being overtaken once its estimate was up (next test).
     env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 5}', "TS_GATEWAY_PROMISE_FACTOR": "0"}
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env) as c:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=env, http=False) as c:
         lab, batch, api = client(c, "lab-co"), client(c, "batch-co"), client(c, "api-co")
         blocker = lab.submit(prompt_token_ids=[3, 4], max_tokens=2000, ignore_eos=True)
         wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the blocker to run")
@@ -152,13 +152,13 @@ LONG_TIMEOUTS = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 3600, "P2": 360
 def test_a_promise_keeps_p2s_admitted_later_from_overtaking_a_p3_past_its_estimate(tiny_model_dir, tmp_path):
     # With P3 promises only (P2s given none: a P2 promised into P1 would pass the P3 in P2, as a test below shows).
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
-                       env=LONG_TIMEOUTS | {"TS_GATEWAY_PROMISE_TIERS": '["P3"]'}) as c:
+                       env=LONG_TIMEOUTS | {"TS_GATEWAY_PROMISE_TIERS": '["P3"]'}, http=False) as c:
         keeps_its_promise(c, "lab-co", "P3", "batch-co", "P2")
 
 
 def test_a_promise_keeps_p1s_admitted_later_from_overtaking_a_p2_past_its_estimate(tiny_model_dir, tmp_path):
     # The same for a P2 against P1s (promise_tiers has P2 by default).
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=LONG_TIMEOUTS) as c:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1, env=LONG_TIMEOUTS, http=False) as c:
         keeps_its_promise(c, "batch-co", "P2", "api-co", "P1")
 
 
@@ -169,7 +169,7 @@ def test_with_p2_promises_a_p3_promised_into_p2_is_passed_by_p2s_promised_after_
     # estimate here makes every promise fall due at once, and the blocker is cancelled only once all have moved,
     # so the order of the slot's next dispatches is decided by the queues alone.
     with local_cluster(tmp_path, tiny_model_dir, workers=1, max_running=1,
-                       env={"TS_GATEWAY_PROMISE_LEAD_S": "1000"}) as c:
+                       env={"TS_GATEWAY_PROMISE_LEAD_S": "1000"}, http=False) as c:
         batch, lab = client(c, "batch-co"), client(c, "lab-co")
         blocker = batch.submit(prompt_token_ids=[3, 4], max_tokens=2000, tier="P2", ignore_eos=True)
         wait_for(lambda: running_on_workers(c, [blocker.id]), 60, "the P2 blocker to run")
@@ -193,7 +193,7 @@ def test_with_p2_promises_a_p3_promised_into_p2_is_passed_by_p2s_promised_after_
 def test_the_wait_ends_at_the_first_prefill_even_when_the_job_is_redispatched(tiny_model_dir, tmp_path):
     # JobResult.queued_s is admission until the job's first prefill started. A worker killed mid-job makes
     # its lease expire and the job run again elsewhere; that detour is not waiting in the queue.
-    with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=1, lease_s=2.0) as c:
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=1, lease_s=2.0, http=False) as c:
         lab = client(c, "lab-co")
         t0 = time.monotonic()
         job = lab.submit(prompt_token_ids=[3, 4, 5], max_tokens=1500, ignore_eos=True, seed=3)
