@@ -27,8 +27,9 @@ def test_a_gateway_clock_behind_redis_keeps_the_queue_wait(tiny_model_dir, tmp_p
     with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1, gateway_env=env,
                         clock_skew_s={"gw-0": SKEW_S}) as c:
         with c.client("batch-co", timeout_s=60.0) as batch:
-            # One slot: the second job waits in Redis for the first to end.
-            first = batch.submit(prompt_token_ids=[5, 6], max_tokens=300, ignore_eos=True, tier="P2")
+            # One slot: the second job waits in Redis for the first to end (long enough to outlast this process being
+            # starved on a loaded machine between the two submits: at 300 tokens it once ended first).
+            first = batch.submit(prompt_token_ids=[5, 6], max_tokens=1200, ignore_eos=True, tier="P2")
             wait_for(lambda: c.state(first.id) == "dispatched", 60, "the first job to be dispatched")
             second = batch.submit(prompt_token_ids=[7, 8], max_tokens=2, ignore_eos=True, tier="P2")
             second.result(timeout=120)
