@@ -89,30 +89,49 @@ def test_a_first_start_written_late_by_a_resumed_gateway_is_the_stored_wait(tmp_
     gw-1 runs attempt 2 (the hash names no earlier start, so gw-1 measures the wait to attempt 2's start). gw-0
     resumes and writes attempt 1's start while attempt 2 runs. The stored wait used to be gw-1's (attempt 2's
     start, which holds attempt 1's run and the lease's expiry) beside a first_prefill_ms that says otherwise."""
+    # gw-0 flushes every second: seldom between its first token and its freeze (then the job is cancelled and the
+    # scenario begun again), and soon enough after it is let go to write before attempt 2 (2,000 tokens, about 2 s
+    # on an idle machine) ends. At 8 s it wrote after attempt 2 had ended, when the machine was idle.
     with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=1, lease_s=2.0,
-                        process_env={"gw-0": {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": "8"}}) as c:
+                        process_env={"gw-0": {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": "1"}}) as c:
         gw0, gw1 = c.procs["gw-0"].pid, c.procs["gw-1"].pid
         stopped = {gw1}
         os.kill(gw1, signal.SIGSTOP)  # gw-0 dispatches attempt 1
         try:
-            with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
-                job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
-                next(iter(job.stream(timeout=60)))
-            os.kill(gw0, signal.SIGSTOP)
-            stopped.add(gw0)
-            assert "first_prefill_ms" not in c.job(job.id), "gw-0 flushed attempt 1's start: nothing is tested"
+            for _ in range(5):
+                with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
+                    job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
+                    next(iter(job.stream(timeout=60)))
+                    os.kill(gw0, signal.SIGSTOP)
+                    stopped.add(gw0)
+                    if "first_prefill_ms" not in c.job(job.id):
+                        break
+                    os.kill(gw0, signal.SIGCONT)  # it flushed attempt 1's start first: nothing would be tested
+                    stopped.discard(gw0)
+                    job.cancel()
+                    wait_for(lambda: c.state(job.id) == "cancelled" and not c.redis.zcard("ts:{c}:inflight"), 30,
+                             "the job to be cancelled and its slot freed")
+            else:
+                pytest.fail("gw-0 flushed attempt 1's start before its freeze five times")
             c.kill("wk-0")
             os.kill(gw1, signal.SIGCONT)
             stopped.discard(gw1)
             c.restart("wk-0")
-            wait_for(lambda: c.job(job.id)["attempt"] == b"2" and "first_prefill_ms" in c.job(job.id), 120,
-                     "gw-1 to run attempt 2 and record its start")
-            second = int(c.job(job.id)["first_prefill_ms"])
+            # gw-0 is let go as soon as attempt 2 is sent, not once its start is recorded: on an idle machine
+            # attempt 2 (2,000 tokens) ends within 3 s, before gw-0's write, and then nothing is tested.
+            wait_for(lambda: c.job(job.id)["attempt"] == b"2" and c.state(job.id) == "dispatched", 120,
+                     "gw-1 to send attempt 2")
+            sent = int(c.job(job.id)["dispatched_at_ms"])  # after attempt 1's start, before attempt 2's
             listener = c.client("batch-co", "gw-1", timeout_s=30.0)
             waiter, heard = result_in_thread(listener, job.id)  # its final message comes from gw-1's memory
             os.kill(gw0, signal.SIGCONT)
             stopped.discard(gw0)
-            wait_for(lambda: int(c.job(job.id)["first_prefill_ms"]) < second, 30, "gw-0 to write attempt 1's start")
+
+            def first_start_written() -> bool:
+                h = c.job(job.id)
+                return "first_prefill_ms" in h and int(h["first_prefill_ms"]) < sent
+
+            wait_for(first_start_written, 30, "gw-0 to write attempt 1's start")
             assert c.state(job.id) == "dispatched", "attempt 2 ended first: nothing is tested"
             wait_for(lambda: c.state(job.id) == "done", 180, "attempt 2 to finish")
             waiter.join(30)
