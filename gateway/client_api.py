@@ -18,8 +18,8 @@ from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, promises, security
-from gateway.redis_queue import (MIN_DRAIN_RATE_PER_S, Admitted, IdempotencyMismatch, Overloaded, QuotaRefused,
-                                 QuotaSpec, StoreFull, TenantFull)
+from gateway.redis_queue import (Admitted, IdempotencyMismatch, Overloaded, QuotaRefused, QuotaSpec, StoreFull,
+                                 TenantFull)
 from gateway.spans import GatewaySpans
 
 log = logging.getLogger("gateway")
@@ -100,9 +100,7 @@ class ClientApi:
         if before != fingerprint:
             result = admit(before)
         if isinstance(result, IdempotencyMismatch):
-            return self._error_for(InvalidRequest(
-                f"idempotency_key {req.idempotency_key!r} was used for another request (job {result.job_id}); "
-                "a key stands for one request and its retries", field="idempotency_key"))
+            return self._key_mismatch(req, result)
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
             return P.ErrorReply("quota_exceeded", f"P0 quota of tenant {t.name!r} is spent",
@@ -133,25 +131,24 @@ class ClientApi:
             s = self.streams.get_or_create(result.job_id)  # its owner, so a stream request needs no Redis read
             s.tenant, s.touched = t.name, now
             self._dirty = True
-        return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
-                             result.tier is not adm.tier_requested)
+        return _submitted(result, adm)
 
     def _replay(self, req: P.SubmitRequest, adm: admission.Admission) -> P.SubmitReply | P.ErrorReply | None:
         """What admit.lua answers a request whose idempotency key names a job already (that job, or the key's
         mismatch), for a request refused before it reached admit.lua; None where the key names none (read only)."""
         if req.idempotency_key is None:
             return None
-        stored = self.queue.client.get(self.queue.keys.idem(adm.tenant.name, req.idempotency_key))
-        if stored is None:
+        found = self.queue.idempotent(adm.tenant.name, req.idempotency_key,
+                                      (admission.fingerprint(req, adm), admission.fingerprint_before(req, adm)),
+                                      adm.tier_requested, self.drain_rates(self.clock()))
+        if found is None:
             return None
-        job_id, _, asked = stored.decode(errors="replace").partition(" ")
-        if asked and asked not in (admission.fingerprint(req, adm), admission.fingerprint_before(req, adm)):
-            return self._error_for(InvalidRequest(
-                f"idempotency_key {req.idempotency_key!r} was used for another request (job {job_id}); "
-                "a key stands for one request and its retries", field="idempotency_key"))
-        rates = [max(r, MIN_DRAIN_RATE_PER_S) for r in self.drain_rates(self.clock()).values()]
-        dup = self.queue._duplicate(job_id, adm.tier_requested, rates)
-        return P.SubmitReply(dup.job_id, dup.tier.value, dup.estimated_wait_s, True, dup.tier is not adm.tier_requested)
+        return self._key_mismatch(req, found) if isinstance(found, IdempotencyMismatch) else _submitted(found, adm)
+
+    def _key_mismatch(self, req: P.SubmitRequest, found: IdempotencyMismatch) -> P.ErrorReply:
+        return self._error_for(InvalidRequest(
+            f"idempotency_key {req.idempotency_key!r} was used for another request (job {found.job_id}); "
+            "a key stands for one request and its retries", field="idempotency_key"))
 
     def _own_job(self, ident: bytes, api_key: str, job_id: str):
         """The job record if the caller's tenant owns it; else replies with an error and returns None."""
@@ -226,3 +223,8 @@ class ClientApi:
         if before is not None:
             metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
             self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client")
+
+
+def _submitted(result: Admitted, adm: admission.Admission) -> P.SubmitReply:
+    return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
+                         result.tier is not adm.tier_requested)

@@ -50,7 +50,7 @@ class Dispatcher:
                 stream = self._open_stream(rec.id, rec.tenant) if resume else self.streams.get_or_create(rec.id)
                 # What the lost attempt's run left kept, for explain: not all of its time was lost (a worker that
                 # cannot resume decodes it all again).
-                kept = ((len(stream.tokens), stream.redis_pos) if resume else (0, "0-0")) if rec.attempt > 1 else None
+                kept = (len(stream.tokens), stream.redis_pos) if resume else None
                 ctx = self.spans.dispatched(rec, body.get("trace_context") or {}, wid, reason[rec.id], now_ns,
                                             kept=kept)
                 self._send(self.worker_sock, w.identity, P.DispatchJob(
@@ -142,18 +142,18 @@ class Dispatcher:
         most = sum(max(0, n) for v in room.values() for n in v.values())
         by_worker: dict[str, list[str]] = {}
         victims = {wid for wid, v in room.items() if any(n > 0 for n in v.values())}
+        places: dict[str, set[str]] = {}  # the workers each job read may go to (_places), kept for the plan below
 
         def placeable(ids: list[str]) -> set[str]:
             # Those that fit a worker with a victim: the P0s only a draining worker fits (handed back in a redeploy),
             # or only a full one with none, took every candidate's place, and a P0 behind them that a victim on a
             # smaller worker could serve waited for a free slot (a priority inversion, for the whole redeploy).
-            places = self._places(ids)
+            places.update(self._places(ids))
             return {i for i in ids if i not in places or places[i] & victims}
 
         candidates = self._urgent_candidates(most, skip, read, placeable)
         starts = self.estimator.starts_s(sorted({t for _, t in candidates}, key=lambda t: t.rank), now) \
             if candidates else {}
-        places = self._places([j for j, _ in candidates])
         for job_id, tier in candidates:
             fits = [wid for wid, v in room.items() if v.get(tier, 0) > 0 and wid in places.get(job_id, room)]
             if not fits:

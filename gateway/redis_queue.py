@@ -124,9 +124,7 @@ class RedisQueue(QueueSweeps):
         wait asked for with ``estimate_s`` is a P0's, which no P1 job delays); None: estimated from the drain rates."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
-        rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
-        if not all(math.isfinite(r) for r in rates):
-            raise ValueError(f"drain rates must be finite, got {dict(drain_rate_per_s)}")
+        rates = _rates(drain_rate_per_s)
         keys = [*self.keys.queues(), self.keys.job(job_id), self.keys.quota(tenant), self.keys.aging,
                 self.keys.deadlines, self.keys.tenant_jobs(tenant), self.keys.promises]  # fmt: skip
         if idempotency_key is not None:
@@ -199,6 +197,19 @@ class RedisQueue(QueueSweeps):
             return ""
         margin_s = min(REPLY_MARGIN_S, self._reply_timeout_s / 2)
         return str(sampled_ms + int((now - read_by + self._reply_timeout_s - margin_s) * 1000))
+
+    def idempotent(self, tenant: str, idempotency_key: str, fingerprints: Sequence[str], tier: Tier,
+                   drain_rate_per_s: Mapping[Tier, float]) -> Admitted | IdempotencyMismatch | None:
+        """What admit.lua answers a request of ``tier`` under a key that names a job already, read only, for a
+        request refused before it reached admit.lua: that job (a duplicate) where the key was stored with one of
+        ``fingerprints`` (or none), else IdempotencyMismatch; None where the key names no job."""
+        stored = self.client.get(self.keys.idem(tenant, idempotency_key))
+        if stored is None:
+            return None
+        job_id, _, asked = stored.decode(errors="replace").partition(" ")
+        if asked and asked not in fingerprints:
+            return IdempotencyMismatch(job_id)
+        return self._duplicate(job_id, tier, _rates(drain_rate_per_s))
 
     def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
         """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""
@@ -372,3 +383,12 @@ class RedisQueue(QueueSweeps):
             decayed = rate * math.exp(-max(0.0, now_ms - ts) / tau_ms)
             stats[t] = DrainStat(int(raw.get(f"completed:{t.value}", 0)), decayed)
         return stats
+
+
+def _rates(drain_rate_per_s: Mapping[Tier, float]) -> list[float]:
+    """Each tier's drain rate (jobs/s), in tier order, at least MIN_DRAIN_RATE_PER_S: what wait estimates from a
+    queue's depth divide by."""
+    rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
+    if not all(math.isfinite(r) for r in rates):
+        raise ValueError(f"drain rates must be finite, got {dict(drain_rate_per_s)}")
+    return rates

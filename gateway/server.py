@@ -27,6 +27,7 @@ from gateway.client_api import REDIS_FULL_LOG_EVERY_S, ClientApi
 from gateway import estimate_dump, metrics, promises, security
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
+from gateway.drained import SharedDrained
 from gateway.dispatch import Dispatcher
 from gateway.keepalive import Keepalives
 from gateway.maintenance import Maintenance
@@ -95,6 +96,10 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self.frame_key: str | None = None  # CURVE key (z85) of the worker frame being handled, with worker_keys
         self._measured_rates: dict[Tier, float] = {}  # measured jobs/s per tier, refreshed by maintenance()
         self.token_log = TokenLog(queue.client, queue.keys)
+        # The cluster's memory of drained workers (worker_link._track_drain): as long as this gateway's own, and
+        # the worker's timeout, since it counts from the worker's last draining report.
+        self.drained_memory = SharedDrained(queue.client, queue.keys,
+                                            self.workers.drained_memory_s + self.workers.timeout_s)
         self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds
         self._stale_seen = new_stale_memory()
         self._unstored: list = []  # (worker, JobFinished) that arrived while Redis was unreachable

@@ -67,7 +67,8 @@ class GatewaySpans:
     def dispatched(self, rec, parent: dict[str, str], worker: str, reason: str, now_ns: int,
                    kept: tuple[int, str] | None = None) -> dict[str, str]:
         """Queue-wait and dispatch spans of one attempt; returns the context the worker's spans join. ``kept``: a
-        re-dispatch's tokens from earlier attempts it resumes with, and the token log's last entry id read then.
+        re-dispatch's tokens from earlier attempts it resumes with, and the token log's last entry id read then
+        (None: it resumes with none).
 
         Both are on Redis's clock, as the wait's start (admission, requeue) and its events are: the claim's
         dispatched_at_ms ends the wait, and the dispatch begins there. Ended on the gateway's wall clock, a gateway
@@ -100,10 +101,11 @@ class GatewaySpans:
             first = rec.result.get("first_prefill_ms")
             if first is not None:
                 span.set_attribute("dispatch.first_prefill_ms", int(first))
-        if rec.attempt > 1 and kept is not None:
-            # The tokens the earlier attempts streamed that this one goes on from, and when the last of them was
-            # written (the log entry's id is Redis ms): explain tells the lost attempt's run up to it as kept work.
-            tokens, last_entry = kept
+        if rec.attempt > 1:
+            # The tokens the earlier attempts streamed that this one goes on from (none to a worker that cannot
+            # resume), and when the last of them was written (the log entry's id is Redis ms): explain tells the
+            # lost attempt's run up to it as kept work.
+            tokens, last_entry = kept or (0, "0-0")
             span.set_attribute("dispatch.resumed_tokens", tokens)
             last_ms = int(last_entry.split("-")[0]) if tokens and last_entry != "0-0" else 0
             if last_ms > 0:

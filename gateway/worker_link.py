@@ -22,7 +22,6 @@ import redis
 
 from common import protocol as P
 from gateway import metrics, security
-from gateway.drained import SharedDrained
 from gateway.waits import first_prefill_ms
 
 log = logging.getLogger("gateway")
@@ -81,10 +80,7 @@ class WorkerLink:
         """Tell the cluster's memory of drained workers (gateway/drained.py) whether ``worker_id`` drains, and
         read that memory again when due: on the workers' cadence, since only with workers heard does it matter
         (their hellos and reports are what admission and dispatch go by)."""
-        memory = getattr(self, "shared_drained", None)
-        if memory is None:
-            memory = self.shared_drained = SharedDrained(self.queue.client, self.queue.keys,
-                                                         self.workers.drained_memory_s + self.workers.timeout_s)
+        memory = self.drained_memory
         now = self.clock()
         if now >= self._redis_retry_at:  # else Redis is known to be down: the copy read last decides meanwhile
             w = self.workers.workers[worker_id]

@@ -64,10 +64,6 @@ def reported_step(load: WorkerLoad | None) -> StepCost | None:
     return StepCost(float(base), float(token), float(pair))
 
 
-def hello_fits(hello: WorkerHello, tier: Tier, tokens: int) -> bool:
-    return limits_fit(hello.tier_max_tokens, tier, tokens)
-
-
 def limits_fit(limits: dict[str, int] | None, tier: Tier, tokens: int) -> bool:
     limit = (limits or {}).get(tier.value)
     return limit is None or tokens <= limit
@@ -147,7 +143,7 @@ class WorkerState:
     def fits(self, tier: Tier, tokens: int) -> bool:
         """A job of ``tier`` holding ``tokens`` (prompt + max_tokens) fits here, as the hello says (a worker that
         does not say is taken to: it refuses what does not, and the job fails with why)."""
-        return hello_fits(self.hello, tier, tokens)
+        return limits_fit(self.hello.tier_max_tokens, tier, tokens)
 
     @property
     def preemption_cost_s(self) -> float:
