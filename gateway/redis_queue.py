@@ -20,6 +20,7 @@ import redis
 from common.errors import DuplicateRequest, IncompleteResult
 from common.redis_keys import KeySpace, load_scripts, run_pipelined
 from common.tiers import ALL_TIERS, Tier
+from gateway.queue_reads import QueueReads, floored_rates
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, IdempotencyMismatch, JobRecord, JobState, Overloaded,
     QuotaRefused, QuotaSpec, Settled, Stored, StoreFull, TenantFull,
@@ -33,9 +34,6 @@ DEFAULT_TIER_TIMEOUTS_S: dict[Tier, float | None] = {Tier.P0: 30.0, Tier.P1: 60.
 DEFAULT_AGING_INTERVAL_S = 60.0  # a job waiting this long in P2/P3 moves up one tier
 DEFAULT_IDEMPOTENCY_TTL_S = 86_400
 DEFAULT_DEAD_LETTER_MAX = 10_000
-# Drain rate assumed for a tier the gateway has no measurement for (or measured ~0):
-# one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
-MIN_DRAIN_RATE_PER_S = 0.1
 DEFAULT_DRAIN_TAU_S = 30.0  # memory of the drain-rate average (see common/redis_keys.py)
 # A script that takes a reply deadline (_reply_deadline_ms) runs only this long before its caller would give up on
 # the reply at the latest: a reply still on its way when the socket times out is the one case left where a job
@@ -62,10 +60,10 @@ def out_of_memory(e: redis.RedisError) -> bool:
     return isinstance(e, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in str(e)
 
 
-class RedisQueue(QueueSweeps):
+class RedisQueue(QueueSweeps, QueueReads):
     """The queue API over one KeySpace. Stateless apart from configuration: any number of
     RedisQueue objects (in any number of gateways) may share a prefix. The sweeps are in
-    gateway/queue_sweeps.py."""
+    gateway/queue_sweeps.py, the reads (idempotency lookups included) in gateway/queue_reads.py."""
 
     def __init__(
         self,
@@ -124,7 +122,7 @@ class RedisQueue(QueueSweeps):
         wait asked for with ``estimate_s`` is a P0's, which no P1 job delays); None: estimated from the drain rates."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
-        rates = _rates(drain_rate_per_s)
+        rates = floored_rates(drain_rate_per_s)
         keys = [*self.keys.queues(), self.keys.job(job_id), self.keys.quota(tenant), self.keys.aging,
                 self.keys.deadlines, self.keys.tenant_jobs(tenant), self.keys.promises]  # fmt: skip
         if idempotency_key is not None:
@@ -197,38 +195,6 @@ class RedisQueue(QueueSweeps):
             return ""
         margin_s = min(REPLY_MARGIN_S, self._reply_timeout_s / 2)
         return str(sampled_ms + int((now - read_by + self._reply_timeout_s - margin_s) * 1000))
-
-    def idempotent(self, tenant: str, idempotency_key: str, fingerprints: Sequence[str], tier: Tier,
-                   drain_rate_per_s: Mapping[Tier, float]) -> Admitted | IdempotencyMismatch | None:
-        """What admit.lua answers a request of ``tier`` under a key that names a job already, read only, for a
-        request refused before it reached admit.lua: that job (a duplicate) where the key was stored with one of
-        ``fingerprints`` (or none), else IdempotencyMismatch; None where the key names no job."""
-        stored = self.client.get(self.keys.idem(tenant, idempotency_key))
-        if stored is None:
-            return None
-        job_id, _, asked = stored.decode(errors="replace").partition(" ")
-        if asked and asked not in fingerprints:
-            return IdempotencyMismatch(job_id)
-        return self._duplicate(job_id, tier, _rates(drain_rate_per_s))
-
-    def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
-        """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.keys.job(job_id))
-        for q in self.keys.queues():
-            pipe.zcard(q)
-        for q in self.keys.queues():
-            pipe.zrank(q, job_id)
-        raw, *rest = pipe.execute()
-        depths, ranks = rest[:4], rest[4:]
-        if not raw:  # the result expired before its idempotency key (result_ttl_s < idempotency_ttl_s)
-            return Admitted(job_id, fallback_tier, 0.0, True, None)
-        job = JobRecord.from_redis(raw)
-        if job.state is not JobState.QUEUED or ranks[job.tier.rank] is None:
-            return Admitted(job_id, job.tier, 0.0, True, None)
-        r = job.tier.rank
-        ahead = [*depths[:r], ranks[r]]
-        return Admitted(job_id, job.tier, sum(n / rates[i] for i, n in enumerate(ahead)), True, sum(ahead))
 
     # --- dispatch --------------------------------------------------------------------------
     def peek(self, tiers: Sequence[Tier], limit: int) -> list[str]:
@@ -324,7 +290,7 @@ class RedisQueue(QueueSweeps):
         _, queued, total_ms, ttft = stored
         return Stored(float(queued) if queued else None, int(total_ms) / 1000, float(ttft) if ttft else None), won
 
-    # --- cancel and reads ------------------------------------------------------------------
+    # --- cancel ----------------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
         """Cancel a queued or dispatched job; returns it as it was, or None if unknown or final."""
         keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
@@ -334,61 +300,3 @@ class RedisQueue(QueueSweeps):
         if raw == b"late":  # as the timeout it came close to: the caller retries, and its retry cancels
             raise redis.TimeoutError("the cancel reached Redis as its caller gave up on it; nothing was changed")
         return JobRecord.from_redis(raw) if raw else None
-
-    def get(self, job_id: str) -> JobRecord | None:
-        raw = self.client.hgetall(self.keys.job(job_id))
-        return JobRecord.from_redis(raw) if raw else None
-
-    def granted_tiers(self, job_ids: Sequence[str]) -> list[Tier | None]:
-        """The tier each job was admitted at (None if gone), one round trip."""
-        if not job_ids:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for i in job_ids:
-            pipe.hget(self.keys.job(i), "tier_granted")
-        return [Tier(t.decode()) if t else None for t in pipe.execute()]
-
-    def lease_views(self, job_ids: Sequence[str]) -> list[tuple[str | None, str | None, int]]:
-        """(state, worker, attempt) of each job, one round trip; state None for an unknown job."""
-        pipe = self.client.pipeline(transaction=False)
-        for i in job_ids:
-            pipe.hmget(self.keys.job(i), "state", "worker", "attempt")
-        return [(st.decode() if st else None, w.decode() if w else None, int(a or 0)) for st, w, a in pipe.execute()]
-
-    def jobs_ahead(self, job: JobRecord) -> dict[Tier, int]:
-        """Queued jobs that will be served before ``job``: all of higher tiers, the earlier ones of its own."""
-        pipe = self.client.pipeline(transaction=False)
-        higher = [t for t in ALL_TIERS if t.rank < job.tier.rank]
-        for t in higher:
-            pipe.zcard(self.keys.queue(t))
-        pipe.zscore(self.keys.queue(job.tier), job.id)
-        *counts, score = pipe.execute()
-        ahead = dict(zip(higher, (int(n) for n in counts)))
-        ahead[job.tier] = int(self.client.zcount(self.keys.queue(job.tier), "-inf", f"({score}")) if score else 0
-        return ahead
-
-    def depths(self) -> dict[Tier, int]:
-        pipe = self.client.pipeline(transaction=False)
-        for q in self.keys.queues():
-            pipe.zcard(q)
-        return dict(zip(ALL_TIERS, (int(n) for n in pipe.execute())))
-
-    def drain_stats(self, now_ms: int) -> dict[Tier, DrainStat]:
-        """Completed counts and completion rates per tier, decayed to ``now_ms``: what admit() wants."""
-        raw = {k.decode(): v for k, v in self.client.hgetall(self.keys.drain).items()}
-        tau_ms = self.drain_tau_s * 1000
-        stats = {}
-        for t in ALL_TIERS:
-            rate, ts = float(raw.get(f"rate:{t.value}", 0)), float(raw.get(f"ts:{t.value}", now_ms))
-            decayed = rate * math.exp(-max(0.0, now_ms - ts) / tau_ms)
-            stats[t] = DrainStat(int(raw.get(f"completed:{t.value}", 0)), decayed)
-        return stats
-
-
-def _rates(drain_rate_per_s: Mapping[Tier, float]) -> list[float]:
-    """Each tier's drain rate (jobs/s), in tier order, at least MIN_DRAIN_RATE_PER_S: what wait estimates from a
-    queue's depth divide by."""
-    rates = [max(float(drain_rate_per_s.get(t, 0.0)), MIN_DRAIN_RATE_PER_S) for t in ALL_TIERS]
-    if not all(math.isfinite(r) for r in rates):
-        raise ValueError(f"drain rates must be finite, got {dict(drain_rate_per_s)}")
-    return rates

@@ -27,9 +27,9 @@ from common.ports import free_port
 from common.redis_keys import LUA_DIR, KeySpace, load_scripts
 from common.redis_server import RedisServer, RedisServerError, find_redis_server
 from common.tiers import ALL_TIERS, Tier
+from gateway.queue_reads import MIN_DRAIN_RATE_PER_S
 from gateway.redis_queue import (
     DEFAULT_TIER_TIMEOUTS_S,
-    MIN_DRAIN_RATE_PER_S,
     Admitted,
     IdempotencyMismatch,
     JobState,
