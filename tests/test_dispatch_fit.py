@@ -2,21 +2,17 @@
 
 Real processes (tests/durable_cluster.py): redis-server, a gateway, and real workers or, where a test needs a worker
 to say something no real one would at that moment, a peer speaking the wire protocol (tests/test_durability.py's
-adversary).
+adversary; the big worker of tests/uneven_cluster.py).
 """
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-import zmq
 
-from common import protocol as P
-from common.sockets import make_socket
 from gateway.sdk import InvalidRequest, JobFailed, QuotaExceeded
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
+from tests.uneven_cluster import start_small_worker, uneven_cluster
 
 pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
 
@@ -64,99 +60,40 @@ def test_a_p0_the_quota_would_downgrade_past_p1s_share_is_refused_not_admitted_t
         client.close()
 
 
-class BigWorker:
-    """A peer on the gateway's worker socket, as a worker with a big KV cache: it says hello (every tier may hold
-    ``limit`` tokens there), reports every half second from a thread, offers its one slot only once ``free`` is set,
-    and finishes what it is sent at once (``token`` x max_tokens). ``stop()`` ends it without a word, as a kill."""
-
-    def __init__(self, endpoint: str, model: str, worker_id: str = "wk-big", limit: int = 2048) -> None:
-        self.worker_id, self.model, self.limit = worker_id, model, limit
-        self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=worker_id.encode())
-        self.sock.connect(endpoint)
-        self.free = threading.Event()
-        self.draining = threading.Event()  # set: its reports say it drains (told to stop: a redeploy's SIGTERM)
-        self.received: list[P.DispatchJob] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        limits = {t: self.limit for t in ("P0", "P1", "P2", "P3")}
-        self.sock.send(P.encode(P.WorkerHello(self.worker_id, self.model, 512, 2048, 1, 128, limits, 256)))
-        while not self._stop.is_set():
-            free = 1 if self.free.is_set() else 0
-            self.sock.send(P.encode(P.WorkerLoad(self.worker_id, free, 128, {} if free else {"P3": 1}, {}, [], 0.0,
-                                                 draining=self.draining.is_set())))
-            while self.sock.poll(500):
-                msg = P.decode(self.sock.recv())
-                if isinstance(msg, P.DispatchJob):
-                    self.received.append(msg)
-                    self.sock.send(P.encode(P.JobFinished(msg.job_id, msg.attempt, "done", "length", msg.max_tokens,
-                                                          0.01, 0.01, 0, None, [7] * msg.max_tokens)))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.sock.close(linger=0)
-
-
-class SmallWorkerCluster(DurableCluster):
-    """One gateway; its real workers (started later by the test) have 4 KV blocks of 16 tokens: 64 a job."""
-
-    def __init__(self, tmp_path, model_dir) -> None:
-        super().__init__(tmp_path, model_dir, gateways=1, workers=0)
-
-    def _cmd(self, name: str) -> list[str]:
-        return super()._cmd(name) + (["--num-kv-blocks", "4"] if name.startswith("wk-") else [])
-
-
-def start_small_worker(c: SmallWorkerCluster) -> None:
-    c.worker_ids.append("wk-0")
-    c.start_process("wk-0")
-    c.wait_workers("gw-0")
-
-
 def test_a_queued_job_waits_for_the_worker_it_fits_while_smaller_jobs_behind_it_use_the_other(tmp_path,
                                                                                                tiny_model_dir):
     """A job admitted while only a big worker served went, once a smaller worker joined, wherever there was credit:
     to the small one, which failed it (TierLimitExceeded), though the big one could run it once its slot freed. Now
     dispatch sends a job only to a worker whose hello says it fits there, and a smaller job queued behind it takes
     the small worker's slot meanwhile (no head-of-line blocking)."""
-    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
-        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
-        try:
-            c.worker_ids.append("wk-big")
-            c.wait_workers("gw-0")
-            lab = c.client("lab-co", timeout_s=60.0)
-            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)  # fits the big worker only
-            start_small_worker(c)
-            small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
-            assert len(small.result(timeout=60).token_ids) == 20
-            assert c.job(small.id)["worker"] == b"wk-0"
-            assert c.state(big.id) == "queued", c.job(big.id).get("reason")
-            big_worker.free.set()
-            assert big.result(timeout=60).token_ids == [7] * 100
-            assert [d.job_id for d in big_worker.received] == [big.id]
-            lab.close()
-        finally:
-            big_worker.stop()
+    with uneven_cluster(tmp_path, tiny_model_dir, small=False) as u:
+        c = u.cluster
+        lab = c.client("lab-co", timeout_s=60.0)
+        big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)  # fits the big worker only
+        start_small_worker(c)
+        small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
+        assert len(small.result(timeout=60).token_ids) == 20
+        assert c.job(small.id)["worker"] == b"wk-0"
+        assert c.state(big.id) == "queued", c.job(big.id).get("reason")
+        u.big.free.set()
+        assert big.result(timeout=60).token_ids == [7] * 100
+        assert [d.job_id for d in u.big.received] == [big.id]
+        lab.close()
 
 
 def test_a_queued_job_no_worker_left_can_run_fails_with_the_reason_rather_than_waiting_for_ever(tmp_path,
                                                                                                 tiny_model_dir):
     """The other side of that rule: once the only worker a queued job fits has gone (silent, and timed out), nothing
     could ever run it, and a P3 has no queue timeout. It is sent on all the same, and fails with why."""
-    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
-        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
-        c.worker_ids.append("wk-big")
-        c.wait_workers("gw-0")
+    with uneven_cluster(tmp_path, tiny_model_dir, small=False) as u:
+        c = u.cluster
         lab = c.client("lab-co", timeout_s=60.0)
         big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
         start_small_worker(c)
-        big_worker.stop()
+        u.big.stop()
         with pytest.raises(JobFailed, match="pool holds only 4|exceeds the 64 tokens"):
             big.result(timeout=60)
-        assert big_worker.received == []
+        assert u.big.received == []
         lab.close()
 
 
@@ -165,24 +102,18 @@ def test_a_queued_job_only_a_draining_worker_fits_waits_for_it_rather_than_faili
     """The big worker drains (a redeploy), and a job only it fits is queued (handed back, or admitted before): no
     worker that is not draining fits it, so dispatch took it for a job no worker left could run and sent it to the
     small worker, which failed it, though the big one was still there and came back. It waits for it now."""
-    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
-        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
-        try:
-            big_worker.draining.set()
-            c.worker_ids.append("wk-big")
-            c.wait_workers("gw-0")
-            lab = c.client("lab-co", timeout_s=60.0)
-            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
-            start_small_worker(c)
-            small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
-            assert len(small.result(timeout=60).token_ids) == 20  # dispatch ran with the small worker's credit
-            assert c.state(big.id) == "queued", c.job(big.id).get("reason")
-            big_worker.draining.clear()  # back from its redeploy
-            big_worker.free.set()
-            assert big.result(timeout=60).token_ids == [7] * 100
-            lab.close()
-        finally:
-            big_worker.stop()
+    with uneven_cluster(tmp_path, tiny_model_dir, draining=True, small=False) as u:
+        c = u.cluster
+        lab = c.client("lab-co", timeout_s=60.0)
+        big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+        start_small_worker(c)
+        small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
+        assert len(small.result(timeout=60).token_ids) == 20  # dispatch ran with the small worker's credit
+        assert c.state(big.id) == "queued", c.job(big.id).get("reason")
+        u.big.draining.clear()  # back from its redeploy
+        u.big.free.set()
+        assert big.result(timeout=60).token_ids == [7] * 100
+        lab.close()
 
 
 def test_a_job_one_worker_fits_is_admitted_though_a_smaller_worker_serves_beside_it(tmp_path, tiny_model_dir):
@@ -190,21 +121,13 @@ def test_a_job_one_worker_fits_is_admitted_though_a_smaller_worker_serves_beside
     or low-tier share leaves the lower tiers little) made every job past its share refused (TierLimitExceeded),
     though the other workers could run it. Dispatch sends a job only where it fits, so a job some worker that is
     not draining fits is admitted, and runs there."""
-    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
-        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
-        try:
-            big_worker.free.set()
-            c.worker_ids.append("wk-big")
-            c.wait_workers("gw-0")
-            start_small_worker(c)
-            lab = c.client("lab-co", timeout_s=60.0)
-            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
-            assert big.result(timeout=60).token_ids == [7] * 100
-            with pytest.raises(InvalidRequest, match="2048"):  # past every worker's limit (the context): refused
-                lab.submit(prompt_token_ids=[5] * 100, max_tokens=1949)
-            lab.close()
-        finally:
-            big_worker.stop()
+    with uneven_cluster(tmp_path, tiny_model_dir, free=True) as u:
+        lab = u.cluster.client("lab-co", timeout_s=60.0)
+        big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+        assert big.result(timeout=60).token_ids == [7] * 100
+        with pytest.raises(InvalidRequest, match="2048"):  # past every worker's limit (the context): refused
+            lab.submit(prompt_token_ids=[5] * 100, max_tokens=1949)
+        lab.close()
 
 
 class UnevenCluster(DurableCluster):

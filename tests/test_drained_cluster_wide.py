@@ -2,7 +2,7 @@
 was away (or one that never heard it drain) knows that a job only it fits is waiting for it.
 
 Real processes (tests/durable_cluster.py): redis-server, a gateway, a real small worker, and a peer speaking the
-worker protocol as the big worker (tests/test_dispatch_fit.BigWorker).
+worker protocol as the big worker (tests/uneven_cluster.BigWorker).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from common.redis_server import RedisServer
 from gateway.drained import SharedDrained
 from gateway.sdk import InvalidRequest, Overloaded
 from tests.cluster_helpers import wait_for
-from tests.test_dispatch_fit import BigWorker, SmallWorkerCluster, start_small_worker
+from tests.uneven_cluster import uneven_cluster
 
 pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
 
@@ -29,35 +29,28 @@ def test_a_gateway_restarted_while_the_big_worker_redeploys_keeps_its_job_waitin
     too). The memory of the drained worker was the old gateway's alone: the new one saw only the small worker, took
     the job for one any worker may run, and sent it there to fail ("pool holds only 4"); a new such job was refused as
     invalid. The drained worker's size is in Redis now: the job waits for its return, a new one is told to retry."""
-    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
-        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
-        try:
-            c.worker_ids.append("wk-big")
-            c.wait_workers("gw-0")
-            start_small_worker(c)
-            lab = c.client("lab-co", timeout_s=60.0)
-            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)  # fits wk-big only
-            lab.close()
-            big_worker.draining.set()
-            time.sleep(1.5)  # its reports say so
-            big_worker.stop()  # drained: it exits
-            c.kill("gw-0")
-            c.restart("gw-0")
-            c.worker_ids.remove("wk-big")
-            c.wait_workers("gw-0")  # the small worker only
-            lab = c.client("lab-co", timeout_s=60.0)
-            small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
-            assert len(small.result(timeout=60).token_ids) == 20  # dispatch ran with the small worker's credit
-            assert c.state(big.id) == "queued", c.job(big.id).get("reason")
-            with pytest.raises(Overloaded, match="draining"):
-                lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
-            big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))  # redeployed, same id and size
-            big_worker.free.set()
-            assert big.result(timeout=60).token_ids == [7] * 100
-            wait_for(lambda: not c.redis.hlen("ts:{c}:drained-workers"), 10, "the returned worker to be forgotten")
-            lab.close()
-        finally:
-            big_worker.stop()
+    with uneven_cluster(tmp_path, tiny_model_dir) as u:
+        c = u.cluster
+        lab = c.client("lab-co", timeout_s=60.0)
+        big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)  # fits wk-big only
+        lab.close()
+        u.big.draining.set()
+        time.sleep(1.5)  # its reports say so
+        u.big.stop()  # drained: it exits
+        c.kill("gw-0")
+        c.restart("gw-0")
+        c.worker_ids.remove("wk-big")
+        c.wait_workers("gw-0")  # the small worker only
+        lab = c.client("lab-co", timeout_s=60.0)
+        small = lab.submit(prompt_token_ids=[5] * 10, max_tokens=20, ignore_eos=True)
+        assert len(small.result(timeout=60).token_ids) == 20  # dispatch ran with the small worker's credit
+        assert c.state(big.id) == "queued", c.job(big.id).get("reason")
+        with pytest.raises(Overloaded, match="draining"):
+            lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)
+        u.redeploy().free.set()  # same id and size
+        assert big.result(timeout=60).token_ids == [7] * 100
+        wait_for(lambda: not c.redis.hlen("ts:{c}:drained-workers"), 10, "the returned worker to be forgotten")
+        lab.close()
 
 
 def test_a_retry_of_a_job_admitted_before_the_drain_gets_its_job_not_overloaded(tmp_path, tiny_model_dir):
@@ -66,30 +59,24 @@ def test_a_retry_of_a_job_admitted_before_the_drain_gets_its_job_not_overloaded(
     admission checks ran before the key was looked up. The client was told its job did not exist while it waited in
     the queue, and a new submission (a new key) would run it twice. The retry gets its job now; a new request under
     another key is still refused, another request under the key is told so, and nothing is stored for either."""
-    with SmallWorkerCluster(tmp_path, tiny_model_dir) as c:
-        big_worker = BigWorker(c.gateways["gw-0"][1], str(tiny_model_dir))
-        try:
-            c.worker_ids.append("wk-big")
-            c.wait_workers("gw-0")
-            start_small_worker(c)
-            lab = c.client("lab-co", timeout_s=60.0)
-            big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
-            big_worker.draining.set()
-            time.sleep(1.5)  # its reports say so
-            again = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
-            assert again.id == big.id and again.duplicate
-            jobs = set(c.redis.keys("ts:{c}:job:*"))
-            with pytest.raises(Overloaded, match="draining"):
-                lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-2")
-            with pytest.raises(InvalidRequest, match="idempotency_key"):  # another request under the key: as ever
-                lab.submit(prompt_token_ids=[6] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
-            assert set(c.redis.keys("ts:{c}:job:*")) == jobs
-            big_worker.draining.clear()  # back from its redeploy
-            big_worker.free.set()
-            assert again.result(timeout=60).token_ids == [7] * 100
-            lab.close()
-        finally:
-            big_worker.stop()
+    with uneven_cluster(tmp_path, tiny_model_dir) as u:
+        c = u.cluster
+        lab = c.client("lab-co", timeout_s=60.0)
+        big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
+        u.big.draining.set()
+        time.sleep(1.5)  # its reports say so
+        again = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
+        assert again.id == big.id and again.duplicate
+        jobs = set(c.redis.keys("ts:{c}:job:*"))
+        with pytest.raises(Overloaded, match="draining"):
+            lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-2")
+        with pytest.raises(InvalidRequest, match="idempotency_key"):  # another request under the key: as ever
+            lab.submit(prompt_token_ids=[6] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
+        assert set(c.redis.keys("ts:{c}:job:*")) == jobs
+        u.big.draining.clear()  # back from its redeploy
+        u.big.free.set()
+        assert again.result(timeout=60).token_ids == [7] * 100
+        lab.close()
 
 
 def test_the_cluster_memory_counts_for_its_time_and_an_outage_leaves_the_copy_read_last():
