@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from common import protocol as P
 from common.errors import InvalidRequest, ServingError, Unauthorized
 from common.tiers import ALL_TIERS
 from gateway.http import errors, health, idempotency, metrics, sizing
@@ -140,7 +141,10 @@ class FrontDoor:
             try:
                 fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, sizing.LIMITS_MAX_AGE_S)
             except HttpError:  # no room by the limits held: by the gateway's of now, before refusing the prompt
-                fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
+                try:
+                    fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
+                except HttpError as no_room:
+                    return await self._past_serving_limits(key, body, ids, tier, asked, idem, no_room)
             max_tokens = asked if asked is not None else fitted
             try:
                 return await self._submit_once(key, body, ids, tier, max_tokens, idem, defaulted=asked is None)
@@ -159,6 +163,26 @@ class FrontDoor:
             raise errors.from_serving_error(e, prompt_param, body.max_tokens_param()) from None
         except TimeoutError:
             raise _no_gateway() from None
+
+    async def _past_serving_limits(self, key: str, body, ids: list[int], tier: str | None, asked: int | None,
+                                   idem: str | None, no_room: HttpError):
+        """A prompt the workers serving now leave no room for: the gateway judges it, for it also knows the workers
+        a redeploy is bringing back (draining, or drained lately: gateway/drained.py), and answers overloaded
+        (a 503 with Retry-After) where one of them fits it; ``no_room`` where none does. Refused here at once past
+        the ids a request may carry: the SDK checks each id on the event loop (tests/test_http_faults.py)."""
+        if len(ids) > P.MAX_LIST_LEN:
+            raise no_room
+        cap = body.default_max_tokens(self.config.default_max_tokens)
+        limit = (await self.upstream.info(key, sizing.LIMITS_MAX_AGE_S)).max_tokens_limit or cap
+        try:
+            # The door's default, not the room, which only the gateway knows: a job admitted meanwhile (the worker
+            # is back) gets the max_tokens it would have got; one the room is smaller than is refused, as before.
+            return await self._submit_once(key, body, ids, tier, asked if asked is not None else min(cap, limit),
+                                           idem, defaulted=asked is None)
+        except InvalidRequest as e:
+            if e.field != "max_tokens":  # TierLimitExceeded names max_tokens: past every worker the gateway knows
+                raise
+            raise no_room from None
 
     async def _submit_once(self, key: str, body, ids: list[int], tier: str | None, max_tokens: int,
                            idem: str | None, defaulted: bool):
