@@ -203,6 +203,17 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
     return req
 
 
+def job_request(cls, api_key: str, job_id, **fields):
+    """A request (``cls``) about the job ``job_id``, checked as submit_request checks a submission: a job id that is
+    not a string, or one too long for a frame (the gateway's ZeroMQ drops the connection that carries it, and every
+    stream on it), is this call's InvalidRequest, not a TimeoutError after every retry."""
+    if not isinstance(job_id, str):
+        raise InvalidRequest(f"job_id must be a string, got {type(job_id).__name__}", field="job_id")
+    msg = cls(api_key, job_id, **fields)
+    check_frame_size(msg, ("job_id",))
+    return msg
+
+
 # What a request id adds to a frame, at most: the key, the string and their headers.
 _REQUEST_ID_BYTES = len("request_id") + P.MAX_REQUEST_ID_LEN + 8
 
@@ -261,6 +272,8 @@ class StreamState:
                  chunk_timeout: float | None = None, deadline: float | None = None) -> None:
         if type(from_index) is not int or from_index < 0:  # -1 would drop every chunk: a stream of nothing
             raise InvalidRequest(f"from_index must be an integer >= 0, got {from_index!r}", field="from_index")
+        # Refused before anything is sent; sized as the largest of its requests (a resubscription from far on).
+        job_request(P.StreamRequest, api_key, job_id, from_index=INT64[1] - 1, unsubscribe=True)
         self.job_id, self.api_key = job_id, api_key
         self.next = from_index
         self.done: P.JobDone | None = None

@@ -16,9 +16,9 @@ from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
-                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, new_request_id,
-                                 on_submit_reply, raise_for, refused_as_unknown, submit_request, submit_span,
-                                 to_result, to_status, with_request_id, without_defaulted)
+                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, job_request,
+                                 new_request_id, on_submit_reply, raise_for, refused_as_unknown, submit_request,
+                                 submit_span, to_result, to_status, with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -221,10 +221,10 @@ class GatewayClient:
         return Job(self, st.job_id, st.tier, st.estimated_wait_s or 0.0)
 
     def status(self, job_id: str) -> JobStatus:
-        return to_status(self._call(P.StatusRequest(self.api_key, job_id)))
+        return to_status(self._call(job_request(P.StatusRequest, self.api_key, job_id)))
 
     def cancel(self, job_id: str) -> bool:
-        return self._call(P.CancelRequest(self.api_key, job_id)).cancelled
+        return self._call(job_request(P.CancelRequest, self.api_key, job_id)).cancelled
 
     def info(self, limits: bool = False) -> P.InfoReply:
         """Gateway id, connected workers and queue depths per tier; with ``limits``, also this key's token limits

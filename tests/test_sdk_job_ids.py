@@ -1,0 +1,102 @@
+"""A job id the caller passes to status, cancel, job or stream is bad input like any other: refused by the SDK with
+InvalidRequest, at once, and nothing else on the client's connection notices.
+
+Real processes (scripts/up.py: redis-server, a gateway, a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from common import protocol as P
+from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job
+from tests.cluster_helpers import local_cluster
+
+# Over one frame: the gateway's ZeroMQ drops the connection that carries it, and every stream on it with it.
+HUGE = "x" * P.MAX_MESSAGE_BYTES
+
+
+class SdkWarnings(logging.Handler):
+    """The SDK's warnings (a silent gateway, a failover)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> SdkWarnings:
+        logging.getLogger("gateway.sdk").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("gateway.sdk").removeHandler(self)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("job-ids"), tiny_model_dir, workers=1, max_running=4,
+                       http=False) as c:
+        yield c
+
+
+def key(c: dict) -> str:
+    return c["tenants"]["lab-co"]["api_key"]
+
+
+def test_a_bad_job_id_is_refused_at_once_and_the_streams_beside_it_go_on(cluster):
+    """A job id over a frame's size was sent as it was: the gateway's ZeroMQ dropped the connection, so the call
+    timed out after every retry (TimeoutError, blaming a gateway that was up) and each stream sharing the async
+    client's connection went silent until it resubscribed. A job id that is not a string got a protocol error."""
+    bad_ids = [HUGE, 12345, None]
+
+    async def main():
+        async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1) as client:
+            job = await client.submit(prompt_token_ids=[5, 6, 7], max_tokens=60, ignore_eos=True, seed=3)
+            streamed: list[int] = []
+
+            async def stream():
+                async for chunk in job.stream():
+                    streamed.extend(chunk.token_ids)
+
+            task = asyncio.create_task(stream())
+            await asyncio.sleep(0.05)
+            refusals = []
+            for job_id in bad_ids:
+                for call in (client.status, client.cancel, client.job):
+                    started = time.monotonic()
+                    with pytest.raises(InvalidRequest) as e:
+                        await call(job_id)
+                    refusals.append((e.value.field, time.monotonic() - started))
+                started = time.monotonic()
+                with pytest.raises(InvalidRequest) as e:
+                    async for _ in AsyncJob(client, job_id, "P3", 0.0).stream():
+                        pass
+                refusals.append((e.value.field, time.monotonic() - started))
+            await asyncio.wait_for(task, 60)
+            return refusals, streamed, (await job.result()).token_ids
+
+    with SdkWarnings() as warned:
+        refusals, streamed, result = asyncio.run(main())
+    assert {field for field, _ in refusals} == {"job_id"}
+    assert all(took < 1 for _, took in refusals), refusals
+    assert streamed == result and len(result) == 60
+    assert not warned.messages, warned.messages  # no stream lost its gateway
+
+    client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1)
+    try:
+        for job_id in bad_ids:
+            for call in (client.status, client.cancel, client.job, lambda j: list(Job(client, j, "P3", 0.0).stream())):
+                started = time.monotonic()
+                with pytest.raises(InvalidRequest) as e:
+                    call(job_id)
+                assert e.value.field == "job_id" and time.monotonic() - started < 1
+        assert client.status(client.submit(prompt_token_ids=[1, 2], max_tokens=2).id).state
+    finally:
+        client.close()
+
