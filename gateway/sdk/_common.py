@@ -120,6 +120,15 @@ def client_settings(api_key, timeout_s, retries) -> tuple[str, float, int]:
     return api_key, float(timeout_s), retries
 
 
+def wait_limit(timeout) -> float | None:
+    """A caller's ``timeout`` (seconds, or None for no limit), checked: NaN compares false with every clock reading,
+    so a deadline of NaN never came and the call waited as long as the job took."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or math.isnan(timeout)):
+        raise InvalidRequest(f"timeout must be a number of seconds or None, got {timeout!r}", field="timeout")
+    return timeout
+
+
 def new_request_id() -> str:
     return secrets.token_hex(8)
 
@@ -278,7 +287,7 @@ class StreamState:
         self.next = from_index
         self.done: P.JobDone | None = None
         self.liveness_s = liveness_s
-        self.chunk_timeout, self.deadline = chunk_timeout, deadline
+        self.chunk_timeout, self.deadline = wait_limit(chunk_timeout), deadline
         self.request_id: str | None = None
         self.budget = RetryBudget(retries, liveness_s)
         now = time.monotonic()

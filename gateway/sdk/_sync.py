@@ -18,7 +18,7 @@ from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
                                  auto_idempotency_key, client_settings, endpoint_list, failed_at, job_request,
                                  new_request_id, on_submit_reply, raise_for, refused_as_unknown, submit_request,
-                                 submit_span, to_result, to_status, with_request_id, without_defaulted)
+                                 submit_span, to_result, to_status, wait_limit, with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -33,7 +33,7 @@ class Job(JobBase):
     def result(self, timeout: float | None = None) -> JobResult:
         """The job's result; ``timeout``: seconds to wait in all (None: as long as the job takes)."""
         if self._done is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = None if wait_limit(timeout) is None else time.monotonic() + timeout
             try:
                 for _ in self._client._stream(self, 0, deadline=deadline):
                     pass

@@ -1,4 +1,4 @@
-"""A job id the caller passes to status, cancel, job or stream is bad input like any other: refused by the SDK with
+"""An SDK call's arguments are input like any other: a bad one (a job id, a timeout) is refused by the SDK with
 InvalidRequest, at once, and nothing else on the client's connection notices.
 
 Real processes (scripts/up.py: redis-server, a gateway, a worker).
@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -100,3 +104,45 @@ def test_a_bad_job_id_is_refused_at_once_and_the_streams_beside_it_go_on(cluster
     finally:
         client.close()
 
+
+
+def test_a_nan_timeout_is_refused_not_taken_for_no_timeout(cluster):
+    """result(timeout=nan) and stream(timeout=nan) (a caller's remaining budget computed as inf - inf, say) waited
+    for as long as the job took: NaN compares false with every clock reading, so the deadline never came. The
+    client's own timeout_s refuses NaN; these now do too."""
+    worker = cluster["workers"][0]["pid"]
+    client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=5)
+    outcome: list = []
+    os.kill(worker, signal.SIGSTOP)  # the job waits: only a deadline can end these calls early
+    try:
+        job = client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
+        for call in (lambda: job.result(timeout=math.nan), lambda: next(job.stream(timeout=math.nan)),
+                     lambda: job.result(timeout="1"), lambda: job.result(timeout=True)):
+            started = time.monotonic()
+            waiter = threading.Thread(target=lambda c: outcome.append(_raised(c)), args=(call,), daemon=True)
+            waiter.start()
+            waiter.join(8)
+            assert not waiter.is_alive(), "a NaN timeout waited as if there were none"
+            assert outcome[-1] == (InvalidRequest, "timeout") and time.monotonic() - started < 1, outcome
+
+        async def both():
+            async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as ac:
+                j = await ac.job(job.id)
+                for call in (lambda: j.result(timeout=math.nan), lambda: anext(j.stream(timeout=math.nan))):
+                    with pytest.raises(InvalidRequest) as e:
+                        await asyncio.wait_for(call(), 8)
+                    assert e.value.field == "timeout"
+
+        asyncio.run(both())
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        client.close()
+    assert job.result(timeout=60).token_ids
+
+
+def _raised(call) -> tuple:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test compares it
+        return type(e), getattr(e, "field", None)
+    return None, None
