@@ -17,7 +17,7 @@ import time
 import pytest
 
 from common import protocol as P
-from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job
+from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job, ServingError
 from tests.cluster_helpers import local_cluster
 
 # Over one frame: the gateway's ZeroMQ drops the connection that carries it, and every stream on it with it.
@@ -146,3 +146,36 @@ def _raised(call) -> tuple:
     except Exception as e:  # noqa: BLE001 - the test compares it
         return type(e), getattr(e, "field", None)
     return None, None
+
+
+def test_closing_an_async_client_ends_the_calls_and_streams_waiting_on_it(cluster):
+    """close() closed the sockets under the waiting calls and streams, which then heard nothing until timeout_s
+    passed, took their gateway for dead (a failover warning; the client moved on to its next gateway for every
+    later call) and opened a new connection there, behind the back of the caller that had closed the client. They
+    now end at once with a ServingError that says so."""
+    worker = cluster["workers"][0]["pid"]
+    endpoints = [cluster["gateway"], cluster["gateway"]]  # the second, if failed over to, shows as a new connection
+
+    async def main():
+        client = AsyncGatewayClient(endpoints, key(cluster), timeout_s=3)
+        job = await client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
+        waiting = [asyncio.create_task(job.result()), asyncio.create_task(anext(job.stream()))]
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        client.close()
+        done, _ = await asyncio.wait(waiting, timeout=8)
+        outcomes = [type(t.exception()) if t in done else None for t in waiting]
+        took, conns = time.monotonic() - started, len(client._conns)
+        client.close()
+        return job.id, outcomes, took, conns, client._current
+
+    os.kill(worker, signal.SIGSTOP)  # the job waits
+    try:
+        with SdkWarnings() as warned:
+            job_id, outcomes, took, conns, current = asyncio.run(main())
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert outcomes == [ServingError, ServingError] and took < 1, (outcomes, took)
+    assert conns == 0 and current == 0 and not warned.messages, (conns, current, warned.messages)
+    with GatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as client:
+        assert client.job(job_id).result(timeout=60).token_ids  # closing the client left the job alone

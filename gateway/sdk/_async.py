@@ -25,6 +25,7 @@ from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResul
                                  submit_span, to_result, to_status, wait_limit, with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
+CLOSED = object()  # put in every inbox of a connection the client closes: its waiters end rather than time out
 
 
 async def _next(inbox: asyncio.Queue, timeout_s: float):
@@ -96,9 +97,28 @@ class _Connection:
             self.dropped += 1
 
     def close(self) -> None:
-        if not self._reader.get_loop().is_closed():
+        if not self.loop.is_closed():
             self._reader.cancel()
+            # Its waiters heard nothing more: each took the gateway for dead after timeout_s, failed the client over
+            # and opened a connection again, behind the back of the caller that had closed it.
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self.loop:
+                self._wake()
+            else:
+                self.loop.call_soon_threadsafe(self._wake)
         self.sock.close(linger=0)
+
+    def _wake(self) -> None:
+        for inbox in list(self.inboxes.values()):
+            inbox.put_nowait(CLOSED)
+
+
+def _check_open(frame) -> None:
+    if frame is CLOSED:
+        raise ServingError("the client was closed while this call waited for its answer")
 
 
 def _retrieved(sent: asyncio.Future) -> None:
@@ -181,6 +201,7 @@ class AsyncGatewayClient:
                 sent.append((conn, rid))
                 await conn.send(with_request_id(msg, rid))
                 reply = await _next(inbox, self.timeout_s)
+                _check_open(reply)
                 try:
                     if reply is None:
                         raise TimeoutError(f"gateway {conn.endpoint} did not answer within {self.timeout_s}s")
@@ -210,6 +231,7 @@ class AsyncGatewayClient:
                     conn.inboxes[req.request_id] = inbox
                     await conn.send(req)
                 msg = await _next(inbox, st.wait_s())
+                _check_open(msg)
                 if msg is None:
                     if st.on_silence():
                         self._leave(conn, st)
