@@ -105,3 +105,43 @@ def test_a_stream_that_ends_in_an_error_is_counted_as_one(cluster):
     wait_for(lambda: job_hash(cluster, r.headers["X-Request-Id"])["state"] == "cancelled", 30, "the cancel")
     after = stream_errors(cluster)
     assert after.get(("/v1/completions", "job_cancelled"), 0.0) - before == 1, after
+
+
+# A Llama-2/Mistral-style template: it refuses, by raise_exception, a conversation whose roles do not alternate
+# user/assistant (a system message, say), as those models' own templates do.
+ALTERNATING = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}<|bos|>{{ m.role }}\n{{ m.content }}<|eos|>{% endfor %}"
+               "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500(cluster, tiny_model_dir, tmp_path):
+    """The template's own refusal (jinja2's TemplateError) escaped the door: a plain-text 500 "Internal Server
+    Error" for what is the client's input, which the openai client retried as a server fault."""
+    import shutil
+
+    import openai
+    from transformers import AutoTokenizer
+
+    templated = tmp_path / "templated"
+    shutil.copytree(tiny_model_dir, templated)
+    tok = AutoTokenizer.from_pretrained(templated)
+    tok.chat_template = ALTERNATING
+    tok.save_pretrained(templated)
+    with front_door(templated, [cluster["gateway"]], tmp_path / "door.log") as base:
+        before = snapshot(cluster)
+        body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                "max_tokens": 2}
+        for stream in (False, True):
+            r = httpx.post(base + "/v1/chat/completions", json=body | {"stream": stream}, timeout=120,
+                           headers=[auth(cluster, "api-co")])
+            err = assert_error(r, 400, "invalid_request_error", "messages")
+            assert "roles must alternate" in err["message"], err
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key(cluster, "api-co"), max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="alternate"):
+            client.chat.completions.create(model="templated", **body)
+        assert_unchanged(before, snapshot(cluster))
+        # The door still serves a conversation the template takes.
+        r = httpx.post(base + "/v1/chat/completions", json=body | {"messages": body["messages"][1:]}, timeout=120,
+                       headers=[auth(cluster, "api-co")])
+        assert r.status_code == 200, r.text

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.http import errors
 from gateway.http.schemas import Message
 
 PLAIN_ROLE_SEPARATOR = ": "
@@ -49,9 +50,25 @@ class Prompts:
             return self.encode(plain_chat_text(messages))
         # Rendered to text first: the template already holds the special tokens (BOS, role markers), so the
         # text is encoded without adding them again.
-        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                  tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                      tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            if not _refused_by_template(e):
+                raise
+            # The template judged the conversation (Llama-2/Mistral templates refuse roles that do not alternate,
+            # or a role they lack): the client's input, which was a plain-text 500.
+            raise errors.invalid(f"the model's chat template refused these messages: {e}", "messages") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _refused_by_template(e: Exception) -> bool:
+    """An error the template raised while rendering (its raise_exception, an undefined field of a message), not
+    one in the template itself (a syntax error fails every request alike: the server's fault, not the client's)."""
+    import jinja2  # there is a template, so transformers has rendered it with jinja2
+
+    return isinstance(e, jinja2.TemplateError) and not isinstance(e, (jinja2.TemplateSyntaxError,
+                                                                      jinja2.TemplateNotFound))
 
 
 def model_name(tokenizer: str, served_model_name: str) -> str:
