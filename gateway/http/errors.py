@@ -12,7 +12,7 @@ import math
 from starlette.responses import JSONResponse
 
 from common.errors import (Forbidden, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
-                           QuotaExceeded, ServingError, Unauthorized)
+                           QuotaExceeded, ServingError, Unauthorized, Unavailable)
 
 
 class HttpError(Exception):
@@ -65,6 +65,9 @@ def from_serving_error(e: ServingError, prompt_param: str = "prompt",
         wait = seconds_header(e.estimated_wait_s)
         return HttpError(503, "overloaded_error", str(e), code="overloaded",
                          headers={"Retry-After": wait, "X-Estimated-Wait-Seconds": f"{e.estimated_wait_s:.3f}"})
+    if isinstance(e, Unavailable):  # the gateways' Redis is unreachable, past the SDK's own retries: nothing stored
+        return HttpError(503, "overloaded_error", str(e), code="unavailable",
+                         headers={"Retry-After": seconds_header(max(1.0, e.retry_after_s or 0.0))})
     if isinstance(e, JobExpired):
         return HttpError(504, "timeout_error", str(e), code="queue_timeout")
     if isinstance(e, NotFound):
