@@ -145,3 +145,17 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500(cluster, ti
         r = httpx.post(base + "/v1/chat/completions", json=body | {"messages": body["messages"][1:]}, timeout=120,
                        headers=[auth(cluster, "api-co")])
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("POST", "/v1/chat/completion", 404),
+                                                ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405)])
+def test_a_wrong_route_or_method_gets_an_openai_error_object(cluster, method, path, status):
+    """Starlette's own 404 and 405 were plain text ("Not Found"): the one answer of the door not in OpenAI's error
+    shape, which clients written for OpenAI read as {"error": {...}}."""
+    before = snapshot(cluster)
+    r = httpx.request(method, cluster["http"] + path, headers=[auth(cluster, "api-co")], timeout=30)
+    err = assert_error(r, status, "invalid_request_error")
+    assert path in err["message"] and method in err["message"], err
+    if status == 405:
+        assert r.headers["Allow"], r.headers
+    assert_unchanged(before, snapshot(cluster))

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
@@ -343,6 +344,14 @@ def _validation_error(e: ValidationError) -> HttpError:
     return errors.invalid(f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
 
 
+async def _route_error(request: Request, e: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's error shape: they
+    were plain text, the one answer of the door a client written for OpenAI could not read as an error object."""
+    what = {404: "no such route", 405: "method not allowed"}.get(e.status_code, e.detail)
+    return HttpError(e.status_code, "invalid_request_error", f"{what}: {request.method} {request.url.path}",
+                     headers=dict(e.headers or {})).response()
+
+
 def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstream | None = None) -> Starlette:
     upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s, max_clients=config.max_clients,
                                     server_public_key=config.gateway_public_key)
@@ -360,7 +369,7 @@ def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstr
         upstream.close()
         door._tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _route_error},
                     middleware=[Middleware(metrics.MetricsMiddleware, routes={r.path for r in routes})])
     app.state.front_door = door
     return app
