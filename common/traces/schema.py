@@ -47,6 +47,8 @@ def attr_str(v: Any) -> str | None:
 def attr_int(v: Any) -> int | None:
     try:
         return None if v is None or v == "" else int(v)
+    except OverflowError:  # a double of +-inf (any producer may write one): no integer
+        return None
     except (TypeError, ValueError):
         try:
             return int(float(v))

@@ -1,0 +1,44 @@
+"""explain on spans whose attribute values no gateway of this project writes, but any other producer exporting to the
+same Jaeger or file may (a request.id is only a string): a clear answer, never a traceback or a hang.
+
+Spans are made by the real OpenTelemetry SDK and written through its OTLP-JSON file exporter."""
+
+from __future__ import annotations
+
+import json
+
+from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from scripts import explain
+from tests.test_explain import admission, closed, ns, req_attrs, start
+
+
+def one_job(path, attempt) -> None:
+    """job-1: admitted, queued, dispatched as ``attempt`` (what the dispatch span says), run on w0."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "tiered-serve-gateway"}))
+    provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(str(path))))
+    gw = provider.get_tracer("test")
+    ra = req_attrs("job-1", "P2", "lab-co")
+    admit = admission(gw, None, 0.0, "job-1", "P2", "lab-co")
+    closed(gw, "gateway.queue", 0.001, 0.5, admit, {**ra, "queue.tier": "P2", "queue.tier_granted": "P2"})
+    dispatch = closed(gw, "gateway.dispatch", 0.5, 0.502, admit,
+                      {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": attempt})
+    wreq = start(gw, "worker.request", 0.503, dispatch, ra)
+    closed(gw, "worker.prefill", 0.51, 0.6, wreq, ra)
+    wreq.end(end_time=ns(1.0))
+    provider.shutdown()
+
+
+def test_an_infinite_attempt_number_is_an_answer_not_a_traceback(tmp_path, capsys):
+    """A double attribute of +inf where an integer is read (dispatch.attempt): int(inf) raised OverflowError, which
+    the readers of attribute values did not catch, and explain died with a traceback."""
+    path = tmp_path / "spans.jsonl"
+    one_job(path, float("inf"))
+    assert "Infinity" in path.read_text()
+    assert explain.main(["job-1", "--spans", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["total_s"] > 0.9 and d["workers"] == ["w0"], d
+
