@@ -6,6 +6,7 @@ Spans are made by the real OpenTelemetry SDK and written through its OTLP-JSON f
 from __future__ import annotations
 
 import json
+import time
 
 from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -42,3 +43,21 @@ def test_an_infinite_attempt_number_is_an_answer_not_a_traceback(tmp_path, capsy
     d = json.loads(capsys.readouterr().out)
     assert d["total_s"] > 0.9 and d["workers"] == ["w0"], d
 
+
+def test_a_huge_attempt_number_is_told_in_bounded_time_and_lines(tmp_path, capsys):
+    """A dispatch that says attempt 10**12: explain listed each earlier attempt as missing, one line each, counting
+    to 10**12 (hours of CPU and memory without bound); 10**7 took seconds and printed ten million lines."""
+    path = tmp_path / "spans.jsonl"
+    one_job(path, 10**12)
+    t = time.monotonic()
+    assert explain.main(["job-1", "--spans", str(path), "--json"]) == 0
+    assert time.monotonic() - t < 5
+    d = json.loads(capsys.readouterr().out)
+    assert d["missing"] == ["gateway.dispatch of attempts 1-999999999999: their queue waits, hand-offs and workers"], \
+        d["missing"]
+    # One missing attempt keeps its words.
+    path2 = tmp_path / "two.jsonl"
+    one_job(path2, 2)
+    assert explain.main(["job-1", "--spans", str(path2), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["missing"] == ["gateway.dispatch of attempt 1: that attempt's queue wait, hand-off and worker"], d

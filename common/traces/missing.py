@@ -31,9 +31,9 @@ def missing_spans(own: list[Span], t0: int) -> list[str]:
     attempts = {attr_int(d.get("dispatch.attempt")) for d in dispatches} - {None}
     last = max(attempts | {attr_int(s.get("dead_letter.attempt")) or 0 for s in own if s.name == GATEWAY_DEAD_LETTER}
                | {0})
-    for n in range(1, last + 1):
-        if n not in attempts:
-            out.append(f"gateway.dispatch of attempt {n}: that attempt's queue wait, hand-off and worker")
+    for a, b in _gaps(attempts, last):
+        out.append(f"gateway.dispatch of attempt {a}: that attempt's queue wait, hand-off and worker" if a == b else
+                   f"gateway.dispatch of attempts {a}-{b}: their queue waits, hand-offs and workers")
     queues = [s for s in own if s.name == GATEWAY_QUEUE]
     numbered = {attr_int(q.get("queue.attempt")) for q in queues} - {None}
     if numbered:  # spans made before queue.attempt was recorded are only counted
@@ -59,4 +59,17 @@ def missing_spans(own: list[Span], t0: int) -> list[str]:
             worker = attr_str(before[-1].get("dispatch.worker")) if before else None
             out.append(f"worker.request of the attempt on worker {worker or '?'} (its {s.name} at {at}): that "
                        "attempt's stay on the worker (a worker killed before it ended exports none)")
+    return out
+
+
+def _gaps(known: set[int], last: int) -> list[tuple[int, int]]:
+    """The runs of attempts 1..last not in ``known``, first and last of each: as many as the spans found, however
+    large an attempt number a span says (one line per attempt counted to 10**12 and never ended)."""
+    out, expected = [], 1
+    for n in sorted(a for a in known if 1 <= a <= last):
+        if n > expected:
+            out.append((expected, n - 1))
+        expected = n + 1
+    if expected <= last:
+        out.append((expected, last))
     return out
