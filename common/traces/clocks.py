@@ -6,6 +6,10 @@ gateway's wall clock was from Redis's then (``queue.clock_offset_ms``, the claim
 admission span how far the admitting gateway's was as admit.lua ran (``admission.clock_offset_ms``): explain reads
 the admission on Redis's clock by it (``on_redis_clock``), so that the queue wait follows it without a gap the skew
 made. Past ``TOLERANCE_S`` the gaps explain names between spans of different processes may be off by as much.
+
+A worker says nothing of its clock, but one behind Redis's shows: its ``worker.request`` begins before the dispatch
+that sent it (its parent) began, which cannot be. Without a word, explain told such a job's worker-queue wait before
+its gateway queue wait, a first prefill before its admission and seconds of "other".
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from common.traces.schema import GATEWAY_ADMIT, GATEWAY_QUEUE, attr_int
+from common.traces.schema import GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, WORKER_REQUEST, attr_int, attr_str
 from common.traces.spans import Span, SpanEvent
 
 # Above a claim's reply time on a loaded host (a few tens of ms), below what would mislead about a wait.
@@ -48,6 +52,19 @@ def clock_offsets(own: list[Span]) -> list[dict]:
             out.append({"at": "admission" if admission else "dispatch",
                         "attempt": None if admission else attr_int(s.get("queue.attempt")), "service": s.service,
                         "offset_s": ms / 1e3})
+    return out + _workers_behind(own)
+
+
+def _workers_behind(own: list[Span]) -> list[dict]:
+    """Workers whose request span began more than TOLERANCE_S before its dispatch began: at ``worker``, the attempt,
+    service, worker, offset_s (a bound: its clock was at least that far behind Redis's)."""
+    dispatches = {s.key: s for s in own if s.name == GATEWAY_DISPATCH}
+    out = []
+    for w in sorted((s for s in own if s.name == WORKER_REQUEST and s.start_ns > 0), key=lambda s: s.start_ns):
+        d = dispatches.get((w.trace_id, w.parent_span_id))
+        if d is not None and (d.start_ns - w.start_ns) / 1e9 > TOLERANCE_S:
+            out.append({"at": "worker", "attempt": attr_int(d.get("dispatch.attempt")), "service": w.service,
+                        "worker": attr_str(d.get("dispatch.worker")), "offset_s": (w.start_ns - d.start_ns) / 1e9})
     return out
 
 
@@ -55,6 +72,13 @@ def clock_text(offsets: list[dict]) -> list[str]:
     lines = []
     for o in offsets:
         how = "behind" if o["offset_s"] < 0 else "ahead of"
+        if o.get("at") == "worker":
+            at = f" at attempt {o['attempt']}" if o.get("attempt") else ""
+            who = o.get("worker") or "?"
+            lines.append(f"clocks disagree: worker {who}'s clock was at least {abs(o['offset_s']):.2f} s behind "
+                         f"Redis's{at} (its worker.request began before its dispatch); its spans are on its own clock, "
+                         "so the times between them and the gateway's are off by as much")
+            continue
         if o.get("at") == "admission":
             lines.append(f"clocks disagree: the gateway was {abs(o['offset_s']):.2f} s {how} Redis's clock at the "
                          "admission; its admission is told on Redis's clock (admission.clock_offset_ms)")

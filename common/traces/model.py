@@ -115,7 +115,8 @@ class Explanation:
     transit: dict[str, float] = field(default_factory=dict)  # kind -> seconds: to_gateway, admission, ...
     # Spans the others show existed but the input lacks (common/traces/missing.py): the times leave out theirs.
     missing: list[str] = field(default_factory=list)
-    # Dispatches whose gateway's wall clock was off Redis's (common/traces/clocks.py): attempt, service, offset_s.
+    # Admissions and dispatches whose gateway's wall clock was off Redis's, workers whose clock was behind it
+    # (common/traces/clocks.py): at, attempt, service, offset_s (and worker, for a worker).
     clock_offsets: list[dict[str, Any]] = field(default_factory=list)
     # Admission to its first prefill (what JobResult.queued_s reports), None where its spans do not tell; not
     # queued_s, which also holds the worker's queue and every later attempt's waits.
