@@ -16,7 +16,8 @@ that exist (no job-count rates, no floors):
   for a slot that frees, as the dispatcher has them; where one of them the job may preempt takes
   such a slot, the first P0 or P1 in line preempts it there: the job, or an older one queued;
 - then, each time a slot frees, the queues hand it to their first job, as Redis would: the
-  highest tier, then the oldest. Queued jobs and the jobs still to come of the tiers above
+  highest tier, then the oldest (on workers of different sizes, the first that fits that worker:
+  dispatch reads past the others, Queued.fits). Queued jobs and the jobs still to come of the tiers above
   the job's (evenly spaced mean jobs at a rate that settles from the one now to the long-run
   one: gateway/arrival_forecast.py) both take slots; the job's wait ends at the first slot it
   is first in line for;
@@ -200,14 +201,14 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             continue  # moved on since
         n += 1
         i, urgent = worker_of[k], urgent_at[k]
-        work = line.first_before_the_job(t, preempting=urgent)
+        work = line.first_before_the_job(t, preempting=urgent, worker=i)
         if work is not None and tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1:
             # A job aged or promised ahead, still preemptible as what it was admitted as, starts there; the first in
             # line that may preempt it takes the slot from it: the job, unless an older P0 or P1 is still queued (the
             # dispatcher sends preempting jobs in queue order).
             if dispatches is not None:
                 dispatches.append((t, i, work))
-            work, urgent = line.first_before_the_job(t, preempting=True), True
+            work, urgent = line.first_before_the_job(t, preempting=True, worker=i), True
             urgent_at[k] = True
         if work is None:  # the job's slot, or one it preempts at once
             return max(0.0, t) + handoff(t, i), n

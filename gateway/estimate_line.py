@@ -13,6 +13,13 @@ from common.tiers import ALL_TIERS, PREEMPTING_TIERS, Tier
 from gateway.estimate_types import (MAX_RHO, PROMOTED_TO, Arrivals, Queued, Work, WorkerView, mean_rates,
                                     promised, rank_at)
 
+Fits = frozenset[int] | None  # Queued.fits: the workers a queued job may go to (None: any)
+
+
+def _serves(fits: Fits, worker: int | None) -> bool:
+    """May a slot of ``worker`` (None: any worker's) go to a job that fits ``fits``?"""
+    return fits is None or worker is None or worker in fits
+
 
 def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
     """When the job gets a slot, past the replayed dispatches: the work still ahead of it (the slots' rest, the
@@ -40,22 +47,29 @@ def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int
 class Line:
     """Who is first in line at a given time: the queues by tier, oldest first, with aging; arrivals join
     at the back of their tier. Per tier admitted, jobs not yet promoted stay in age order (the older one has
-    aged at least as far), so the first in line is one of the per-tier heads or the oldest promoted job."""
+    aged at least as far), so the first in line is one of the per-tier heads or the oldest promoted job.
+
+    On workers of different sizes a worker's slot goes to the first job in line that fits there (Queued.fits), as
+    dispatch reads past a job whose workers are full. Each tier's jobs are kept per set of workers they fit: within a
+    tier those sets are nested (a job fits every worker whose limit is at least its size), so there are at most a few,
+    and the first in line for a slot is still one of a few heads. Alike workers: one set, the line as it always was."""
 
     def __init__(self, tier: Tier, enqueued_s: float, queued: Iterable[Queued], arrivals: Iterable[Arrivals],
                  workers: Sequence[WorkerView], aging_interval_s: float, rng: random.Random | None = None,
                  promoted_s: float = math.inf) -> None:
         self.tier, self.enqueued_s, self.aging = tier, enqueued_s, aging_interval_s
         self.promoted_s = promoted_s if tier in PROMOTED_TO else math.inf
-        by_tier: dict[Tier, list[tuple[int, Queued]]] = {t: [] for t in ALL_TIERS}
+        by_tier: dict[Tier, dict[Fits, list[tuple[int, Queued]]]] = {t: {} for t in ALL_TIERS}
         for key, q in enumerate(queued):  # keyed by place: a job may be given twice
-            by_tier[q.work.tier].append((key, q))
-        self.heads = {t: deque(sorted(qs, key=lambda e: e[1].enqueued_s)) for t, qs in by_tier.items()}
+            by_tier[q.work.tier].setdefault(q.fits, []).append((key, q))
+        self.heads = {t: {f: deque(sorted(qs, key=lambda e: e[1].enqueued_s)) for f, qs in fits.items()}
+                      for t, fits in by_tier.items()}
         # Promises falling due, in the order they do (those that move a job); the jobs they moved by the time asked,
-        # per tier admitted, oldest first (heaps); and the jobs taken out of line (lazily out of their tier's deque).
-        self.promises = deque(sorted((q.promoted_s, key, q) for t in PROMOTED_TO for key, q in by_tier[t]
-                                     if promised(t, q.enqueued_s, aging_interval_s, q.promoted_s)))
-        self.promised: dict[Tier, list[tuple[float, int, Queued]]] = {t: [] for t in PROMOTED_TO}
+        # per tier admitted and workers fitted, oldest first (heaps); and the jobs taken out of line (lazily out of
+        # their deque).
+        self.promises = deque(sorted((q.promoted_s, key, q) for t in PROMOTED_TO for qs in by_tier[t].values()
+                                     for key, q in qs if promised(t, q.enqueued_s, aging_interval_s, q.promoted_s)))
+        self.promised: dict[Tier, dict[Fits, list[tuple[float, int, Queued]]]] = {t: {} for t in PROMOTED_TO}
         self.taken: set[int] = set()
         # Only tiers above the job's arrive ahead of it (a newer job of its tier or below never is).
         streams = [a for a in arrivals if a.comes() and a.work.tier.rank < tier.rank]
@@ -93,17 +107,25 @@ class Line:
         while self.promises and self.promises[0][0] <= t:
             _, key, q = self.promises.popleft()
             if key not in self.taken:
-                heapq.heappush(self.promised[q.work.tier], (q.enqueued_s, key, q))
+                heapq.heappush(self.promised[q.work.tier].setdefault(q.fits, []), (q.enqueued_s, key, q))
 
-    def _head(self, tier: Tier, t: float) -> tuple[float, Work, int] | None:
-        heads = self.heads[tier]
-        while heads and (heads[0][0] in self.taken or self._promoted(heads[0][1], t)):  # promoted: in that line
-            heads.popleft()
-        if heads:
-            q = heads[0][1]
+    def _head(self, tier: Tier, t: float, worker: int | None) -> tuple[float, Work, int, deque | None] | None:
+        """The first of ``tier`` in line for a slot of ``worker`` (None: any) at ``t``: when it was admitted (or
+        comes), its work, its queue, and the deque it is first of (None: one still to come)."""
+        first = None
+        for fits, heads in self.heads[tier].items():
+            if not _serves(fits, worker):
+                continue
+            while heads and (heads[0][0] in self.taken or self._promoted(heads[0][1], t)):  # promoted: in that line
+                heads.popleft()
+            if heads and (first is None or (heads[0][1].enqueued_s, heads[0][0]) < (first[0][1].enqueued_s,
+                                                                                      first[0][0])):
+                first = heads
+        if first is not None:
+            q = first[0][1]
             if q.enqueued_s > t:
                 return None  # a job not yet admitted waits its turn
-            return q.enqueued_s, q.work, rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s)
+            return q.enqueued_s, q.work, rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s), first
         if tier in self.streams:
             a = self.streams[tier]
             at = self.next_at.get(tier)
@@ -112,39 +134,44 @@ class Line:
                 at = self.next_at[tier] = a.time_of(self.drawn[tier] if self.rng else self.arrived[tier] + 1,
                                                     self.last_at[tier])
             if at <= t:
-                return at, a.work, tier.rank
+                return at, a.work, tier.rank, None
         return None
 
     def _promoted(self, q: Queued, t: float) -> bool:
         return t >= q.promoted_s and promised(q.work.tier, q.enqueued_s, self.aging, q.promoted_s)
 
-    def _promised_head(self, t: float) -> tuple[tuple[int, float], int, Queued] | None:
-        """The first of the promoted jobs at ``t`` (per tier admitted the oldest: all of a tier are one tier up
-        or, aged on, in P1): (its place in line, key, job)."""
+    def _promised_head(self, t: float, worker: int | None) -> tuple[tuple[int, float], int, Queued] | None:
+        """The first of the promoted jobs at ``t`` that fit ``worker`` (None: any; per tier admitted the oldest: all
+        of a tier are one tier up or, aged on, in P1): (its place in line, key, job)."""
         best = None
-        for tier, promoted in self.promised.items():
-            while promoted and promoted[0][1] in self.taken:
-                heapq.heappop(promoted)
-            if promoted:
-                _, key, q = promoted[0]
-                head = (rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s), q.enqueued_s), key, q
-                best = head if best is None or head[0] < best[0] else best
+        for tier, by_fits in self.promised.items():
+            for fits, promoted in by_fits.items():
+                if not _serves(fits, worker):
+                    continue
+                while promoted and promoted[0][1] in self.taken:
+                    heapq.heappop(promoted)
+                if promoted:
+                    _, key, q = promoted[0]
+                    head = (rank_at(tier, q.enqueued_s, t, self.aging, q.promoted_s), q.enqueued_s), key, q
+                    best = head if best is None or head[0] < best[0] else best
         return best
 
     def passes(self, tier: Tier) -> bool:
         """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
         and never into P0."""
         return tier.rank <= self.tier.rank or (self.tier.rank >= 1 and (math.isfinite(self.aging) or bool(
-            self.promises or any(self.promised.values()))))
+            self.promises or any(p for by_fits in self.promised.values() for p in by_fits.values()))))
 
     def backlog_s(self, t: float, rank: int, unread: Mapping[Tier, tuple[int, Work]]) -> float:
         """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
         ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
         dispatched yet."""
-        still = {key: q for tier, qs in self.heads.items() if self.passes(tier) for key, q in qs}
-        for tier, promoted in self.promised.items():
+        still = {key: q for tier, by_fits in self.heads.items() if self.passes(tier) for qs in by_fits.values()
+                 for key, q in qs}
+        for tier, by_fits in self.promised.items():
             if self.passes(tier):
-                still.update((key, q) for _, key, q in promoted)  # promoted: out of their deque, maybe
+                for promoted in by_fits.values():
+                    still.update((key, q) for _, key, q in promoted)  # promoted: out of their deque, maybe
         total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for key, q in still.items()
                     if key not in self.taken)
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
@@ -169,25 +196,25 @@ class Line:
         return sum(a.long_run() * self.mean.seconds(a.work.prefill, a.work.decode)
                    for tier, a in self.streams.items() if tier.rank < rank)
 
-    def first_before_the_job(self, t: float, preempting: bool = False) -> Work | None:
+    def first_before_the_job(self, t: float, preempting: bool = False, worker: int | None = None) -> Work | None:
         """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
         ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
-        in line for it."""
+        in line for it. ``worker``: the slot's (only jobs that fit it are in line for it); None: any job."""
         self._due(t)  # before the heads: a promoted one leaves its deque for the promoted line
-        best, best_key = None, (self.rank(t), self.enqueued_s)
+        best, best_key, source = None, (self.rank(t), self.enqueued_s), None
         for tier in (PREEMPTING_TIERS if preempting else ALL_TIERS):
-            head = self._head(tier, t)
+            head = self._head(tier, t, worker)
             if head is not None and (key := (head[2], head[0])) <= best_key:
-                best, best_key = tier, key
+                best, best_key, source = tier, key, head[3]
         if not preempting:  # a promoted job waits for a free slot, as the tier it was admitted at
-            first = self._promised_head(t)
+            first = self._promised_head(t, worker)
             if first is not None and first[0] <= best_key:
                 self.taken.add(first[1])
                 return first[2].work
         if best is None:
             return None
-        if self.heads[best]:
-            key, q = self.heads[best].popleft()
+        if source is not None:
+            key, q = source.popleft()
             self.taken.add(key)
             return q.work
         self.arrived[best] += 1

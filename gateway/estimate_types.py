@@ -145,6 +145,9 @@ class Queued:
     enqueued_s: float  # when it was admitted, relative to now (<= 0): its place in line, kept by aging
     # When its promise falls due, relative to now (a P3's): from then on it is in the P2 queue, by its enqueue time.
     promoted_s: float = math.inf
+    # The workers (indexes of the views replayed) it may go to, on workers of different sizes: dispatch sends it only
+    # where it fits, so another worker's free slot goes to the next job in line that fits there. None: any.
+    fits: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -146,15 +146,17 @@ class WaitEstimator:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
         per_queue, counts, now_ms = self._queued(tier, score)
         infos = self.job_infos([i for found in per_queue for i, _ in found])
+        fits: dict[str, frozenset[int]] = {}
         if self.workers.uneven():
-            per_queue, counts = self._sharing(per_queue, counts, infos, set(by_worker))
+            per_queue, counts, fits = self._sharing(per_queue, counts, infos, list(by_worker))
         works: dict[tuple, Work] = {}  # jobs alike (most of a flood) share one: this runs per admission
         queued: list[Queued] = []
         unread: dict[Tier, tuple[int, Work]] = {}
         for queue, found, count in zip(ALL_TIERS, per_queue, counts):
             # Admitted by now: another gateway may admit between the clock read and the queue reads.
             read = [Queued(self._work_of(infos[i], works), min(0.0, (s - now_ms) / 1000),
-                           _relative_s(infos[i].promise_at_ms, now_ms)) for i, s in found if i in infos and i != job_id]
+                           _relative_s(infos[i].promise_at_ms, now_ms), fits.get(i))
+                    for i, s in found if i in infos and i != job_id]
             if count > len(found) and read:  # the rest of a queue deeper than the read: as its read jobs
                 unread[queue] = (count - len(found), Work(queue, statistics.fmean(q.work.prefill for q in read),
                                                           statistics.fmean(q.work.decode for q in read)))
@@ -172,12 +174,16 @@ class WaitEstimator:
         return told
 
     def _sharing(self, per_queue: list[list[tuple[str, float]]], counts: list[int], infos: dict[str, JobInfo],
-                 serving: set[str]) -> tuple[list[list[tuple[str, float]]], list[int]]:
+                 serving: list[str]) -> tuple[list[list[tuple[str, float]]], list[int], dict[str, frozenset[int]]]:
         """The queued jobs that may take a slot of the workers ``serving`` a job (those it fits, on workers of
-        different sizes), and per queue how many of them there are in all (a queue's unread jobs in the share of its
-        read ones). Dispatch sends a job only to workers it fits: one ahead that fits none of these (or only a
-        draining one) never takes their slots, however long it waits for its own; the job was told it would."""
-        where: dict[tuple[Tier, int], bool] = {}
+        different sizes, in the order of the views replayed), per queue how many of them there are in all (a queue's
+        unread jobs in the share of its read ones), and of those that fit only some of ``serving``, which (indexes
+        into it: Queued.fits). Dispatch sends a job only to workers it fits: one ahead that fits none of these (or
+        only a draining one) never takes their slots, however long it waits for its own; the job was told it would.
+        One that fits some of them takes only their slots: the others go to the next job in line that fits there."""
+        index = {wid: k for k, wid in enumerate(serving)}
+        where: dict[tuple[Tier, int], frozenset[int] | None] = {}  # None: every one of ``serving``
+        fits: dict[str, frozenset[int]] = {}
         out, totals = [], []
         for found, count in zip(per_queue, counts):
             kept = []
@@ -186,12 +192,16 @@ class WaitEstimator:
                 key = (info.tier, info.prompt_tokens + info.max_tokens) if info is not None else None
                 if key is not None and key not in where:
                     places = self.workers.places(*key)
-                    where[key] = places is None or bool(places & serving)
-                if key is None or where[key]:
+                    at = None if places is None else frozenset(index[w] for w in places if w in index)
+                    where[key] = None if at is not None and len(at) == len(serving) else at
+                if key is None or where[key] is None:
                     kept.append((i, s))
+                elif where[key]:
+                    kept.append((i, s))
+                    fits[i] = where[key]
             out.append(kept)
             totals.append(len(kept) + round((count - len(found)) * len(kept) / len(found)) if found else count)
-        return out, totals
+        return out, totals, fits
 
     def _work_of(self, info: JobInfo, memo: dict[tuple, Work]) -> Work:
         key = (info.tenant, info.tier, info.prompt_tokens, info.max_tokens)
