@@ -54,7 +54,9 @@ def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[Work
                      "step_tokens": _num(w.step_tokens),
                      "step": None if w.step is None else [w.step.base_s, w.step.token_s, w.step.pair_s],
                      "age_s": w.age_s} for w in workers],
-        "queued": [[*_work(q.work), q.enqueued_s, _num(q.promoted_s)] for q in queued],
+        # A sixth element only on workers of different sizes (Queued.fits): dumps of alike workers are as they were.
+        "queued": [[*_work(q.work), q.enqueued_s, _num(q.promoted_s), *([sorted(q.fits)] if q.fits is not None else [])]
+                   for q in queued],
         "arrivals": [[*_work(a.work), a.per_s, None if a.settles_to is None else _num(a.settles_to), a.settle_s]
                      for a in arrivals],
         "unread": {t.value: [n, *_work(w)] for t, (n, w) in unread.items()},
@@ -97,7 +99,8 @@ def decode(line: dict[str, Any]) -> Dumped:
                             StepCost(*w["step"]) if w.get("step") else None, float(w.get("age_s", 0.0)))
                  for w in line["workers"]],  # older dumps: no step_tokens (before workers said it), no step cost,
         # no cost per pair, no contexts
-        queued=[Queued(_unwork(q[:3]), float(q[3]), _unnum(q[4])) for q in line["queued"]],
+        queued=[Queued(_unwork(q[:3]), float(q[3]), _unnum(q[4]), frozenset(q[5]) if len(q) > 5 else None)
+                for q in line["queued"]],
         arrivals=[Arrivals(_unwork(a[:3]), float(a[3]),
                            *([None if a[4] is None else _unnum(a[4]), float(a[5])] if len(a) > 4 else []))
                   for a in line["arrivals"]],  # a dump from before settling rates has four fields
