@@ -15,6 +15,8 @@ Edge cases handled by construction:
 - the exponential noise is never 0: draws are clamped to the smallest normal
   float, so ``p / E`` is finite (and a masked token, p = 0, stays at 0 instead
   of 0/0 = NaN, which argmax would pick);
+- top-p keeps at least the most likely token, however small top_p is (even one
+  that rounds to 0 in float32);
 - top-k keeps exactly k tokens; ties at the k-th value go to the lower token id
   (top-p likewise keeps the lower ids among equal probabilities).
 """
@@ -111,5 +113,8 @@ def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # Rows without top-p get a threshold above any sum, so float error at the tail drops nothing.
     limit = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, 2.0))
     drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= limit
+    # The most likely token always stays: a top_p that rounds to 0.0 in float32 (below ~1e-45) reached the first
+    # token's preceding mass (0) too, masked every token, and the NaN softmax drew token 0.
+    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
