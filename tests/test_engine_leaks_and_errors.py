@@ -182,12 +182,17 @@ BAD_INPUTS = [
     ("temperature-negative", [5], SamplingParams(max_tokens=1, temperature=-0.1), "P3", "temperature"),
     ("temperature-nan", [5], SamplingParams(max_tokens=1, temperature=math.nan), "P3", "temperature"),
     ("temperature-inf", [5], SamplingParams(max_tokens=1, temperature=math.inf), "P3", "temperature"),
+    # An int past float's range: math.isfinite raised OverflowError, not a typed refusal.
+    ("temperature-huge-int", [5], SamplingParams(max_tokens=1, temperature=10**400), "P3", "temperature"),
+    ("top-p-huge-int", [5], SamplingParams(max_tokens=1, top_p=10**400), "P3", "top_p"),
     ("top-p-0", [5], SamplingParams(max_tokens=1, top_p=0.0), "P3", "top_p"),
     ("top-p-1.5", [5], SamplingParams(max_tokens=1, top_p=1.5), "P3", "top_p"),
     ("top-p-nan", [5], SamplingParams(max_tokens=1, top_p=math.nan), "P3", "top_p"),
     ("top-k-0", [5], SamplingParams(max_tokens=1, top_k=0), "P3", "top_k"),
     ("top-k-negative", [5], SamplingParams(max_tokens=1, top_k=-3), "P3", "top_k"),
     ("seed-negative", [5], SamplingParams(max_tokens=1, seed=-1), "P3", "seed"),
+    ("stop-token-ids-none", [5], SamplingParams(max_tokens=1, stop_token_ids=None), "P3", "stop_token_ids"),
+    ("stop-token-ids-an-int", [5], SamplingParams(max_tokens=1, stop_token_ids=7), "P3", "stop_token_ids"),
     ("stop-token-out-of-vocab", [5], SamplingParams(max_tokens=1, stop_token_ids=(VOCAB,)), "P3", "stop_token_ids"),
     # 40 + 10 = 50 tokens fit the 64-token context but need 4 blocks of 16; the pool has 3.
     ("more-blocks-than-the-pool", [5] * 40, SamplingParams(max_tokens=10), "P3", "max_tokens"),

@@ -59,6 +59,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", field="top_p")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}", field="seed")
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise InvalidRequest(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}",
+                                 field="stop_token_ids")
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or not 0 <= tid < vocab_size:
                 raise InvalidRequest(f"stop token id {tid!r} is outside the vocabulary (0..{vocab_size - 1})",
@@ -66,7 +69,12 @@ class SamplingParams:
 
 
 def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 @dataclass(eq=False)  # identity: list.remove and `in` must not compare token lists
