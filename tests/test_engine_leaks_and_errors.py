@@ -247,6 +247,19 @@ def test_duplicate_request_id_is_rejected(busy_engine):
     assert engine.abort("queued")
 
 
+@pytest.mark.parametrize("trace_context", [{"traceparent": 5}, {"tracestate": 7}, {3: "x"}, ["traceparent"], "00-ab"])
+def test_a_bad_trace_context_is_refused_and_queues_nothing(small_engine, trace_context):
+    """The trace context was read after the request was queued: a malformed one (the propagator raises TypeError on
+    a value that is not a string) escaped add_request untyped, and the request it refused ran all the same."""
+    with pytest.raises(InvalidRequest) as err:
+        small_engine.add_request("traced", [5, 6], SamplingParams(max_tokens=1), trace_context=trace_context)
+    assert err.value.field == "trace_context"
+    assert small_engine.get_request("traced") is None
+    assert not small_engine.has_unfinished() and small_engine.kv_usage().num_used == 0
+    small_engine.add_request("traced", [5, 6], SamplingParams(max_tokens=1), trace_context={"traceparent": "junk"})
+    assert small_engine.abort("traced")  # a malformed header of the right type starts a new trace, as before
+
+
 @pytest.mark.parametrize("rid", ["", None, 5])
 def test_bad_request_id_is_rejected(small_engine, rid):
     with pytest.raises(InvalidRequest) as err:

@@ -101,6 +101,8 @@ class Engine:
         resumed = resumed[:next((i for i, t in enumerate(resumed) if t in stops), len(resumed))]
         resumed = resumed[:params.max_tokens - 1]
         self.scheduler.check_fits(tier_, len(prompt), params.max_tokens)
+        # Read before anything is queued: a refusal must leave no request behind.
+        parent = tracing.context_from(_checked_trace_context(trace_context)) if trace_context else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self._arrivals += 1
         req = Request(request_id, prompt, params, tier_, self._arrivals, seed, tenant=tenant,
@@ -108,7 +110,7 @@ class Engine:
                       added_output_tokens=len(resumed))
         self._requests[request_id] = req
         self.scheduler.add(req)
-        self.tracer.request_added(req, tracing.context_from(trace_context) if trace_context else None)
+        self.tracer.request_added(req, parent)
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int], name: str = "prompt_token_ids") -> list[int]:
         try:
@@ -199,3 +201,10 @@ class Engine:
                 del self._requests[out.request_id]
                 self.tracer.request_finished(req)
         return outputs
+
+
+def _checked_trace_context(headers: object) -> dict[str, str]:
+    """W3C headers as the propagator reads them: a mapping of strings (it raises TypeError on anything else)."""
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise InvalidRequest("trace_context must map header names to string values", field="trace_context")
+    return headers
