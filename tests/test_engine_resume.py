@@ -69,7 +69,8 @@ def test_resumed_output_is_cut_before_a_stop_token_and_the_result_ends_there(eng
     assert engine.kv_usage().num_used == 0
 
 
-@pytest.mark.parametrize("bad", [[1, -1], [1, 10**9], [1.5], "abc", [True]])
+# 5, None, 2.5: len() of them raised TypeError, not the typed refusal.
+@pytest.mark.parametrize("bad", [[1, -1], [1, 10**9], [1.5], "abc", [True], 5, None, 2.5])
 def test_bad_resumed_output_is_refused_and_changes_nothing(engine, bad):
     before = engine.kv_usage().num_used
     with pytest.raises(InvalidRequest) as e:

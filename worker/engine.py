@@ -95,7 +95,7 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise InvalidRequest(f"request needs {need} KV blocks but the pool holds only "
                                  f"{self.blocks.num_blocks}", field="max_tokens")
-        resumed = self._validate_prompt(output_token_ids, "output_token_ids") if len(output_token_ids) else []
+        resumed = self._validate_prompt(output_token_ids, "output_token_ids", may_be_empty=True)
         # A stop token ends a request as an EOS does: output past one was never part of the result.
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.scheduler.config.eos_token_ids))
         resumed = resumed[:next((i for i, t in enumerate(resumed) if t in stops), len(resumed))]
@@ -112,7 +112,8 @@ class Engine:
         self.scheduler.add(req)
         self.tracer.request_added(req, parent)
 
-    def _validate_prompt(self, prompt_token_ids: Sequence[int], name: str = "prompt_token_ids") -> list[int]:
+    def _validate_prompt(self, prompt_token_ids: Sequence[int], name: str = "prompt_token_ids",
+                         may_be_empty: bool = False) -> list[int]:
         try:
             if isinstance(prompt_token_ids, (str, bytes)):
                 raise TypeError("text, not token ids")
@@ -123,7 +124,7 @@ class Engine:
             prompt = [operator.index(t) for t in items]
         except (TypeError, ValueError):
             raise InvalidRequest(f"{name} must be a sequence of integers", field=name) from None
-        if not prompt:
+        if not prompt and not may_be_empty:
             raise InvalidRequest(f"{name} is empty", field=name)
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
