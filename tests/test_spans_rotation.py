@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,8 @@ import pytest
 from common.spans_file import AppendStream, prune, rotate, rotated_files
 from gateway.sdk import GatewayClient
 from scripts import explain
-from tests.cluster_helpers import ROOT, process_running, wait_for
+from tests.cluster_helpers import wait_for
+from tests.up_launch import clean_up, up, up_log, wait_started
 
 pytestmark = pytest.mark.faults
 
@@ -24,19 +23,15 @@ MAX_MB = 0.01  # about 10 KB: a rotation every few jobs
 
 def test_the_spans_file_is_rotated_and_explain_reads_the_rotated_ones(tmp_path, tiny_model_dir, capsys):
     # Every process appended to one file for as long as the cluster ran: a long run filled the disk.
-    state_file, spans = tmp_path / "cluster.json", tmp_path / "spans.jsonl"
-    cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", "1", "--model", str(tiny_model_dir),
-           "--no-http", "--state-file", str(state_file), "--max-running", "2", "--logs-dir", str(tmp_path / "logs"),
-           "--spans-file", str(spans), "--spans-max-mb", str(MAX_MB), "--spans-keep", "2"]
+    spans = tmp_path / "spans.jsonl"
     for n in (3, 4):  # a run before kept 4: more than this one keeps
         Path(f"{spans}.{n}").write_text("{}\n")
-    env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="100")  # batches every 0.1 s: the test waits less
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=(tmp_path / "up.log").open("w"), stderr=subprocess.STDOUT, env=env)
+    proc, state_file = up(tmp_path, tiny_model_dir, "--no-http", "--spans-file", str(spans), "--spans-max-mb",
+                          str(MAX_MB), "--spans-keep", "2",
+                          env={"OTEL_BSP_SCHEDULE_DELAY": "100"})  # batches every 0.1 s: the test waits less
     pids: list[int] = []
     try:
-        wait_for(lambda: state_file.exists() or proc.poll() is not None, 120, "the cluster to start")
-        assert proc.poll() is None, (tmp_path / "up.log").read_text()
-        st = json.loads(state_file.read_text())
+        st = wait_started(proc, state_file, up_log(tmp_path))
         pids = list(st["pids"].values())
         assert not Path(f"{spans}.3").exists() and not Path(f"{spans}.4").exists()  # beyond --spans-keep 2
         ids: list[str] = []
@@ -73,11 +68,7 @@ def test_the_spans_file_is_rotated_and_explain_reads_the_rotated_ones(tmp_path, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=40) == 0
     finally:
-        proc.kill()
-        proc.wait()
-        for pid in pids:
-            if process_running(pid):
-                os.kill(pid, signal.SIGKILL)
+        clean_up([proc], pids)
 
 
 def test_a_writer_follows_the_rotation_and_nothing_is_lost(tmp_path):

@@ -17,8 +17,8 @@ import pytest
 
 from scripts import up
 from scripts.leftovers import LEFTOVERS_FILE, identity
-from tests.cluster_helpers import process_running, wait_for
-from tests.test_up_lifecycle import children, cmdline, reap_orphans, up_in
+from tests.cluster_helpers import process_running
+from tests.up_launch import clean_up, kill_with_helper, run_dirs, up_in, up_log, wait_started
 
 pytestmark = pytest.mark.faults
 
@@ -35,36 +35,22 @@ def test_a_dead_run_of_another_temporary_folder_is_swept_through_its_state_file(
     pids: list[int] = []
     left: list[Path] = []
     try:
-        wait_for(lambda: state_file.exists() or first.poll() is not None, 120, "the first cluster to start")
-        assert first.poll() is None, (tmp_path / "up-first.log").read_text()
-        st = json.loads(state_file.read_text())
+        st = wait_started(first, state_file, up_log(tmp_path, "first"), "the first cluster to start")
         pids = list(st["pids"].values())
-        left = [Path(st["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{st['pids']['redis']}/cwd"))]
+        left = run_dirs(st)
         assert all(p.parent == first_tmp for p in left)
-        helper = next(c for c in children(first.pid) if "-m scripts.leftovers" in cmdline(c))
-        os.kill(helper, signal.SIGKILL)
-        first.kill()
-        first.wait()
-        wait_for(lambda: not any(process_running(p) for p in pids + [helper]), 30, "the first cluster to exit")
+        kill_with_helper(first, pids)
         assert all(p.is_dir() for p in left)
 
         second, _ = up_in(tmp_path, tiny_model_dir, second_tmp, "second")
-        wait_for(lambda: (state_file.exists() and json.loads(state_file.read_text())["pids"]["redis"] not in pids)
-                 or second.poll() is not None, 120, "the second cluster to start")
-        assert second.poll() is None, (tmp_path / "up-second.log").read_text()
+        new = wait_started(second, state_file, up_log(tmp_path, "second"), "the second cluster to start", pids)
         assert not any(p.exists() for p in left), [str(p) for p in left if p.exists()]
-        assert "left by a run that died" in (tmp_path / "up-second.log").read_text()
-        pids += list(json.loads(state_file.read_text())["pids"].values())
+        assert "left by a run that died" in up_log(tmp_path, "second").read_text()
+        pids += list(new["pids"].values())
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=40) == 0
     finally:
-        for p in (first, second):
-            if p is not None:
-                p.kill()
-                p.wait()
-        reap_orphans(pids)
-        for d in left:
-            shutil.rmtree(d, ignore_errors=True)
+        clean_up([first, second], pids, left)
 
 
 def _run(tmpdir: Path, owner: list, state_file: Path) -> tuple[Path, Path]:
@@ -109,8 +95,7 @@ def test_a_second_launcher_on_a_live_clusters_state_file_is_refused(tmp_path, ti
     first, state_file = up_in(tmp_path, tiny_model_dir, tmpdir, "first")
     pids: list[int] = []
     try:
-        wait_for(lambda: state_file.exists() or first.poll() is not None, 120, "the first cluster to start")
-        assert first.poll() is None, (tmp_path / "up-first.log").read_text()
+        wait_started(first, state_file, up_log(tmp_path, "first"), "the first cluster to start")
         before = state_file.read_text()
         pids = list(json.loads(before)["pids"].values())
         second, _ = up_in(tmp_path, tiny_model_dir, tmpdir, "second")
@@ -119,13 +104,11 @@ def test_a_second_launcher_on_a_live_clusters_state_file_is_refused(tmp_path, ti
         finally:
             second.kill()
             second.wait()
-        log = (tmp_path / "up-second.log").read_text()
+        log = up_log(tmp_path, "second").read_text()
         assert f"running cluster (up.py pid {first.pid})" in log, log
         assert state_file.read_text() == before and all(process_running(p) for p in pids)
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=40) == 0
         assert not state_file.exists()
     finally:
-        first.kill()
-        first.wait()
-        reap_orphans(pids)
+        clean_up([first], pids)

@@ -5,46 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cluster_helpers import ROOT, process_running, wait_for
+from tests.cluster_helpers import process_running, wait_for
+from tests.up_launch import (children, clean_up, cmdline, kill_with_helper, reap_orphans, run_dirs, up, up_in,
+                             up_log, wait_started)
 
 pytestmark = pytest.mark.faults
-
-
-def up(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    state_file = tmp_path / "cluster.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", "1", "--model", str(model_dir),
-           "--state-file", str(state_file), "--max-running", "2", "--logs-dir", str(tmp_path / "logs"), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=(tmp_path / "up.log").open("w"), stderr=subprocess.STDOUT), state_file
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def reap_orphans(pids: list[int]) -> None:
-    """A failing run must not leave its cluster running on a shared machine."""
-    for pid in pids:
-        if process_running(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_kill_9d_launcher_takes_its_cluster_with_it(tmp_path, tiny_model_dir):
@@ -55,13 +27,11 @@ def test_a_kill_9d_launcher_takes_its_cluster_with_it(tmp_path, tiny_model_dir):
     pids: list[int] = []
     leftovers: list[Path] = []
     try:
-        wait_for(lambda: state_file.exists() or proc.poll() is not None, 120, "the cluster to start")
-        assert proc.poll() is None, (tmp_path / "up.log").read_text()
-        st = json.loads(state_file.read_text())
+        st = wait_started(proc, state_file, up_log(tmp_path))
         pids = list(st["pids"].values())
         assert len(pids) == 4 and all(process_running(p) for p in pids)
         # Key material on disk: the CURVE keys and API keys, and Redis's folder (its password, the jobs' AOF).
-        leftovers += [Path(st["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{st['pids']['redis']}/cwd"))]
+        leftovers += run_dirs(st)
         assert all(p.is_dir() for p in leftovers) and any(leftovers[0].rglob("*.key_secret"))
         proc.kill()
         proc.wait()
@@ -71,11 +41,7 @@ def test_a_kill_9d_launcher_takes_its_cluster_with_it(tmp_path, tiny_model_dir):
         wait_for(lambda: not state_file.exists() and not any(p.exists() for p in leftovers), 30,
                  f"the state file and {leftovers} to be removed")
     finally:
-        proc.kill()
-        proc.wait()
-        reap_orphans(pids)
-        for d in leftovers:  # a failing run must not leave keys behind
-            shutil.rmtree(d, ignore_errors=True)
+        clean_up([proc], pids, leftovers)  # a failing run must not leave keys behind
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -113,15 +79,6 @@ def test_a_signal_during_start_up_stops_the_launcher_at_once(tmp_path, tiny_mode
         reap_orphans(seen)
 
 
-def up_in(tmp_path: Path, model_dir: Path, tmpdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    """up.py with its temporary folders (secrets, Redis's) under ``tmpdir``: what it finds there is this test's."""
-    state_file = tmp_path / "cluster.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "up.py"), "--workers", "1", "--model", str(model_dir), "--no-http",
-           "--state-file", str(state_file), "--max-running", "2", "--logs-dir", str(tmp_path / f"logs-{name}")]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=(tmp_path / f"up-{name}.log").open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, TMPDIR=str(tmpdir))), state_file
-
-
 def test_a_new_launcher_removes_what_a_dead_one_left(tmp_path, tiny_model_dir):
     # The helper that cleans up after a kill -9'd launcher can be killed too (kill -9 of the process group, the
     # OOM killer, a crash of the machine): the CURVE keys, the tenants' API keys and the Redis password, and
@@ -133,38 +90,23 @@ def test_a_new_launcher_removes_what_a_dead_one_left(tmp_path, tiny_model_dir):
     pids: list[int] = []
     left: list[Path] = []
     try:
-        wait_for(lambda: state_file.exists() or first.poll() is not None, 120, "the first cluster to start")
-        assert first.poll() is None, (tmp_path / "up-first.log").read_text()
-        st = json.loads(state_file.read_text())
+        st = wait_started(first, state_file, up_log(tmp_path, "first"), "the first cluster to start")
         pids = list(st["pids"].values())
-        left = [Path(st["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{st['pids']['redis']}/cwd"))]
-        helper = next(c for c in children(first.pid) if "-m scripts.leftovers" in cmdline(c))
-        os.kill(helper, signal.SIGKILL)
-        first.kill()
-        first.wait()
-        wait_for(lambda: not any(process_running(p) for p in pids + [helper]), 30, "the first cluster to exit")
+        left = run_dirs(st)
+        kill_with_helper(first, pids)
         assert all(p.is_dir() for p in left) and state_file.exists()  # nobody was left to remove them
 
         second, _ = up_in(tmp_path, tiny_model_dir, tmpdir, "second")
-        wait_for(lambda: (state_file.exists() and json.loads(state_file.read_text())["pids"]["redis"] not in pids)
-                 or second.poll() is not None, 120, "the second cluster to start")
-        assert second.poll() is None, (tmp_path / "up-second.log").read_text()
+        new = wait_started(second, state_file, up_log(tmp_path, "second"), "the second cluster to start", pids)
         assert not any(p.exists() for p in left), [str(p) for p in left if p.exists()]
-        new = json.loads(state_file.read_text())
-        new_left = [Path(new["keys"]["dir"]).parent, Path(os.readlink(f"/proc/{new['pids']['redis']}/cwd"))]
+        new_left = run_dirs(new)
         assert all(p.is_dir() for p in new_left)  # the live run's own are untouched
         pids += list(new["pids"].values())
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=40) == 0
         assert not any(p.exists() for p in new_left) and not state_file.exists()
     finally:
-        for p in (first, second):
-            if p is not None:
-                p.kill()
-                p.wait()
-        reap_orphans(pids)
-        for d in left:
-            shutil.rmtree(d, ignore_errors=True)
+        clean_up([first, second], pids, left)
 
 
 def test_a_taken_http_port_is_refused_not_passed_for_the_front_door(tmp_path, tiny_model_dir):
