@@ -3,16 +3,11 @@ clusters where the gateway that stores the result never heard that first token."
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 
 from gateway import metrics
 from tests.cluster_helpers import wait_for
-from tests.durable_cluster import DurableCluster
-from tests.test_metrics_finals import logged_tokens
+from tests.redispatch_helpers import Frozen, hand_to_gw1, redispatch_cluster, submit_on_gw0
 from tests.test_result_figures import result_in_thread
 from tests.test_token_log_stale_writer import T0, queue_and_log
 
@@ -75,24 +70,11 @@ def test_a_first_token_heard_by_a_frozen_gateway_is_the_stored_ttft(tmp_path, ti
     worker is killed -9, gw-0 freezes, and gw-1 runs attempt 2 (resuming from the log) and stores the result. gw-1
     never heard the first token: the stored TTFT (and the one gw-1's listener was told) was gw-1's or its worker's
     figure for attempt 2, later than the first token the client saw (0.18 s against 0.013 s; 12.8 s elsewhere)."""
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=1, lease_s=2.0) as c:
-        gw0, gw1 = c.procs["gw-0"].pid, c.procs["gw-1"].pid
-        stopped = {gw1}
-        os.kill(gw1, signal.SIGSTOP)  # gw-0 dispatches attempt 1
-        try:
-            with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
-                t0 = time.monotonic()
-                job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
-                next(iter(job.stream(timeout=60)))
-                bound = time.monotonic() - t0  # admission to the first token, as the client saw it: a ceiling
-            wait_for(lambda: logged_tokens(c, job.id) > 0 and "ttft_observed_by" in c.job(job.id), 30,
-                     "gw-0 to write the token log and claim the first token")
-            c.kill("wk-0")
-            os.kill(gw0, signal.SIGSTOP)
-            stopped.add(gw0)
-            os.kill(gw1, signal.SIGCONT)
-            stopped.discard(gw1)
-            c.restart("wk-0")
+    with redispatch_cluster(tmp_path, tiny_model_dir) as c:
+        with Frozen(c) as frozen:
+            job, bound = submit_on_gw0(c)
+            hand_to_gw1(c, frozen, job.id, "gw-0 to write the token log and claim the first token",
+                        lambda: "ttft_observed_by" in c.job(job.id))
             listener = c.client("batch-co", "gw-1", timeout_s=30.0)
             waiter, heard = result_in_thread(listener, job.id)  # its final message comes from gw-1's memory
             wait_for(lambda: c.state(job.id) == "done", 180, "attempt 2 to finish")
@@ -100,9 +82,6 @@ def test_a_first_token_heard_by_a_frozen_gateway_is_the_stored_ttft(tmp_path, ti
             listener.close()
             with c.client("batch-co", "gw-1", timeout_s=30.0) as b1:
                 result = b1.job(job.id).result(timeout=30)
-        finally:
-            for pid in stopped:
-                os.kill(pid, signal.SIGCONT)
         h = c.job(job.id)
     assert (h["state"], h["attempt"], h["gateway"]) == (b"done", b"2", b"gw-1"), h.get("reason")
     assert 0.0 <= float(h["ttft_s"]) <= bound, (float(h["ttft_s"]), bound)

@@ -3,16 +3,11 @@ clusters where the gateway that stores the result never heard that first start."
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 
 from gateway.waits import Waits, first_prefill_ms
 from tests.cluster_helpers import wait_for
-from tests.durable_cluster import DurableCluster
-from tests.test_metrics_finals import logged_tokens
+from tests.redispatch_helpers import Frozen, hand_to_gw1, redispatch_cluster, submit_on_gw0
 from tests.test_result_figures import result_in_thread
 from tests.test_token_log_stale_writer import T0, queue_and_log
 
@@ -52,28 +47,12 @@ def test_a_job_redispatched_by_another_gateway_keeps_its_first_start(tmp_path, t
     freezes, and gw-1 (which neither admitted it nor heard attempt 1 start) runs attempt 2 and stores the result.
     The wait ended before the client's first token; it used to run to attempt 2's start (or be the total less
     attempt 2's run), so it held attempt 1's run, the lease's expiry and the worker's restart."""
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=1, lease_s=2.0) as c:
-        gw0, gw1 = c.procs["gw-0"].pid, c.procs["gw-1"].pid
-        stopped = {gw1}
-        os.kill(gw1, signal.SIGSTOP)  # gw-0 dispatches attempt 1
-        try:
-            with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
-                t0 = time.monotonic()
-                job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
-                next(iter(job.stream(timeout=60)))
-                bound = time.monotonic() - t0  # admission to the first token, as the client saw it: a ceiling
-            wait_for(lambda: logged_tokens(c, job.id) > 0, 30, "gw-0 to write the token log")
-            c.kill("wk-0")
-            os.kill(gw0, signal.SIGSTOP)
-            stopped.add(gw0)
-            os.kill(gw1, signal.SIGCONT)
-            stopped.discard(gw1)
-            c.restart("wk-0")
+    with redispatch_cluster(tmp_path, tiny_model_dir) as c:
+        with Frozen(c) as frozen:
+            job, bound = submit_on_gw0(c)
+            hand_to_gw1(c, frozen, job.id)
             with c.client("batch-co", "gw-1", timeout_s=30.0) as b1:
                 result = b1.job(job.id).result(timeout=180)
-        finally:
-            for pid in stopped:
-                os.kill(pid, signal.SIGCONT)
         h = c.job(job.id)  # while Redis is up
     assert (h["state"], h["attempt"], h["gateway"]) == (b"done", b"2", b"gw-1"), h.get("reason")
     assert "queued_s" in h, "the storing gateway stored no wait"
@@ -92,30 +71,24 @@ def test_a_first_start_written_late_by_a_resumed_gateway_is_the_stored_wait(tmp_
     # gw-0 flushes every second: seldom between its first token and its freeze (then the job is cancelled and the
     # scenario begun again), and soon enough after it is let go to write before attempt 2 (2,000 tokens, about 2 s
     # on an idle machine) ends. At 8 s it wrote after attempt 2 had ended, when the machine was idle.
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=1, lease_s=2.0,
-                        process_env={"gw-0": {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": "1"}}) as c:
-        gw0, gw1 = c.procs["gw-0"].pid, c.procs["gw-1"].pid
-        stopped = {gw1}
-        os.kill(gw1, signal.SIGSTOP)  # gw-0 dispatches attempt 1
-        try:
+    with redispatch_cluster(tmp_path, tiny_model_dir,
+                            process_env={"gw-0": {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": "1"}}) as c:
+        with Frozen(c) as frozen:
             for _ in range(5):
                 with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
                     job = b0.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=4)
                     next(iter(job.stream(timeout=60)))
-                    os.kill(gw0, signal.SIGSTOP)
-                    stopped.add(gw0)
+                    frozen.freeze("gw-0")
                     if "first_prefill_ms" not in c.job(job.id):
                         break
-                    os.kill(gw0, signal.SIGCONT)  # it flushed attempt 1's start first: nothing would be tested
-                    stopped.discard(gw0)
+                    frozen.thaw("gw-0")  # it flushed attempt 1's start first: nothing would be tested
                     job.cancel()
                     wait_for(lambda: c.state(job.id) == "cancelled" and not c.redis.zcard("ts:{c}:inflight"), 30,
                              "the job to be cancelled and its slot freed")
             else:
                 pytest.fail("gw-0 flushed attempt 1's start before its freeze five times")
             c.kill("wk-0")
-            os.kill(gw1, signal.SIGCONT)
-            stopped.discard(gw1)
+            frozen.thaw("gw-1")
             c.restart("wk-0")
             # gw-0 is let go as soon as attempt 2 is sent, not once its start is recorded: on an idle machine
             # attempt 2 (2,000 tokens) ends within 3 s, before gw-0's write, and then nothing is tested.
@@ -124,8 +97,7 @@ def test_a_first_start_written_late_by_a_resumed_gateway_is_the_stored_wait(tmp_
             sent = int(c.job(job.id)["dispatched_at_ms"])  # after attempt 1's start, before attempt 2's
             listener = c.client("batch-co", "gw-1", timeout_s=30.0)
             waiter, heard = result_in_thread(listener, job.id)  # its final message comes from gw-1's memory
-            os.kill(gw0, signal.SIGCONT)
-            stopped.discard(gw0)
+            frozen.thaw("gw-0")
 
             def first_start_written() -> bool:
                 h = c.job(job.id)
@@ -136,9 +108,6 @@ def test_a_first_start_written_late_by_a_resumed_gateway_is_the_stored_wait(tmp_
             wait_for(lambda: c.state(job.id) == "done", 180, "attempt 2 to finish")
             waiter.join(30)
             listener.close()
-        finally:
-            for pid in stopped:
-                os.kill(pid, signal.SIGCONT)
         h = c.job(job.id)
         with c.client("batch-co", "gw-0", timeout_s=30.0) as b0:
             result = b0.job(job.id).result(timeout=30)
