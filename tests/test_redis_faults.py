@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -25,6 +26,38 @@ from tests.redis_proxy import HoldingProxy
 from tests.test_security_redis import _Gateway, _empty, _fill
 
 pytestmark = pytest.mark.faults
+
+
+def hold_script(r: redis.Redis, proxy: HoldingProxy, name: str, seconds: float) -> None:
+    """The proxy holds back the next run of the Lua script ``name`` (common/lua/) ``seconds``: Redis stalls while it
+    is on its way. The script is loaded first, as after any earlier run of it: the held EVALSHA finds it."""
+    script = load_scripts(r)[name]
+    r.script_load(script.script)
+    proxy.hold(script.sha.encode(), seconds)
+
+
+def wait_held(proxy: HoldingProxy, what: str, timeout: float) -> None:
+    """The held command reached the proxy within ``timeout`` and then Redis."""
+    assert proxy.held.wait(timeout), f"no {what} reached Redis"
+    assert proxy.released.wait(10)
+
+
+def _dump(q: RedisQueue) -> dict[bytes, bytes]:
+    return {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+
+
+@contextmanager
+def run_late(q: RedisQueue):
+    """What runs inside is run by Redis 10 s after its caller gave up (a clock sample that places the moment in the
+    past): its caller hears a timeout and nothing changes. The clock is read afresh after, so what follows is on
+    time."""
+    before = _dump(q)
+    sampled, read_by = q.clock_sample
+    q.clock_sample = (sampled - 10_000, read_by)
+    with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+        yield
+    assert _dump(q) == before
+    q.server_ms()
 
 
 def test_a_frozen_redis_costs_no_running_job_its_lease(tmp_path, bench_model_dir):
@@ -64,7 +97,7 @@ def test_an_admission_refused_as_unavailable_stores_nothing_even_if_redis_runs_i
             with gw.client("chat-co", timeout_s=20.0) as c:
                 c.submit(prompt_token_ids=[1, 2], max_tokens=2)  # scripts loaded, the path known to work
                 jobs = set(r.scan_iter(match=f"{gw.prefix}:*:job:*"))
-                proxy.hold(load_scripts(r)["admit"].sha.encode(), 4.0)
+                hold_script(r, proxy, "admit", 4.0)
                 # A raw request, as the HTTP door's or any client's that gets no SDK retry under the same key.
                 raw = make_socket(zmq.Context.instance(), zmq.DEALER)
                 raw.connect(gw.endpoint)
@@ -96,16 +129,16 @@ def test_an_admission_a_claim_or_a_cancel_run_past_its_deadline_writes_nothing()
         q.server_ms()
         assert q.clock_sample is not None
         assert isinstance(q.admit(job_id="on-time", **admit | {"idempotency_key": "k0"}), Admitted)
-        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
+        before = _dump(q)
         now_ms, read_by = q.clock_sample
         q.clock_sample = (now_ms - 10_000, read_by)  # Redis ran it 10 s after the caller stopped waiting
         with pytest.raises(redis.TimeoutError, match="nothing was stored"):
             q.admit(job_id="late", **admit)
-        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        assert _dump(q) == before
         assert [r.id for r in q.claim(["on-time"], worker="w", gateway="g", lease_ms=10_000)] == []
         with pytest.raises(redis.TimeoutError, match="nothing was changed"):
             q.cancel("on-time")
-        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
+        assert _dump(q) == before
         q.clock_sample = None  # no reading of Redis's clock: no deadline
         assert isinstance(q.admit(job_id="unbounded", **admit), Admitted)
         assert [r.id for r in q.claim(["on-time"], worker="w", gateway="g", lease_ms=10_000)] == ["on-time"]
@@ -140,13 +173,10 @@ def test_a_dispatch_given_up_on_leases_nothing_when_redis_runs_it_late(tmp_path,
         worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
         try:
             worker.load([], free=1)
-            claim = load_scripts(c.redis)["claim"]
-            c.redis.script_load(claim.script)  # as after any earlier dispatch: the held EVALSHA finds its script
-            c.proxy.hold(claim.sha.encode(), 4.0)
+            hold_script(c.redis, c.proxy, "claim", 4.0)
             with c.client("lab-co") as lab:
                 job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
-            assert c.proxy.held.wait(10), "no claim reached Redis"
-            assert c.proxy.released.wait(10)
+            wait_held(c.proxy, "claim", 10)
             d = worker.recv(P.DispatchJob, timeout_s=8.0, beat=[])  # well within the 10 s lease
             assert (d.job_id, d.attempt) == (job.id, 1), d
         finally:
@@ -166,9 +196,7 @@ def test_a_cancel_answered_unavailable_is_not_run_late_behind_its_retry(tmp_path
                 job = lab.submit(prompt_token_ids=[1, 2], max_tokens=50, ignore_eos=True)
                 d = worker.recv(P.DispatchJob, beat=[])
                 worker.load([d.job_id], free=0)
-                cancel = load_scripts(c.redis)["cancel"]
-                c.redis.script_load(cancel.script)  # as after any earlier cancel: the held EVALSHA finds its script
-                c.proxy.hold(cancel.sha.encode(), 3.0)
+                hold_script(c.redis, c.proxy, "cancel", 3.0)
                 assert lab.cancel(job.id) is True
                 assert c.proxy.held.is_set()
             stop = worker.recv(P.CancelJob, timeout_s=10.0, beat=[d.job_id])
@@ -188,13 +216,11 @@ def test_a_lease_settled_late_still_stops_the_attempt_that_lost_it(tmp_path, tin
         worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
         try:
             worker.load([], free=1)
-            requeue = load_scripts(c.redis)["requeue"]
-            c.redis.script_load(requeue.script)  # as after any earlier requeue: the held EVALSHA finds its script
             with c.client("lab-co") as lab:
                 job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
             d = worker.recv(P.DispatchJob, beat=[])
             assert (d.job_id, d.attempt) == (job.id, 1)
-            c.proxy.hold(requeue.sha.encode(), 4.0)
+            hold_script(c.redis, c.proxy, "requeue", 4.0)
             # Alive, but its reports never list the job (a worker that lost it): its lease runs out.
             stop = worker.recv(P.CancelJob, timeout_s=30.0, beat=[])
             assert c.proxy.held.is_set()
@@ -212,13 +238,8 @@ def test_a_requeue_run_past_its_deadline_writes_nothing():
                 quota=None, drain_rate_per_s={})
         assert [r.id for r in q.claim(["j"], worker="w", gateway="g", lease_ms=1)] == ["j"]
         now_ms = q.server_ms() + 10
-        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
-        sampled, read_by = q.clock_sample
-        q.clock_sample = (sampled - 10_000, read_by)
-        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+        with run_late(q):
             q.requeue_expired(now_ms, max_attempts=3)
-        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
-        q.server_ms()
         assert [(x.job_id, x.state, x.worker, x.attempt) for x in q.requeue_expired(now_ms, max_attempts=3)] == [
             ("j", "queued", "w", 1)]
         q.client.close()
@@ -237,13 +258,11 @@ def test_a_completion_stored_late_is_counted_by_the_gateway_that_stores_it(tmp_p
         url = f"http://{metrics}/metrics"
         try:
             worker.load([], free=1)
-            complete = load_scripts(c.redis)["complete"]
-            c.redis.script_load(complete.script)  # as after any earlier completion: the held EVALSHA finds its script
             with c.client("lab-co") as lab:
                 job = lab.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
             d = worker.recv(P.DispatchJob, beat=[])
             before = total(scrape(url), "ts_jobs_finished_total", state="done")
-            c.proxy.hold(complete.sha.encode(), 4.0)
+            hold_script(c.redis, c.proxy, "complete", 4.0)
             worker.send(P.JobFinished(d.job_id, d.attempt, "done", "length", 2, 0.0, 0.1, 0, None, [5, 6]))
             ack = worker.recv(P.JobFinishedAck, timeout_s=30.0, beat=[d.job_id])
             assert c.proxy.held.is_set()
@@ -265,14 +284,9 @@ def test_a_completion_run_past_its_deadline_writes_nothing():
                 quota=None, drain_rate_per_s={})
         assert [r.id for r in q.claim(["j"], worker="w", gateway="g", lease_ms=10_000)] == ["j"]
         q.server_ms()
-        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
-        sampled, read_by = q.clock_sample
-        q.clock_sample = (sampled - 10_000, read_by)
         result = dict(attempt=1, state="done", fields={"num_tokens": 1, "token_ids": b"\x91\x05"}, worker="w")
-        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+        with run_late(q):
             q.complete("j", **result)
-        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
-        q.server_ms()
         assert q.complete("j", **result)
         assert q.get("j").state == "done"
         q.client.close()
@@ -287,14 +301,11 @@ def test_a_queue_timeout_settled_late_is_counted(tmp_path, tiny_model_dir):
     env = {"TS_GATEWAY_METRICS_BIND": metrics, "TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 3, "P2": 300}'}
     with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, gateway_env=env) as c:
         url = f"http://{metrics}/metrics"
-        expire = load_scripts(c.redis)["expire"]
-        c.redis.script_load(expire.script)  # as after any earlier expiry: the held EVALSHA finds its script
         before = total(scrape(url), "ts_jobs_finished_total", state="expired")
-        c.proxy.hold(expire.sha.encode(), 4.0)
+        hold_script(c.redis, c.proxy, "expire", 4.0)
         with c.client("api-co", timeout_s=20.0) as api:
             job = api.submit(prompt_token_ids=[1, 2], max_tokens=2, tier="P1")
-            assert c.proxy.held.wait(15), "no expiry reached Redis"
-            assert c.proxy.released.wait(10)
+            wait_held(c.proxy, "expiry", 15)
             wait_for(lambda: c.state(job.id) == "expired", 10, "the job to expire")
             wait_for(lambda: total(scrape(url), "ts_jobs_finished_total", state="expired") - before == 1, 10,
                      "the gateway to count the job it expired")
@@ -308,13 +319,8 @@ def test_an_expiry_run_past_its_deadline_writes_nothing():
         q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
                 quota=None, drain_rate_per_s={})
         now_ms = q.server_ms() + 5_000
-        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
-        sampled, read_by = q.clock_sample
-        q.clock_sample = (sampled - 10_000, read_by)
-        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+        with run_late(q):
             q.expire(now_ms)
-        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
-        q.server_ms()
         assert q.expire(now_ms) == ["j"]
         q.client.close()
 
@@ -395,14 +401,11 @@ def test_a_first_token_claim_redis_ran_after_its_gateway_gave_up_is_still_observ
     with _ProxiedCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1, lease_s=10.0,
                          gateway_env={"TS_GATEWAY_METRICS_BIND": metrics}) as c:
         url = f"http://{metrics}/metrics"
-        first_token = load_scripts(c.redis)["first_token"]
-        c.redis.script_load(first_token.script)  # as after any earlier claim: the held EVALSHA finds its script
         before = total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3")
-        c.proxy.hold(first_token.sha.encode(), 4.0)
+        hold_script(c.redis, c.proxy, "first_token", 4.0)
         with c.client("batch-co", timeout_s=30.0) as b:
             job = b.submit(prompt_token_ids=[5, 6], max_tokens=40, ignore_eos=True, tier="P3", seed=3)
-            assert c.proxy.held.wait(30), "no claim reached Redis"
-            assert c.proxy.released.wait(10)
+            wait_held(c.proxy, "claim", 30)
             assert len(job.result(timeout=60).token_ids) == 40
         assert c.job(job.id)["ttft_observed_by"] == b"gw-0", "not the case tested"
         wait_for(lambda: total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3") - before == 1, 10,
@@ -422,15 +425,12 @@ def test_a_promotion_run_late_is_counted(tmp_path, tiny_model_dir):
         try:
             worker.load([], free=0)
             wait_for(lambda: c.client("batch-co").info().workers, 10, "the gateway to know the worker")
-            promote = load_scripts(c.redis)["promote"]
-            c.redis.script_load(promote.script)  # as after any earlier promotion: the held EVALSHA finds its script
             before = total(scrape(url), "ts_promotions_total", tier="P3")
-            c.proxy.hold(promote.sha.encode(), 4.0)
+            hold_script(c.redis, c.proxy, "promote", 4.0)
             with c.client("batch-co", timeout_s=20.0) as batch:
                 job = batch.submit(prompt_token_ids=[1, 2], max_tokens=2, tier="P3")
             assert "promise_at_ms" in c.job(job.id), "no promise was made: nothing is tested"
-            assert c.proxy.held.wait(15), "no promotion reached Redis"
-            assert c.proxy.released.wait(10)
+            wait_held(c.proxy, "promotion", 15)
             wait_for(lambda: c.job(job.id)["tier"] == b"P2", 10, "the job to be promoted")
             wait_for(lambda: total(scrape(url), "ts_promotions_total", tier="P3") - before == 1, 10,
                      "the gateway to count the job it promoted")
@@ -446,12 +446,7 @@ def test_a_promotion_run_past_its_deadline_writes_nothing():
         q.admit(job_id="j", tenant="a", tier_requested=Tier.P3, tier=Tier.P3, payload=b"x", idempotency_key=None,
                 quota=None, drain_rate_per_s={}, estimate_s=1.0, promise_s=0.0)
         now_ms = q.server_ms() + 1_000
-        before = {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())}
-        sampled, read_by = q.clock_sample
-        q.clock_sample = (sampled - 10_000, read_by)
-        with pytest.raises(redis.TimeoutError, match="nothing was changed"):
+        with run_late(q):
             q.promote(now_ms)
-        assert {k: q.client.dump(k) for k in q.client.scan_iter(match=q.keys.scan_pattern())} == before
-        q.server_ms()
         assert q.promote(now_ms) == [("j", Tier.P3)]
         q.client.close()
