@@ -179,3 +179,30 @@ def test_closing_an_async_client_ends_the_calls_and_streams_waiting_on_it(cluste
     assert conns == 0 and current == 0 and not warned.messages, (conns, current, warned.messages)
     with GatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as client:
         assert client.job(job_id).result(timeout=60).token_ids  # closing the client left the job alone
+
+
+def test_numpy_numbers_are_taken_as_the_plain_numbers_they_are(cluster):
+    """max_tokens=np.int64(8) (a length read from an array, a seed drawn with numpy) was refused as 'max_tokens has
+    the wrong type: int64', as were numpy seeds, top_k, from_index, retries and a float32 temperature; the SDK
+    now sends each as the plain number it is. Bools and floats for an int field are still refused."""
+    import numpy as np
+
+    plain = dict(prompt_token_ids=[5, 6, 7], max_tokens=8, ignore_eos=True, seed=11, top_k=5, temperature=0.5)
+    numpyish = dict(prompt_token_ids=np.array([5, 6, 7]), max_tokens=np.int64(8), ignore_eos=True,
+                    seed=np.uint32(11), top_k=np.int16(5), temperature=np.float32(0.5))
+    with GatewayClient(cluster["gateway"], key(cluster), timeout_s=np.int64(10), retries=np.int8(1)) as client:
+        want = client.submit(**plain).result(timeout=60).token_ids
+        job = client.submit(**numpyish)
+        assert job.result(timeout=60).token_ids == want
+        assert [c.index for c in job.stream(from_index=np.int64(6))] == [6]
+        for name, bad in (("max_tokens", np.float64(8.0)), ("max_tokens", np.bool_(True)), ("seed", True)):
+            with pytest.raises(InvalidRequest) as e:
+                client.submit(**plain | {name: bad})
+            assert e.value.field == name
+
+    async def main():
+        async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=np.float32(10)) as ac:
+            job = await ac.submit(**numpyish)
+            return (await job.result(timeout=60)).token_ids
+
+    assert asyncio.run(main()) == want

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 import random
 import secrets
 import time
@@ -108,9 +109,32 @@ def endpoint_list(endpoint: str | Sequence[str]) -> list[str]:
     return endpoints
 
 
+def plain_int(value):
+    """``value`` as a plain int if it is an integer of any kind (numpy's, as a caller's array hands them out:
+    msgpack cannot even send one); else ``value`` itself, for the type check to refuse (a bool, a float)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def plain_float(value):
+    """``value`` as a plain float if it is a real number of a type other than int and bool (numpy's float32, say);
+    else ``value`` itself, for the type check to take (an int) or refuse."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    try:
+        return float(value)
+    except (OverflowError, ValueError):
+        return value
+
+
 def client_settings(api_key, timeout_s, retries) -> tuple[str, float, int]:
     """A client's key, timeout and retries, checked: a timeout of 0 (or NaN) made every call fail as a silent
     gateway, and a missing key failed each call with an untyped protocol error."""
+    timeout_s, retries = plain_float(plain_int(timeout_s)), plain_int(retries)
     if not isinstance(api_key, str) or not api_key:
         raise InvalidRequest("api_key must be a non-empty string", field="api_key")
     if type(timeout_s) not in (int, float) or not math.isfinite(timeout_s) or timeout_s <= 0:
@@ -190,8 +214,9 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
     if prompt_token_ids is not None and not isinstance(prompt_token_ids, (str, bytes)):
         ids = list(prompt_token_ids)
         # numpy's integers as well; a bool stays a bool, which the decoder refuses.
-        prompt_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-                            for t in ids]
+        prompt_token_ids = [plain_int(t) for t in ids]
+    max_tokens, top_k, seed = plain_int(max_tokens), plain_int(top_k), plain_int(seed)
+    temperature, top_p = plain_float(temperature), plain_float(top_p)
     fields = dict(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, tier=tier,
                   idempotency_key=idempotency_key, ignore_eos=ignore_eos, max_tokens_defaulted=max_tokens_defaulted)
@@ -279,6 +304,7 @@ class StreamState:
 
     def __init__(self, job_id: str, api_key: str, from_index: int, *, liveness_s: float, retries: int,
                  chunk_timeout: float | None = None, deadline: float | None = None) -> None:
+        from_index = plain_int(from_index)
         if type(from_index) is not int or from_index < 0:  # -1 would drop every chunk: a stream of nothing
             raise InvalidRequest(f"from_index must be an integer >= 0, got {from_index!r}", field="from_index")
         # Refused before anything is sent; sized as the largest of its requests (a resubscription from far on).
