@@ -127,6 +127,10 @@ class InfoRequest:
     # max_tokens_limit). Asked for, not always sent: an older SDK refuses reply fields it does not know. A gateway
     # older than the field refuses the request as a protocol error (the SDK then asks without it).
     limits: bool = False
+    # > 0: the size of a frame the caller means to send next; over this gateway's client_max_message_bytes the
+    # answer is InvalidRequest (field "frame_bytes") rather than an InfoReply. Such a frame would not be refused
+    # but dropped with the connection it came on, and every stream on it; the SDK asks before it sends a large one.
+    frame_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,11 @@ class ClientApi:
         if tenant is None:
             self._reply_error(ident, Unauthorized("unknown API key"))
             return
+        if req.frame_bytes > self.config.client_max_message_bytes:
+            self._reply_error(ident, InvalidRequest(
+                f"a frame of {req.frame_bytes} bytes is over this gateway's limit of "
+                f"{self.config.client_max_message_bytes} (client_max_message_bytes)", field="frame_bytes"))
+            return
         depths = {t.value: n for t, n in self.queue.depths().items()}
         limits = {"tier_token_limits": self._token_limits(tenant),
                   "max_tokens_limit": self.config.max_tokens_limit} if req.limits else {}

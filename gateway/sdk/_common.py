@@ -252,15 +252,46 @@ def job_request(cls, api_key: str, job_id, **fields):
 _REQUEST_ID_BYTES = len("request_id") + P.MAX_REQUEST_ID_LEN + 8
 
 
+def frame_bytes(msg) -> int:
+    """The most bytes ``msg`` takes in a frame, whatever request id it is sent with."""
+    return len(P.encode(msg)) + _REQUEST_ID_BYTES
+
+
+def _largest(msg, fields: tuple[str, ...]) -> str:
+    return max(fields, key=lambda f: len(getattr(msg, f) or ""))
+
+
 def check_frame_size(msg, fields: tuple[str, ...]) -> None:
     """InvalidRequest naming the largest of ``fields`` if ``msg`` would not fit in one frame. A gateway cannot
     read such a frame far enough to find its request id (over the size limit ZeroMQ even drops the connection),
     so its refusal could reach no caller: better refused here, where it is this call's alone."""
-    size = len(P.encode(msg)) + _REQUEST_ID_BYTES
+    size = frame_bytes(msg)
     if size > P.MAX_MESSAGE_BYTES:
-        field = max(fields, key=lambda f: len(getattr(msg, f) or ""))
         raise InvalidRequest(f"the request is {size} bytes; a frame carries at most {P.MAX_MESSAGE_BYTES} "
-                             f"(its {field} is the largest part)", field=field)
+                             f"(its {_largest(msg, fields)} is the largest part)", field=_largest(msg, fields))
+
+
+# A gateway may take smaller frames than the protocol's (its client_max_message_bytes), and drops the connection
+# that brings a larger one, with every stream on it. A frame over this many bytes is announced first
+# (InfoRequest.frame_bytes), once per size a gateway has not yet taken; below it, frames are sent unasked.
+ASK_OVER_BYTES = 16 * 2**10
+_PARTS = {P.SubmitRequest: ("prompt", "prompt_token_ids", "idempotency_key"), P.StatusRequest: ("job_id",),
+          P.CancelRequest: ("job_id",)}
+
+
+def frame_to_ask(msg, taken: int) -> P.InfoRequest | None:
+    """The question to ask a gateway that took frames of up to ``taken`` bytes before sending it ``msg``, or
+    None if ``msg`` needs none."""
+    if type(msg) not in _PARTS or (size := frame_bytes(msg)) <= max(ASK_OVER_BYTES, taken):
+        return None
+    return P.InfoRequest(msg.api_key, frame_bytes=size)
+
+
+def too_big_for(endpoint: str, msg, refusal: InvalidRequest) -> InvalidRequest:
+    """The caller's error for ``msg``, which the gateway at ``endpoint`` said it could not take (``refusal``)."""
+    part = _largest(msg, _PARTS[type(msg)])
+    return InvalidRequest(f"the request is {frame_bytes(msg)} bytes, too large for gateway {endpoint} (its "
+                          f"{part} is the largest part): {refusal}", field=part)
 
 
 def with_request_id(msg, request_id: str):

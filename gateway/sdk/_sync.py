@@ -13,12 +13,13 @@ import zmq
 from opentelemetry import trace
 
 from common import protocol as P
-from common.errors import ServingError
+from common.errors import InvalidRequest, ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
-                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, job_request,
-                                 new_request_id, on_submit_reply, raise_for, refused_as_unknown, submit_request,
-                                 submit_span, to_result, to_status, wait_limit, with_request_id, without_defaulted)
+                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, frame_to_ask,
+                                 job_request, new_request_id, on_submit_reply, raise_for, refused_as_unknown,
+                                 submit_request, submit_span, to_result, to_status, too_big_for, wait_limit,
+                                 with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -77,6 +78,7 @@ class GatewayClient:
         self.endpoints = endpoint_list(endpoint)
         self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0
+        self._taken: dict[str, int] = {}  # per gateway, the largest frame it said it takes
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.Context.instance()
         self._local = threading.local()  # each thread's sockets for calls, one per gateway; each stream has its own
@@ -113,7 +115,26 @@ class GatewayClient:
         self._current = (self._current + 1) % len(self.endpoints)
         log.warning("%s; trying %s", failed_at(old, why), "it again" if self.endpoint == old else self.endpoint)
 
+    def _fits(self, msg) -> None:
+        """Ask the gateway whether it takes a frame as large as ``msg``'s, unless it has said so already: its
+        limit may be below the protocol's, and it drops the connection that brings a larger frame (every stream
+        on it stalls, and the call itself fails after every retry as if the gateway were dead)."""
+        ask = frame_to_ask(msg, self._taken.get(self.endpoint, 0))
+        if ask is None:
+            return
+        try:
+            self._call(ask)
+        except InvalidRequest as e:
+            if e.field != "frame_bytes":
+                raise
+            raise too_big_for(self.endpoint, msg, e) from None
+        except ServingError as e:
+            if not refused_as_unknown(e):  # a gateway older than the question: send as before
+                raise
+        self._taken[self.endpoint] = max(ask.frame_bytes, self._taken.get(self.endpoint, 0))
+
     def _call(self, msg):
+        self._fits(msg)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
         budget = RetryBudget(self.retries, self.timeout_s)
         while True:

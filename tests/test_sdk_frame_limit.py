@@ -1,0 +1,84 @@
+"""A gateway may take smaller frames than the protocol's 8 MiB (client_max_message_bytes). Its ZeroMQ drops the
+connection that brings a larger one, so the SDK asks before it sends such a frame, and the caller gets
+InvalidRequest naming the size, while the streams sharing the connection go on.
+
+Real processes (scripts/up.py: redis-server, a gateway, a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.errors import InvalidRequest
+from gateway.sdk import AsyncGatewayClient, GatewayClient
+from tests.cluster_helpers import job_ids, local_cluster
+from tests.test_sdk_arguments import SdkWarnings
+
+LIMIT = 64 * 2**10
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("frame-limit"), tiny_model_dir, workers=1, max_running=4, http=False,
+                       env={"TS_GATEWAY_CLIENT_MAX_MESSAGE_BYTES": str(LIMIT)}) as c:
+        yield c
+
+
+def key(c: dict) -> str:
+    return c["tenants"]["lab-co"]["api_key"]
+
+
+def test_a_frame_over_the_gateways_own_limit_is_refused_by_size_and_streams_beside_it_go_on(cluster):
+    """A prompt of 100 kB to a gateway taking frames of 64 KiB passed the SDK's own 8 MiB check and was sent: the
+    gateway's ZeroMQ dropped the connection, the call failed after every retry with a TimeoutError (blaming a
+    gateway that was up), and the stream beside it went silent until it failed over."""
+    before = set(job_ids(cluster))
+    n = 60
+    too_big = [{"prompt_token_ids": [3] * 100_000}, {"prompt": "x" * 100_000}]
+
+    async def main():
+        async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1) as client:
+            job = await client.submit(prompt_token_ids=[5, 6, 7], max_tokens=n, ignore_eos=True, seed=3)
+            streamed: list[int] = []
+
+            async def stream():
+                async for chunk in job.stream():
+                    streamed.extend(chunk.token_ids)
+
+            task = asyncio.create_task(stream())
+            await asyncio.sleep(0.2)
+            refusals = []
+            for kwargs in too_big:
+                started = time.monotonic()
+                with pytest.raises(InvalidRequest) as e:
+                    await client.submit(max_tokens=4, **kwargs)
+                refusals.append((e.value.field, str(e.value), time.monotonic() - started))
+            with pytest.raises(InvalidRequest) as e:
+                await client.status("j" * 100_000)
+            refusals.append((e.value.field, str(e.value), 0.0))
+            # Under the gateway's limit but large enough to be asked about: sent, and judged by the gateway.
+            with pytest.raises(InvalidRequest) as e:
+                await client.submit(max_tokens=4, prompt_token_ids=[3] * 30_000)
+            under = str(e.value)
+            await asyncio.wait_for(task, 60)
+            return refusals, under, streamed, (await job.result()).token_ids, job.id
+
+    with SdkWarnings() as warned:
+        refusals, under, streamed, result, job_id = asyncio.run(main())
+    assert [f for f, _, _ in refusals] == ["prompt_token_ids", "prompt", "job_id"], refusals
+    assert all(str(LIMIT) in why and took < 2 for _, why, took in refusals), refusals
+    assert "client_max_message_bytes" not in under, under
+    assert streamed == result and len(result) == n
+    assert not warned.messages, warned.messages  # no stream lost its gateway
+
+    with GatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1) as client:
+        for kwargs in too_big:
+            started = time.monotonic()
+            with pytest.raises(InvalidRequest) as e:
+                client.submit(max_tokens=4, **kwargs)
+            assert str(LIMIT) in str(e.value) and time.monotonic() - started < 2
+        assert client.submit(prompt_token_ids=[1, 2], max_tokens=2).result(timeout=60).token_ids
+    assert len(set(job_ids(cluster)) - before) == 2 and job_id in set(job_ids(cluster))  # the refused stored nothing
