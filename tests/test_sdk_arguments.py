@@ -206,3 +206,37 @@ def test_numpy_numbers_are_taken_as_the_plain_numbers_they_are(cluster):
             return (await job.result(timeout=60)).token_ids
 
     assert asyncio.run(main()) == want
+
+
+def test_closing_a_blocking_client_ends_a_stream_waiting_in_another_thread_with_a_serving_error(cluster):
+    """close() from one thread closed the socket under a stream another thread was reading: that stream raised
+    zmq's own ZMQError ('Socket operation on non-socket'), not one of the SDK's errors; the async client has ended
+    such streams with ServingError since 3a2076a. The job itself is left alone."""
+    worker = cluster["workers"][0]["pid"]
+    client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=5)
+    outcome: list = []
+
+    def wait(call):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the test compares it
+            outcome.append(type(e))
+
+    os.kill(worker, signal.SIGSTOP)  # the job waits: the stream is in its poll when the client closes
+    try:
+        job = client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
+        calls = (job.result, lambda: list(job.stream()))
+        waiters = [threading.Thread(target=wait, args=(c,), daemon=True) for c in calls]
+        for w in waiters:
+            w.start()
+        time.sleep(1.0)
+        started = time.monotonic()
+        client.close()
+        for w in waiters:
+            w.join(8)
+        took = time.monotonic() - started
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert outcome == [ServingError, ServingError] and took < 2, (outcome, took)
+    with GatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as again:
+        assert again.job(job.id).result(timeout=60).token_ids

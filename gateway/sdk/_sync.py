@@ -51,6 +51,17 @@ class Job(JobBase):
         return self._client.cancel(self.id)
 
 
+def _closed_under(sock: zmq.Socket, use, job_id: str):
+    """``use()`` of a stream's ``sock``; ServingError, as the async client says it, if another thread closed the
+    client (and with it this socket) meanwhile, not the ZMQError of a socket gone from under the call."""
+    try:
+        return use()
+    except zmq.ZMQError:
+        if not sock.closed:
+            raise
+        raise ServingError(f"the client was closed while this stream of job {job_id} waited") from None
+
+
 class _ThreadSockets(dict):
     """One thread's call sockets, closed when the thread ends and its threading.local lets go of them: a server
     that starts a thread per request must not keep a connection per thread it ever ran."""
@@ -164,7 +175,13 @@ class GatewayClient:
             poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + self.timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            for sock, _ in poller.poll(math.ceil(1000 * left)):
+            try:
+                ready = poller.poll(math.ceil(1000 * left))
+            except zmq.ZMQError:
+                if not any(sock.closed for sock in self._socks.values()):
+                    raise
+                raise ServingError("the client was closed while this call waited for its answer") from None
+            for sock, _ in ready:
                 while True:
                     try:
                         msg = P.decode(sock.recv(zmq.NOBLOCK))
@@ -193,9 +210,9 @@ class GatewayClient:
                         time.sleep(pause)
                         self._fail_over(TimeoutError("no stream request taken"))
                         continue
-                if sock.poll(math.ceil(1000 * st.wait_s())):
+                if _closed_under(sock, lambda: sock.poll(math.ceil(1000 * st.wait_s())), job.id):
                     try:
-                        chunk = st.on_frame(P.decode(sock.recv()))
+                        chunk = st.on_frame(P.decode(_closed_under(sock, sock.recv, job.id)))
                     except RETRYABLE as e:
                         pause = st.on_failure(e)
                         sock.close(linger=0)
@@ -259,7 +276,8 @@ class GatewayClient:
         return self._call(P.InfoRequest(self.api_key))
 
     def close(self) -> None:
-        """Close every thread's sockets: call it once the threads using this client are done with it."""
+        """Close every thread's sockets: call it once the threads using this client are done with it (a stream
+        or call still waiting in another thread ends with ServingError, as it would on the async client)."""
         with self._open_lock:
             socks, self._open = list(self._open), weakref.WeakSet()
         for sock in socks:
