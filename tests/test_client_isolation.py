@@ -17,6 +17,7 @@ import pytest
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, InvalidRequest
 from tests.cluster_helpers import job_ids, local_cluster
+from tests.sdk_helpers import stream_beside
 
 
 @pytest.fixture(scope="module")
@@ -39,28 +40,20 @@ def test_a_request_too_big_for_a_frame_is_refused_alone_and_streams_beside_it_go
 
     async def main():
         async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=30, retries=1) as client:
-            job = await client.submit(prompt_token_ids=[5, 6, 7], max_tokens=n, ignore_eos=True, seed=3)
-            streamed: list[int] = []
-
-            async def stream():
-                async for chunk in job.stream():
-                    streamed.extend(chunk.token_ids)
-
-            task = asyncio.create_task(stream())
-            await asyncio.sleep(0.2)
             refusals = []
-            for kwargs in ({"prompt_token_ids": [3] * (P.MAX_LIST_LEN + 1)}, {"prompt": "x" * P.MAX_MESSAGE_BYTES}):
-                started = time.monotonic()
-                with pytest.raises(InvalidRequest) as e:
-                    await client.submit(max_tokens=4, **kwargs)
-                refusals.append((e.value.field, time.monotonic() - started))
-            await asyncio.wait_for(task, 60)
-            return refusals, streamed, await job.result(), job.id
+            async with stream_beside(client, n) as beside:
+                for kwargs in ({"prompt_token_ids": [3] * (P.MAX_LIST_LEN + 1)},
+                               {"prompt": "x" * P.MAX_MESSAGE_BYTES}):
+                    started = time.monotonic()
+                    with pytest.raises(InvalidRequest) as e:
+                        await client.submit(max_tokens=4, **kwargs)
+                    refusals.append((e.value.field, time.monotonic() - started))
+            return refusals, beside.streamed, beside.result, beside.job.id
 
     refusals, streamed, result, job_id = asyncio.run(main())
     assert [field for field, _ in refusals] == ["prompt_token_ids", "prompt"]
     assert all(took < 5 for _, took in refusals), refusals  # refused before sending, not after timeouts
-    assert streamed == result.token_ids and len(streamed) == n
+    assert streamed == result and len(streamed) == n
     assert set(job_ids(cluster)) - before == {job_id}  # the refused requests stored nothing
 
 

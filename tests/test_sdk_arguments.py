@@ -7,7 +7,6 @@ Real processes (scripts/up.py: redis-server, a gateway, a worker).
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import os
 import signal
@@ -19,27 +18,10 @@ import pytest
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job, ServingError
 from tests.cluster_helpers import local_cluster
+from tests.sdk_helpers import SdkWarnings, stream_beside
 
 # Over one frame: the gateway's ZeroMQ drops the connection that carries it, and every stream on it with it.
 HUGE = "x" * P.MAX_MESSAGE_BYTES
-
-
-class SdkWarnings(logging.Handler):
-    """The SDK's warnings (a silent gateway, a failover)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> SdkWarnings:
-        logging.getLogger("gateway.sdk").addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger("gateway.sdk").removeHandler(self)
 
 
 @pytest.fixture(scope="module")
@@ -61,29 +43,20 @@ def test_a_bad_job_id_is_refused_at_once_and_the_streams_beside_it_go_on(cluster
 
     async def main():
         async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1) as client:
-            job = await client.submit(prompt_token_ids=[5, 6, 7], max_tokens=60, ignore_eos=True, seed=3)
-            streamed: list[int] = []
-
-            async def stream():
-                async for chunk in job.stream():
-                    streamed.extend(chunk.token_ids)
-
-            task = asyncio.create_task(stream())
-            await asyncio.sleep(0.05)
             refusals = []
-            for job_id in bad_ids:
-                for call in (client.status, client.cancel, client.job):
+            async with stream_beside(client, 60, settle_s=0.05) as beside:
+                for job_id in bad_ids:
+                    for call in (client.status, client.cancel, client.job):
+                        started = time.monotonic()
+                        with pytest.raises(InvalidRequest) as e:
+                            await call(job_id)
+                        refusals.append((e.value.field, time.monotonic() - started))
                     started = time.monotonic()
                     with pytest.raises(InvalidRequest) as e:
-                        await call(job_id)
+                        async for _ in AsyncJob(client, job_id, "P3", 0.0).stream():
+                            pass
                     refusals.append((e.value.field, time.monotonic() - started))
-                started = time.monotonic()
-                with pytest.raises(InvalidRequest) as e:
-                    async for _ in AsyncJob(client, job_id, "P3", 0.0).stream():
-                        pass
-                refusals.append((e.value.field, time.monotonic() - started))
-            await asyncio.wait_for(task, 60)
-            return refusals, streamed, (await job.result()).token_ids
+            return refusals, beside.streamed, beside.result
 
     with SdkWarnings() as warned:
         refusals, streamed, result = asyncio.run(main())

@@ -15,7 +15,7 @@ import pytest
 from common.errors import InvalidRequest
 from gateway.sdk import AsyncGatewayClient, GatewayClient
 from tests.cluster_helpers import job_ids, local_cluster
-from tests.test_sdk_arguments import SdkWarnings
+from tests.sdk_helpers import SdkWarnings, stream_beside
 
 LIMIT = 64 * 2**10
 
@@ -41,30 +41,21 @@ def test_a_frame_over_the_gateways_own_limit_is_refused_by_size_and_streams_besi
 
     async def main():
         async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1) as client:
-            job = await client.submit(prompt_token_ids=[5, 6, 7], max_tokens=n, ignore_eos=True, seed=3)
-            streamed: list[int] = []
-
-            async def stream():
-                async for chunk in job.stream():
-                    streamed.extend(chunk.token_ids)
-
-            task = asyncio.create_task(stream())
-            await asyncio.sleep(0.2)
             refusals = []
-            for kwargs in too_big:
-                started = time.monotonic()
+            async with stream_beside(client, n) as beside:
+                for kwargs in too_big:
+                    started = time.monotonic()
+                    with pytest.raises(InvalidRequest) as e:
+                        await client.submit(max_tokens=4, **kwargs)
+                    refusals.append((e.value.field, str(e.value), time.monotonic() - started))
                 with pytest.raises(InvalidRequest) as e:
-                    await client.submit(max_tokens=4, **kwargs)
-                refusals.append((e.value.field, str(e.value), time.monotonic() - started))
-            with pytest.raises(InvalidRequest) as e:
-                await client.status("j" * 100_000)
-            refusals.append((e.value.field, str(e.value), 0.0))
-            # Under the gateway's limit but large enough to be asked about: sent, and judged by the gateway.
-            with pytest.raises(InvalidRequest) as e:
-                await client.submit(max_tokens=4, prompt_token_ids=[3] * 30_000)
-            under = str(e.value)
-            await asyncio.wait_for(task, 60)
-            return refusals, under, streamed, (await job.result()).token_ids, job.id
+                    await client.status("j" * 100_000)
+                refusals.append((e.value.field, str(e.value), 0.0))
+                # Under the gateway's limit but large enough to be asked about: sent, and judged by the gateway.
+                with pytest.raises(InvalidRequest) as e:
+                    await client.submit(max_tokens=4, prompt_token_ids=[3] * 30_000)
+                under = str(e.value)
+            return refusals, under, beside.streamed, beside.result, beside.job.id
 
     with SdkWarnings() as warned:
         refusals, under, streamed, result, job_id = asyncio.run(main())
