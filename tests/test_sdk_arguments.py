@@ -213,3 +213,40 @@ def test_closing_a_blocking_client_ends_a_stream_waiting_in_another_thread_with_
     assert outcome == [ServingError, ServingError] and took < 2, (outcome, took)
     with GatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as again:
         assert again.job(job.id).result(timeout=60).token_ids
+
+
+def test_a_client_used_in_a_forked_child_answers_there(cluster):
+    """A client made (and used) before os.fork() (a preforking server, multiprocessing's fork) kept its ZeroMQ
+    context and sockets in the child, where libzmq's threads no longer run: the child's first call blocked in its
+    poll for ever, its timeout_s notwithstanding. Both clients now start afresh in a child."""
+    client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=5)
+    aclient = AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=5)
+    job = client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
+    want = job.result(timeout=60).token_ids
+
+    async def status():
+        return (await aclient.status(job.id)).state
+
+    assert asyncio.run(status()) == "done"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        try:
+            got = [client.status(job.id).state, client.job(job.id).result(timeout=10).token_ids == want,
+                   asyncio.run(status())]
+            os.write(write, repr(got).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if time.monotonic() >= deadline:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        reported = f.read()
+    assert reported == repr(["done", True, "done"]), f"the child reported {reported!r} (nothing: it hung)"
+    assert client.status(job.id).state == "done"  # the parent's own connections still serve it
+    client.close()
+    aclient.close()

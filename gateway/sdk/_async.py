@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -165,6 +166,7 @@ class AsyncGatewayClient:
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.asyncio.Context.instance()
         self._conns: dict[str, _Connection] = {}
+        self._pid = os.getpid()
 
     @property
     def endpoint(self) -> str:
@@ -172,6 +174,10 @@ class AsyncGatewayClient:
         return self.endpoints[self._current]
 
     def _conn(self) -> _Connection:
+        if self._pid != os.getpid():
+            # A child process (os.fork): the parent's connections (their loop, libzmq's threads) are not its own,
+            # and a call on them blocked for ever. Left alone, not closed: pyzmq would not close them here anyway.
+            self._pid, self._ctx, self._conns = os.getpid(), zmq.asyncio.Context.instance(), {}
         loop = asyncio.get_running_loop()
         made_on = next((c.loop for c in self._conns.values()), loop)
         if made_on is not loop:

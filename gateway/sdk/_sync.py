@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -95,10 +96,24 @@ class GatewayClient:
         self._local = threading.local()  # each thread's sockets for calls, one per gateway; each stream has its own
         self._open: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()  # every thread's, for close()
         self._open_lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _after_fork(self) -> None:
+        """In a child process (os.fork, a preforking server), leave the parent's sockets and ZeroMQ context behind
+        and start afresh: libzmq's threads do not survive a fork, so a call on them blocked for ever, timeout_s or
+        not. (pyzmq does not touch a parent's socket that the child closes or lets go of.)"""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._ctx = zmq.Context.instance()  # pyzmq's instance is per process
+        self._local = threading.local()
+        self._open = weakref.WeakSet()
+        self._open_lock = threading.Lock()  # held by a parent's thread at the fork, it would never be let go
 
     @property
     def _socks(self) -> dict[str, zmq.Socket]:
         """This thread's call sockets, by gateway (a thread that ends takes its own with it)."""
+        self._after_fork()
         socks = getattr(self._local, "socks", None)
         if socks is None:
             socks = self._local.socks = _ThreadSockets()
@@ -110,6 +125,7 @@ class GatewayClient:
         return self.endpoints[self._current]
 
     def _new_socket(self, endpoint: str) -> zmq.Socket:
+        self._after_fork()
         sock = make_socket(self._ctx, zmq.DEALER)
         # A gateway that refused our handshake (say, CURVE without its key) leaves no pipe to queue on: a send
         # would block for ever. Bounded, it fails like a silent gateway.
