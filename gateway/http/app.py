@@ -27,16 +27,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from common import protocol as P
-from common.errors import InvalidRequest, ServingError, Unauthorized
+from common.errors import ServingError
 from common.tiers import ALL_TIERS
-from gateway.http import errors, health, idempotency, metrics, sizing
+from gateway.http import errors, health, idempotency, metrics
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.headers import bearer, one_header
 from gateway.http.prompts import Prompts
 from gateway.http.responses import DONE_EVENT, Reply, finish_reason
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.submission import Submitter, no_gateway
 from gateway.http.upstream import Upstream
 
 log = logging.getLogger("gateway.http")
@@ -54,6 +54,7 @@ class FrontDoor:
         self.prompts = prompts
         self.model = model
         self.upstream = upstream
+        self.submitter = Submitter(config, upstream)
         self.started = int(time.time())
         self._background: set[asyncio.Task] = set()  # cancellations in flight (a reference keeps them alive)
         # Threads of its own, so that tokenizing never waits behind /health's calls in the default executor.
@@ -94,7 +95,7 @@ class FrontDoor:
             # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every other request waited.
             ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, body, chat)
             prompt_param = "messages" if chat else "prompt"
-            job, release = await self._submit(key, body, ids, tier, idem, prompt_param)
+            job, release = await self.submitter.submit(key, body, ids, tier, idem, prompt_param)
             return await self._answer(request, key, body, chat, ids, job, idem, prompt_param, release)
         except ValidationError as e:
             return _validation_error(e).response()
@@ -113,7 +114,7 @@ class FrontDoor:
         try:
             await self.upstream.check(key)
         except TimeoutError:
-            raise _no_gateway() from None
+            raise no_gateway() from None
         except ServingError as e:  # Unauthorized; or Unavailable after the SDK waited out a Redis outage
             raise errors.from_serving_error(e) from None
 
@@ -131,79 +132,6 @@ class FrontDoor:
         except ClientDisconnect:
             raise ClientGone from None
         return b"".join(chunks)
-
-    async def _submit(self, key: str, body, ids: list[int], tier: str | None, idem: str | None, prompt_param: str):
-        """The job, submitted with the client's max_tokens or, without one, the default that fits
-        (sizing.max_tokens_for), and the release of its client (_submit_once)."""
-        asked = body.requested_max_tokens()
-        try:
-            # Also with max_tokens sent: a prompt the room cannot hold is refused here, not by a gateway after the
-            # SDK has checked each of its ids on the event loop (a second for a million, nobody else served).
-            try:
-                fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, sizing.LIMITS_MAX_AGE_S)
-            except HttpError:  # no room by the limits held: by the gateway's of now, before refusing the prompt
-                try:
-                    fitted = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
-                except HttpError as no_room:
-                    return await self._past_serving_limits(key, body, ids, tier, asked, idem, no_room)
-            max_tokens = asked if asked is not None else fitted
-            try:
-                return await self._submit_once(key, body, ids, tier, max_tokens, idem, defaulted=asked is None)
-            except InvalidRequest as e:
-                if asked is not None or e.field != "max_tokens":
-                    raise
-                # The limits held had moved (a worker left, or began draining): the gateway's limits of now, once.
-                again = await self._default_max_tokens(key, body, ids, tier, prompt_param, 0.0)
-                if again >= max_tokens:
-                    raise
-                return await self._submit_once(key, body, ids, tier, again, idem, defaulted=True)
-        except Unauthorized as e:
-            self.upstream.forget(key)
-            raise errors.from_serving_error(e) from None
-        except ServingError as e:
-            raise errors.from_serving_error(e, prompt_param, body.max_tokens_param()) from None
-        except TimeoutError:
-            raise _no_gateway() from None
-
-    async def _past_serving_limits(self, key: str, body, ids: list[int], tier: str | None, asked: int | None,
-                                   idem: str | None, no_room: HttpError):
-        """A prompt the workers serving now leave no room for: the gateway judges it, for it also knows the workers
-        a redeploy is bringing back (draining, or drained lately: gateway/drained.py), and answers overloaded
-        (a 503 with Retry-After) where one of them fits it; ``no_room`` where none does. Refused here at once past
-        the ids a request may carry: the SDK checks each id on the event loop (tests/test_http_faults.py)."""
-        if len(ids) > P.MAX_LIST_LEN:
-            raise no_room
-        cap = body.default_max_tokens(self.config.default_max_tokens)
-        limit = (await self.upstream.info(key, sizing.LIMITS_MAX_AGE_S)).max_tokens_limit or cap
-        try:
-            # The door's default, not the room, which only the gateway knows: a job admitted meanwhile (the worker
-            # is back) gets the max_tokens it would have got; one the room is smaller than is refused, as before.
-            return await self._submit_once(key, body, ids, tier, asked if asked is not None else min(cap, limit),
-                                           idem, defaulted=asked is None)
-        except InvalidRequest as e:
-            if e.field != "max_tokens":  # TierLimitExceeded names max_tokens: past every worker the gateway knows
-                raise
-            raise no_room from None
-
-    async def _submit_once(self, key: str, body, ids: list[int], tier: str | None, max_tokens: int,
-                           idem: str | None, defaulted: bool):
-        """The job, and the release of its client: the door keeps that client (the job streams through it) until
-        the answer is sent. Held only once the job exists, so a key refused meanwhile is forgotten (_submit).
-        ``defaulted``: max_tokens is the door's, not the client's; a retry under the same Idempotency-Key may size
-        another by the limits of then, and is the same request all the same (gateway/admission.fingerprint)."""
-        # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
-        async with self.upstream.client(key) as up:
-            job = await up.client.submit(
-                prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
-                top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
-                ignore_eos=body.ignore_eos, idempotency_key=idem, max_tokens_defaulted=defaulted)
-            return job, self.upstream.hold(key)[1]
-
-    async def _default_max_tokens(self, key: str, body, ids: list[int], tier: str | None, prompt_param: str,
-                                  max_age_s: float) -> int:
-        info = await self.upstream.info(key, max_age_s)
-        return sizing.max_tokens_for(body.default_max_tokens(self.config.default_max_tokens), len(ids), tier,
-                                     info.tier_token_limits, info.max_tokens_limit, prompt_param)
 
     async def _answer(self, request: Request, key: str, body, chat: bool, ids: list[int], job, idem: str | None,
                       prompt_param: str, release: Callable[[], None]) -> Response:
@@ -313,11 +241,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _no_gateway() -> HttpError:
-    return HttpError(503, "overloaded_error", "no gateway answered", code="gateway_unavailable",
-                     headers={"Retry-After": "1"})
-
-
 def _tier(header: str | None, priority: int | None) -> str | None:
     """The tier asked for (None: the tenant's highest); the gateway refuses one above the tenant's entitlement."""
     names = [t.value for t in ALL_TIERS]
@@ -369,7 +292,8 @@ def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstr
         upstream.close()
         door._tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _route_error},
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _route_error},
                     middleware=[Middleware(metrics.MetricsMiddleware, routes={r.path for r in routes})])
     app.state.front_door = door
     return app

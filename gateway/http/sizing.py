@@ -6,7 +6,7 @@ from common.tiers import parse_tier
 from gateway.http import errors
 
 # How long the door sizes defaulted max_tokens by a gateway's limits before asking again; limits that moved
-# meanwhile cost a refused submission and one retry (gateway/http/app.py, FrontDoor._submit).
+# meanwhile cost a refused submission and one retry (gateway/http/submission.py, Submitter.submit).
 LIMITS_MAX_AGE_S = 5.0
 
 

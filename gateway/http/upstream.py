@@ -91,8 +91,8 @@ class Upstream:
             raise
 
     async def info(self, api_key: str, max_age_s: float) -> P.InfoReply:
-        """A gateway's info for ``api_key`` (its token limits: gateway/http/app.py), asked again when the one held
-        is older than ``max_age_s``. Raises as check does."""
+        """A gateway's info for ``api_key`` (its token limits: gateway/http/submission.py), asked again when the one
+        held is older than ``max_age_s``. Raises as check does."""
         entry = self._entries.get(api_key)
         if entry is not None and entry.info is not None and time.monotonic() - entry.info_at <= max_age_s:
             return entry.info
