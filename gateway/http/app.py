@@ -275,6 +275,13 @@ async def _route_error(request: Request, e: HTTPException) -> Response:
                      headers=dict(e.headers or {})).response()
 
 
+async def _server_fault(request: Request, e: Exception) -> Response:
+    """Whatever else escaped a route (a bug of the door's): still OpenAI's error shape, not Starlette's plain text.
+    Starlette logs the traceback and re-raises once this is sent."""
+    return HttpError(500, "server_error", f"the front door failed: {type(e).__name__}",
+                     code="internal_error").response()
+
+
 def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstream | None = None) -> Starlette:
     upstream = upstream or Upstream(config.gateways, config.upstream_timeout_s, max_clients=config.max_clients,
                                     server_public_key=config.gateway_public_key)
@@ -293,7 +300,7 @@ def create_app(config: HttpConfig, prompts: Prompts, model: str, upstream: Upstr
         door._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _route_error},
+                    exception_handlers={HTTPException: _route_error, Exception: _server_fault},
                     middleware=[Middleware(metrics.MetricsMiddleware, routes={r.path for r in routes})])
     app.state.front_door = door
     return app

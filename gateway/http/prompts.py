@@ -16,11 +16,15 @@ so the same text gives the same ids on either path.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.http import errors
+from gateway.http.errors import HttpError
 from gateway.http.schemas import Message
+
+log = logging.getLogger("gateway.http")
 
 PLAIN_ROLE_SEPARATOR = ": "
 PLAIN_ASSISTANT_TURN = "assistant:"
@@ -54,11 +58,16 @@ class Prompts:
             text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
                                                       tokenize=False, add_generation_prompt=True)
         except Exception as e:
-            if not _refused_by_template(e):
-                raise
-            # The template judged the conversation (Llama-2/Mistral templates refuse roles that do not alternate,
-            # or a role they lack): the client's input, which was a plain-text 500.
-            raise errors.invalid(f"the model's chat template refused these messages: {e}", "messages") from None
+            if _refused_by_template(e):
+                # The template judged the conversation (Llama-2/Mistral templates refuse roles that do not
+                # alternate, or a role they lack): the client's input, which was a plain-text 500.
+                raise errors.invalid(f"the model's chat template refused these messages: {e}", "messages") from None
+            # The template itself (its syntax, an include it lacks, a filter applied to the wrong type): every chat
+            # request fails alike until it is mended. A server fault, in OpenAI's shape (it was a plain-text 500 that
+            # no client could read), naming the template for the operator's sake.
+            log.error("the model's chat template cannot be used: %s", e)
+            raise HttpError(500, "server_error", f"the model's chat template cannot be used: {type(e).__name__}: {e}",
+                            code="chat_template_error") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
 
