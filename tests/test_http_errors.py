@@ -63,3 +63,27 @@ def test_a_chat_template_that_cannot_compile_is_a_json_server_error(cluster, bro
     r = httpx.post(broken_door + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=auth(cluster),
                    timeout=120)
     assert r.status_code == 200, r.text
+
+
+def test_a_body_over_the_limit_has_a_stable_code(cluster, broken_door):
+    """The 413's error object had "code": null, the one refusal a client could not tell apart by its code."""
+    import openai
+
+    before = snapshot(cluster)
+    client = openai.OpenAI(base_url=broken_door + "/v1", api_key=key(cluster, "api-co"), max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model="broken", prompt="x" * (2 * MAX_BODY), max_tokens=1)
+    assert raised.value.status_code == 413
+    assert raised.value.code == "request_too_large", raised.value.body
+    assert raised.value.body["type"] == "invalid_request_error" and str(MAX_BODY) in raised.value.body["message"]
+    # Streamed without a Content-Length (chunked): the same answer, read part by part.
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(4):
+            yield b"y" * MAX_BODY
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(broken_door + "/v1/completions", content=chunks(), headers=auth(cluster), timeout=120)
+    err = assert_error(r, 413, "invalid_request_error")
+    assert err["code"] == "request_too_large", err
+    assert_unchanged(before, snapshot(cluster))

@@ -121,17 +121,23 @@ class FrontDoor:
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.config.max_body_bytes:
-            raise HttpError(413, "invalid_request_error", f"body over {self.config.max_body_bytes} bytes")
+            raise self._too_large()
         chunks, size = [], 0
         try:
             async for part in request.stream():
                 size += len(part)
                 if size > self.config.max_body_bytes:
-                    raise HttpError(413, "invalid_request_error", f"body over {self.config.max_body_bytes} bytes")
+                    raise self._too_large()
                 chunks.append(part)
         except ClientDisconnect:
             raise ClientGone from None
         return b"".join(chunks)
+
+    def _too_large(self) -> HttpError:
+        # A code of its own (as Anthropic's request_too_large): it was null, the one refusal a client could not
+        # tell by its code.
+        return HttpError(413, "invalid_request_error", f"the request body is over {self.config.max_body_bytes} "
+                         "bytes (max_body_bytes)", code="request_too_large")
 
     async def _answer(self, request: Request, key: str, body, chat: bool, ids: list[int], job, idem: str | None,
                       prompt_param: str, release: Callable[[], None]) -> Response:
