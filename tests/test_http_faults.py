@@ -145,3 +145,35 @@ def test_a_stream_the_door_gives_up_on_is_cancelled_like_a_whole_request(cluster
         h = wait_for(lambda: (h := job_hash(cluster, job_id))["state"] in ("cancelled", "done") and h, 90,
                      "the job to end")
         assert h["state"] == "cancelled", h
+
+
+def test_a_million_ids_past_the_serving_limits_do_not_stop_the_door(cluster, tiny_model_dir, tmp_path):
+    # A prompt the serving workers leave no room for goes to a gateway (it knows the workers a redeploy brings back),
+    # through the SDK, whose check of each id (~0.7 s for the 1,048,576 a request may carry) ran on the door's event
+    # loop: every other request of the door stood still meanwhile.
+    from common import protocol as P
+
+    rng = random.Random(5)
+    body = json.dumps({"prompt": [rng.randrange(5, 300) for _ in range(P.MAX_LIST_LEN)], "max_tokens": 1}).encode()
+    with front_door(tiny_model_dir, endpoints(cluster), tmp_path / "door.log",
+                    env={"TS_HTTP_MAX_BODY_BYTES": str(len(body) + 1024)}) as base:
+        headers = {"Authorization": f"Bearer {key(cluster, 'api-co')}", "Content-Type": "application/json"}
+        assert httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=60,
+                          headers=headers).status_code == 200  # the tenant's client is made and its limits known
+        done: dict = {}
+
+        def huge() -> None:
+            done["response"] = httpx.post(base + "/v1/completions", content=body, timeout=300, headers=headers)
+
+        thread = threading.Thread(target=huge)
+        thread.start()
+        slowest = 0.0
+        while thread.is_alive():
+            start = time.monotonic()
+            assert httpx.get(base + "/v1/models", timeout=60).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.02)
+        thread.join()
+        r = done["response"]
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # refused as before
+        assert slowest < 0.5, f"the door answered nothing for {slowest:.2f}s"

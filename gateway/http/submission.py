@@ -5,7 +5,9 @@ door's HttpError (gateway/http/errors.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from common import protocol as P
 from common.errors import InvalidRequest, ServingError, Unauthorized
@@ -13,7 +15,12 @@ from gateway.http import errors, sizing
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.upstream import Upstream
-from gateway.sdk import AsyncJob
+from gateway.sdk import AsyncGatewayClient, AsyncJob
+
+# Prompt ids past which a submission leaves the event loop (_submit_in_thread): the SDK's check of 32768 ids takes
+# ~20 ms, a pause the door's other requests do not notice; a blocking client's own connection costs about as much.
+LOOP_SUBMIT_MAX_IDS = 2**15
+SUBMITTING_THREADS = 2
 
 
 def no_gateway() -> HttpError:
@@ -25,6 +32,7 @@ class Submitter:
     def __init__(self, config: HttpConfig, upstream: Upstream) -> None:
         self.config = config
         self.upstream = upstream
+        self._submitting = ThreadPoolExecutor(max_workers=SUBMITTING_THREADS, thread_name_prefix="submit")
 
     async def submit(self, key: str, body, ids: list[int], tier: str | None, idem: str | None,
                      prompt_param: str) -> tuple[AsyncJob, Callable[[], None]]:
@@ -65,7 +73,7 @@ class Submitter:
         """A prompt the workers serving now leave no room for: the gateway judges it, for it also knows the workers
         a redeploy is bringing back (draining, or drained lately: gateway/drained.py), and answers overloaded
         (a 503 with Retry-After) where one of them fits it; ``no_room`` where none does. Refused here at once past
-        the ids a request may carry: the SDK checks each id on the event loop (tests/test_http_faults.py)."""
+        the ids a request may carry, which no frame carries (tests/test_http_faults.py)."""
         if len(ids) > P.MAX_LIST_LEN:
             raise no_room
         cap = body.default_max_tokens(self.config.default_max_tokens)
@@ -86,13 +94,30 @@ class Submitter:
         the answer is sent. Held only once the job exists, so a key refused meanwhile is forgotten (submit).
         ``defaulted``: max_tokens is the door's, not the client's; a retry under the same Idempotency-Key may size
         another by the limits of then, and is the same request all the same (gateway/admission.fingerprint)."""
+        args = dict(prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                    top_k=body.top_k_or_none(), seed=body.seed, tier=tier, ignore_eos=body.ignore_eos,
+                    idempotency_key=idem, max_tokens_defaulted=defaulted)
         # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
         async with self.upstream.client(key) as up:
-            job = await up.client.submit(
-                prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
-                top_p=body.top_p, top_k=body.top_k_or_none(), seed=body.seed, tier=tier,
-                ignore_eos=body.ignore_eos, idempotency_key=idem, max_tokens_defaulted=defaulted)
+            if len(ids) <= LOOP_SUBMIT_MAX_IDS:
+                job = await up.client.submit(**args)
+            else:
+                job = await self._submit_in_thread(key, up.client, args)
             return job, self.upstream.hold(key)[1]
+
+    async def _submit_in_thread(self, key: str, client: AsyncGatewayClient, args: dict) -> AsyncJob:
+        """As ``client.submit(**args)``, through a blocking client of the same key on a thread of its own: the SDK
+        checks each prompt id before it sends (~0.7 s for the 1,048,576 a request may carry), and on the event
+        loop every other request of the door stood still meanwhile. The job then streams through ``client``."""
+        def submit():
+            with self.upstream.blocking_client(key) as blocking:
+                return blocking.submit(**args)
+
+        job = await asyncio.get_running_loop().run_in_executor(self._submitting, submit)
+        return AsyncJob(client, job.id, job.tier, job.estimated_wait_s, job.duplicate, job.downgraded)
+
+    def close(self) -> None:
+        self._submitting.shutdown(wait=False, cancel_futures=True)
 
     async def _default_max_tokens(self, key: str, body, ids: list[int], tier: str | None, prompt_param: str,
                                   max_age_s: float) -> int:

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 
 from common import protocol as P
 from common.errors import Unauthorized
-from gateway.sdk import AsyncGatewayClient
+from gateway.sdk import AsyncGatewayClient, GatewayClient
 
 
 class _Entry:
@@ -46,6 +46,12 @@ class Upstream:
         # Every gateway: the SDK fails over between them.
         return AsyncGatewayClient(self.endpoints, api_key, timeout_s=self.timeout_s,
                                   server_public_key=self.server_public_key)
+
+    def blocking_client(self, api_key: str) -> GatewayClient:
+        """A blocking client of ``api_key`` with the async ones' settings, for a call made off the event loop
+        (gateway/http/submission.py); the caller closes it."""
+        return GatewayClient(self.endpoints, api_key, timeout_s=self.timeout_s,
+                             server_public_key=self.server_public_key)
 
     @asynccontextmanager
     async def client(self, api_key: str) -> AsyncIterator[_Entry]:
