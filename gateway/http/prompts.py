@@ -4,11 +4,13 @@ The front door tokenizes (the gateway then only checks the ids), because it must
 prompt's tokens for ``usage`` and render chat messages, and both need the tokenizer the model
 was trained with. Chat messages use the tokenizer's chat template when it has one. When it
 has none, the documented plain format below is used (one line per message, then the
-assistant's turn), tokenized as plain text:
+assistant's turn, a message's ``name`` in brackets after its role), tokenized as plain text:
 
     system: You are terse.
-    user: Hello!
+    user (ann): Hello!
     assistant:
+
+A message of text parts is their texts joined by newlines, as vLLM joins them.
 
 Text is encoded exactly as the gateway encodes a text prompt (``tokenizer(text).input_ids``),
 so the same text gives the same ids on either path.
@@ -31,8 +33,14 @@ PLAIN_ASSISTANT_TURN = "assistant:"
 
 
 def plain_chat_text(messages: Sequence[Message]) -> str:
-    lines = [f"{m.role}{PLAIN_ROLE_SEPARATOR}{m.text()}" for m in messages]
+    lines = [f"{m.role}{f' ({m.name})' if m.name else ''}{PLAIN_ROLE_SEPARATOR}{m.text()}" for m in messages]
     return "\n".join(lines + [PLAIN_ASSISTANT_TURN])
+
+
+def template_message(m: Message) -> dict[str, str]:
+    """A message as a chat template reads it: its ``name`` too where it has one, as vLLM passes it (templates that
+    name participants show it; the others ignore it)."""
+    return {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
 
 
 class Prompts:
@@ -55,7 +63,7 @@ class Prompts:
         # Rendered to text first: the template already holds the special tokens (BOS, role markers), so the
         # text is encoded without adding them again.
         try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+            text = self.tokenizer.apply_chat_template([template_message(m) for m in messages],
                                                       tokenize=False, add_generation_prompt=True)
         except Exception as e:
             if _refused_by_template(e):

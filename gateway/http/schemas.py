@@ -140,7 +140,7 @@ class Message(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM joins a message's text parts
 
 
 class _Sampling(_Body):
