@@ -70,6 +70,10 @@ class WorkerLoad:
     # Told to stop (worker/drain.py): no job is sent here, and its slots are no capacity for queued work in wait
     # estimates (it hands back what it has not started); False from older workers.
     draining: bool = False
+    # The worker's clock (monotonic, its own base) as it sent this frame: from the reports' latest, the gateway
+    # learns that clock's offset from its own, to place a frame's send without the time it sat unread in the
+    # gateway's socket (gateway/waits.py, WorkerClocks). None from older workers.
+    sent_at_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class JobTokens:
     # worker's clock. The gateway puts the start at this long before the frame reached it: that counts the time
     # the dispatch sat unread while a step ran, which prefill_start_s (from when the worker read it) cannot.
     prefill_start_age_s: float | None = None
+    sent_at_s: float | None = None  # as in WorkerLoad: the age counts from this send, not from the frame's reading
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ class JobFinished:
     token_ids: list[int] | None = None
     prefill_start_s: float | None = None  # as in JobTokens: the end of the job's wait, on this worker's clock
     prefill_start_age_s: float | None = None  # as in JobTokens
+    sent_at_s: float | None = None  # as in JobTokens
 
 
 @dataclass(frozen=True)

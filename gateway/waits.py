@@ -9,6 +9,44 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 MAX_KNOWN_JOBS = 200_000  # jobs remembered (oldest dropped first): another gateway's never finish here
+# A worker's clock offset is the least lag of its frames over the last one or two windows: long enough to hold
+# frames read at once (a gateway busy for a whole window keeps the last one's), short enough that a drift of
+# 500 ppm moves it a few ms.
+OFFSET_WINDOW_S = 30.0
+BACKWARDS_S = 1.0  # a worker clock this far behind its latest frame is another process's (a host moved)
+
+
+class WorkerClocks:
+    """Where a worker's frame was sent, on this gateway's clock: its send time on the worker's clock
+    (``sent_at_s``) plus that clock's offset from ours, learnt as the least (reading - sending) of its frames,
+    which is the offset plus the quickest delivery. A frame read late (the gateway's loop was busy, or stood
+    still) is then placed when it was sent, not when it was read; never later than its reading."""
+
+    def __init__(self) -> None:
+        # worker -> [window start (ours), least lag this window, least lag the window before, latest sent_at_s]
+        self._known: dict[str, list[float]] = {}
+
+    def heard(self, worker: str, sent_at_s: float | None, now: float) -> None:
+        if sent_at_s is None or not math.isfinite(sent_at_s):
+            return
+        lag = now - sent_at_s
+        k = self._known.get(worker)
+        if k is None or sent_at_s < k[3] - BACKWARDS_S:
+            self._known[worker] = [now, lag, math.inf, sent_at_s]
+            return
+        if now - k[0] >= OFFSET_WINDOW_S:
+            k[:3] = [now, math.inf, k[1]]
+        k[1] = min(k[1], lag)
+        k[3] = max(k[3], sent_at_s)
+
+    def sent(self, worker: str, sent_at_s: float | None, now: float) -> float:
+        """The frame's send on this gateway's clock (``now``, its reading, if the worker's clock is not known)."""
+        self.heard(worker, sent_at_s, now)
+        k = self._known.get(worker)
+        if sent_at_s is None or k is None or not math.isfinite(sent_at_s):
+            return now
+        return min(now, sent_at_s + min(k[1], k[2]))
+
 
 
 class HandOff(NamedTuple):
@@ -41,6 +79,7 @@ class Waits:
         self._admitted: dict[str, float] = {}
         self._offset_ms: dict[str, float] = {}
         self._unrecorded: dict[str, int] = {}  # job id -> its first start (Redis ms), not yet in its hash
+        self.worker_clocks = WorkerClocks()
 
     def dispatched(self, job_id: str, now: float, busy: bool = True, attempt: int = 1, *,
                    sent_ms: int | None = None, enqueued_ms: int | None = None, first_ms: int | None = None,

@@ -61,6 +61,7 @@ class WorkerLink:
             return
         if ident != msg.worker_id.encode() or not self.workers.load(msg, now):
             return
+        self.waits.worker_clocks.heard(msg.worker_id, msg.sent_at_s, now)
         if self.worker_keys is not None:
             self.worker_keys.refresh(msg.worker_id, self.frame_key)
         self._track_drain(msg.worker_id)
@@ -142,7 +143,9 @@ class WorkerLink:
     def _prefill_started(self, worker: str, msg: P.JobTokens | P.JobFinished) -> None:
         """The end of the job's wait, if this is the first start a worker reports; the hand-off of the attempt this
         gateway sent teaches the estimate."""
-        handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, self.clock(),
+        # From the frame's send, not its reading: a frame that sat in this gateway's socket is no wait.
+        sent = self.waits.worker_clocks.sent(worker, msg.sent_at_s, self.clock())
+        handoff = self.waits.prefill_started(msg.job_id, msg.prefill_start_s, msg.prefill_start_age_s, sent,
                                              msg.attempt)
         if handoff is not None:
             self.estimator.handed_off(worker, handoff.seconds, handoff.busy)
