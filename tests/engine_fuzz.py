@@ -236,12 +236,16 @@ def _check_inversion(engine: Engine, waited: dict[str, int]) -> None:
             del waited[w]
     left = s.config.max_num_batched_tokens - engine.last_batched_tokens
     for w in s.waiting[:1]:  # strict policy order: whoever is behind the head waits for it
-        if left < (w.num_uncomputed_tokens if not s.config.enable_chunked_prefill else 1):
-            waited.pop(w.request_id, None)  # running work took the token budget: not a slot or blocks
-            continue
         victims = [v for v in s.running
                    if pc.may_preempt(w.tier, v.tier) and s.preemption.guard(v, s.step_index) is None]
         if not victims:
+            waited.pop(w.request_id, None)
+            continue
+        # Running work took the token budget: a chunk needs one token of it; an unchunked remainder needs all its
+        # tokens, and the victims' own tokens count (they give them up when they give way).
+        unchunked = not s.config.enable_chunked_prefill
+        if (left + sum(v.num_uncomputed_tokens for v in victims) < w.num_uncomputed_tokens if unchunked
+                else left < 1):
             waited.pop(w.request_id, None)
             continue
         # Only the slot matters when the victims' blocks and the free ones would hold it.

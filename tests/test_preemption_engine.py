@@ -727,3 +727,27 @@ def test_abort_right_after_a_manual_suspend_leaves_no_span_open(tiny_model_dir):
     del run.tokens["a"]  # aborted: it never finishes
     run.finish()  # drains, then asserts no span is left open
     assert not exporter.open_spans
+
+
+def test_unchunked_p1_preempts_p3_decodes_for_the_token_budget_and_tokens_stay_identical(tiny_model_dir,
+                                                                                        hf_reference):
+    """Chunked prefill off: a P1 prompt that fits whole only in the budget the running P3 decodes leave waited
+    until P3s finished (about 28 steps here). It now preempts just enough P3s (keep) and starts in the next step;
+    every request's tokens are still transformers' greedy ones and every block comes back."""
+    config = EngineConfig(max_num_seqs=8, num_kv_blocks=256, max_num_batched_tokens=48, max_model_len=48,
+                          enable_chunked_prefill=False)
+    run = Run(Engine.from_pretrained(tiny_model_dir, config))
+    ps = prompts(6, seed=91, lo=2, hi=6)
+    p3_params = SamplingParams(max_tokens=30)
+    for i in range(6):
+        run.add(f"p3-{i}", ps[i], p3_params, "P3")
+    run.step()
+    p1_prompt = prompts(1, seed=92, lo=44, hi=45)[0]  # 48 - 44: room for four of the six decodes
+    run.add("p1", p1_prompt, SamplingParams(max_tokens=3, ignore_eos=True), "P1")
+    assert "p1" in run.step()
+    assert run.engine.stats().preemptions == Counter({(Tier.P3, PreemptMode.KEEP): 2})
+    run.finish()
+    assert run.tokens["p1"] == hf_greedy(hf_reference, p1_prompt, 3)
+    for i in range(6):
+        assert run.tokens[f"p3-{i}"] == hf_greedy(hf_reference, ps[i], 30), f"p3-{i}"
+

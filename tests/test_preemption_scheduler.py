@@ -265,3 +265,51 @@ def test_a_waiting_urgent_request_starts_in_the_next_step_beside_long_lower_tier
             break
         step(s)
     assert all(r.status is RequestStatus.FINISHED for r in long + [urgent])
+
+
+def _unchunked(num_seqs: int, budget: int, **pc) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=budget, max_model_len=budget,
+                                     enable_chunked_prefill=False),
+                     BlockManager(256, 4), PriorityPolicy(), PreemptionConfig(bytes_per_block=1, **pc))
+
+
+def test_unchunked_p1_preempts_just_enough_p3_decodes_to_fit_its_prompt_in_the_budget():
+    """Without chunked prefill a P1 prompt must fit whole in what the running decodes leave of the step's budget.
+    It waited for the P3s to finish (9 steps here), although it may preempt them: it now takes the budget of as
+    few P3s as it needs (keep: their KV stays), and starts in the step it is first looked at."""
+    s = _unchunked(num_seqs=8, budget=16)
+    p3 = [req(f"p3-{i}", Tier.P3, prompt=1, max_tokens=10) for i in range(6)]
+    for r in p3:
+        s.add(r)
+    step(s)
+    p1 = req("p1", Tier.P1, prompt=13, max_tokens=2)
+    s.add(p1)
+    out = step(s)
+    assert p1 in [c.request for c in out.chunks]
+    assert out.num_batched_tokens <= 16
+    taken = [d for d in out.decisions if not d.declined]
+    assert len(taken) == 3 and {d.mode for d in taken} == {PreemptMode.KEEP}  # 16 - 13 leaves room for 3 decodes
+    assert {d.trigger for d in taken} == {Trigger.BUDGET} and {d.victim_tier for d in taken} == {Tier.P3}
+    assert all(s.blocks.has_blocks(d.victim_id) for d in taken)
+    for _ in range(60):
+        if not s.has_unfinished():
+            break
+        step(s)
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in p3 + [p1])
+    assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_unchunked_budget_preemption_respects_the_guards_and_takes_nothing_in_vain():
+    """Victims the guards protect are not counted; when the others cannot free enough of the budget, nobody gives
+    way (a preemption that does not let the P1 start would only slow the P3s) and one declined decision says why."""
+    s = _unchunked(num_seqs=8, budget=16, guard_remaining_tokens=4)
+    near_done = [req(f"near-{i}", Tier.P3, prompt=1, max_tokens=5) for i in range(4)]
+    far = [req(f"far-{i}", Tier.P3, prompt=1, max_tokens=30) for i in range(2)]
+    for r in near_done + far:
+        s.add(r)
+    step(s)
+    s.add(req("p1", Tier.P1, prompt=13, max_tokens=2))  # needs 3 of the 6 decodes gone; only 2 may go
+    out = step(s)
+    assert [c.request.request_id for c in out.chunks if c.request.request_id == "p1"] == []
+    assert [d.declined_reason for d in out.decisions] == [DeclineReason.INSUFFICIENT]
+    assert not out.preempted

@@ -119,6 +119,7 @@ class GivingWay:
         slots = self.config.max_num_seqs - len(self.running)
         low_slots = self._low_slots_free()  # the P0 slot reserve is not theirs
         spare = 0  # blocks already promised to earlier waiting requests in this pass
+        tokens_left = self.config.max_num_batched_tokens - sum(r.num_uncomputed_tokens for r in self.running)
         for w in list(self.waiting):
             if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:
                 continue
@@ -126,28 +127,31 @@ class GivingWay:
                                     starting=True)
             usable = self._usable_free(w) - spare
             urgent = w.tier is Tier.P0
+            short = self._budget_short(w, tokens_left)
 
             def free_slots() -> int:
                 return slots if urgent else min(slots, low_slots)
 
-            if free_slots() >= 1 and missing <= usable:
+            if free_slots() >= 1 and missing <= usable and short <= 0:
                 slots -= 1
                 low_slots -= not urgent
                 spare += missing
+                tokens_left -= w.num_uncomputed_tokens
                 continue
             if not any(self.preemption.config.may_preempt(w.tier, r.tier) for r in self.running):
                 if any(r.tier.rank > w.tier.rank for r in self.running):
-                    self._decide(w, Trigger.SLOT if free_slots() < 1 else Trigger.KV_MEMORY, None, None,
-                                 DeclineReason.NO_LOWER_TIER)
+                    self._decide(w, Trigger.SLOT if free_slots() < 1 else Trigger.KV_MEMORY if missing > usable
+                                 else Trigger.BUDGET, None, None, DeclineReason.NO_LOWER_TIER)
                 return
-            trigger = (Trigger.SLOT if free_slots() < 1 else
+            trigger = (Trigger.SLOT if free_slots() < 1 else Trigger.BUDGET if missing <= usable else
                        Trigger.RESERVE if missing <= self.blocks.num_free - spare else Trigger.KV_MEMORY)
             victims, why = self.preemption.candidates(w, self.running, self.step_index)
             lacking = max(0, missing - usable)
             donors = [d for d in self._keep_donors(w) if self.preemption.config.may_preempt(w.tier, d.tier)
                       ] if lacking else []
             can_free = sum(len(self.blocks.block_table(r.request_id)) for r in donors + victims)
-            if not victims and free_slots() < 1 or lacking > can_free:
+            if (not victims and free_slots() < 1 or lacking > can_free
+                    or short > sum(v.num_uncomputed_tokens for v in victims)):
                 self._decide(w, trigger, None, None, why or DeclineReason.INSUFFICIENT)
                 return
             for d in donors:
@@ -155,14 +159,25 @@ class GivingWay:
                     break
                 lacking -= self._preempt(d, w, trigger, blocks_needed=True)
             for v in victims:
-                if free_slots() >= 1 and lacking <= 0:
+                if free_slots() >= 1 and lacking <= 0 and short <= 0:
                     break
                 slots += 1
                 low_slots += v.tier is not Tier.P0
+                short -= v.num_uncomputed_tokens
+                tokens_left += v.num_uncomputed_tokens
                 lacking -= self._preempt(v, w, trigger, blocks_needed=lacking > 0)
             slots -= 1
             low_slots -= not urgent
             spare += missing
+            tokens_left -= w.num_uncomputed_tokens
+
+    def _budget_short(self, w: Request, tokens_left: int) -> int:
+        """Tokens ``w`` lacks in this step's budget after the running work (> 0: it cannot start). Only without
+        chunked prefill, where a remainder runs whole or not at all (a chunk takes what is left); and not for a P0
+        that an isolated prefill step (_isolate_p0_prefill) gives the whole budget without preempting anyone."""
+        if self.config.enable_chunked_prefill or w.tier is Tier.P0 and self.config.isolate_p0_prefill:
+            return 0
+        return w.num_uncomputed_tokens - tokens_left
 
     def _keep_donors(self, beneficiary: Request) -> list[Request]:
         """Suspended requests still holding blocks, which ``beneficiary`` outranks: cheapest to take from."""

@@ -31,6 +31,7 @@ class Trigger(str, enum.Enum):
     SLOT = "slot"  # a higher tier needs a batch slot
     KV_MEMORY = "kv_memory"  # a higher tier (or a running request's growth) needs KV blocks
     RESERVE = "reserve"  # blocks exist but the P0 reserve or the low-tier cap holds them back
+    BUDGET = "token_budget"  # without chunked prefill, a higher tier's whole prompt needs the step's tokens
     MANUAL = "manual"  # engine.suspend() by an operator or a test
 
 
