@@ -751,3 +751,33 @@ def test_unchunked_p1_preempts_p3_decodes_for_the_token_budget_and_tokens_stay_i
     for i in range(6):
         assert run.tokens[f"p3-{i}"] == hf_greedy(hf_reference, ps[i], 30), f"p3-{i}"
 
+
+def test_a_request_that_gives_its_slot_and_its_blocks_to_two_others_names_both_in_its_suspended_span(tiny_model_dir):
+    """In one step the P3 gives its slot to a P0 (keep) and then its blocks to a running P2 that must grow (the
+    P0 reserve holds the free blocks back from it). Its worker.suspended span named only the P2: the "why was I
+    slow" story lost the P0. The span now lists every decision and beneficiary, and links to each decision."""
+    config = EngineConfig(max_num_seqs=2, num_kv_blocks=6, block_size=4, p0_reserve_blocks=2, swap_space_mb=0,
+                          isolate_p0_prefill=False)
+    engine = Engine.from_pretrained(tiny_model_dir, config)
+    exporter = traced(engine)
+    run = Run(engine)
+    ps = prompts(3, seed=93, lo=8, hi=9)
+    run.add("x", ps[0], SamplingParams(max_tokens=6, ignore_eos=True), "P2")
+    run.add("v", ps[1], SamplingParams(max_tokens=6, ignore_eos=True), "P3")
+    run.step()  # both prompts fill their two blocks; the free two are the P0 reserve
+    run.add("a", ps[2][:4], SamplingParams(max_tokens=4, ignore_eos=True), "P0")
+    run.step()
+    decisions = {s.attributes["preemption.beneficiary.request_id"]: s for s in spans_named(
+        exporter, "scheduler.preemption") if s.attributes["preemption.victim.request_id"] == "v"}
+    assert set(decisions) == {"a", "x"}
+    assert decisions["a"].attributes["preemption.mode"] == "keep"
+    assert decisions["x"].attributes["preemption.mode"] == "recompute"
+    run.finish()
+    (susp,) = [s for s in spans_named(exporter, "worker.suspended") if s.attributes["request.id"] == "v"]
+    sa = susp.attributes
+    ids = [decisions[b].attributes["preemption.decision_id"] for b in ("a", "x")]
+    assert list(sa["suspend.decision_ids"]) == ids and list(sa["suspend.by_request_ids"]) == ["a", "x"]
+    # The single-valued attributes (what explain reads) name the decision that set the mode it was in.
+    assert sa["suspend.decision_id"] == ids[1] and sa["suspend.by_request_id"] == "x"
+    assert sa["suspend.mode"] == "recompute" and sa["suspend.trigger"] == "kv_memory"
+    assert {lk.context.span_id for lk in susp.links} == {s.context.span_id for s in decisions.values()}

@@ -134,12 +134,17 @@ class EngineTracer:
             if queued is not None:
                 queued.end(end_time=self._step_start_ns)
         decision_spans = {d.decision_id: self._decision_span(d) for d in out.decisions}
-        by_victim = {d.victim_id: d for d in out.decisions if d.victim_id and not d.declined}
+        # A request can give way twice in one step (its slot to one request, then its blocks to another):
+        # its suspended span names every decision, not just the last.
+        by_victim: dict[str, list[PreemptionDecision]] = {}
+        for d in out.decisions:
+            if d.victim_id and not d.declined:
+                by_victim.setdefault(d.victim_id, []).append(d)
         for req in out.preempted:
             if req.request_id not in live:
                 continue  # suspended by hand, then aborted before this step: its request span is closed
-            d = by_victim.get(req.request_id)
-            self._start_suspended(req, d, decision_spans.get(d.decision_id) if d else None)
+            ds = by_victim.get(req.request_id, [])
+            self._start_suspended(req, ds, [decision_spans[d.decision_id] for d in ds])
         for chunk in out.chunks:
             if chunk.request.request_id in self._suspended:
                 self._end_suspended(chunk.request.request_id)
@@ -162,17 +167,22 @@ class EngineTracer:
             victim.add_link(span.get_span_context(), {"link.role": "preempted_by"})
         return span
 
-    def _start_suspended(self, req: Request, d: PreemptionDecision | None, decision: Span | None) -> None:
+    def _start_suspended(self, req: Request, ds: list[PreemptionDecision], decisions: list[Span]) -> None:
         parent = self._requests.get(req.request_id)
         ctx = trace.set_span_in_context(parent) if parent is not None else None
         attrs = request_attributes(req)
         attrs["suspend.mode"] = req.preempt_mode or ""
-        if d is not None:
+        if ds:
+            # The single-valued attributes (what explain reads) name the last decision: the one that set the mode
+            # it waits in. The lists name them all, in order.
+            d = ds[-1]
             attrs.update({"suspend.decision_id": d.decision_id, "suspend.by_request_id": d.beneficiary_id,
-                          "suspend.by_tier": d.beneficiary_tier.value, "suspend.trigger": d.trigger.value})
+                          "suspend.by_tier": d.beneficiary_tier.value, "suspend.trigger": d.trigger.value,
+                          "suspend.decision_ids": [x.decision_id for x in ds],
+                          "suspend.by_request_ids": [x.beneficiary_id for x in ds]})
             if d.beneficiary_tenant:
                 attrs["suspend.by_tenant"] = d.beneficiary_tenant
-        links = [Link(decision.get_span_context())] if decision is not None else []
+        links = [Link(span.get_span_context()) for span in decisions]
         self._suspended[req.request_id] = self.tracer.start_span("worker.suspended", context=ctx, links=links,
                                                                  attributes=attrs)
 
