@@ -781,3 +781,34 @@ def test_a_request_that_gives_its_slot_and_its_blocks_to_two_others_names_both_i
     assert sa["suspend.decision_id"] == ids[1] and sa["suspend.by_request_id"] == "x"
     assert sa["suspend.mode"] == "recompute" and sa["suspend.trigger"] == "kv_memory"
     assert {lk.context.span_id for lk in susp.links} == {s.context.span_id for s in decisions.values()}
+
+
+def test_a_keep_suspended_request_whose_blocks_go_later_says_so_in_its_suspended_span(tiny_model_dir):
+    """The P3 gives its slot to a P0 (keep). The P2 beside it cannot grow past the P0 reserve and gives way itself;
+    when the P0 is done, the P2 resumes on the P3's blocks (recompute), steps after the P3's suspended span opened.
+    That span still said "keep, by the P0" when it ended: the recompute and its cause were missing. The open span
+    takes up the later decision too."""
+    config = EngineConfig(max_num_seqs=2, num_kv_blocks=6, block_size=4, p0_reserve_blocks=2, swap_space_mb=0,
+                          isolate_p0_prefill=False)
+    engine = Engine.from_pretrained(tiny_model_dir, config)
+    exporter = traced(engine)
+    run = Run(engine)
+    ps = prompts(3, seed=93, lo=8, hi=9)
+    run.add("x", ps[0][:7], SamplingParams(max_tokens=6, ignore_eos=True), "P2")
+    run.add("v", ps[1], SamplingParams(max_tokens=6, ignore_eos=True), "P3")
+    run.step()
+    run.add("a", ps[2][:4], SamplingParams(max_tokens=4, ignore_eos=True), "P0")
+    run.step()
+    assert engine.get_request("v").preempt_mode == "keep"
+    run.finish()
+    decisions = {s.attributes["preemption.beneficiary.request_id"]: s for s in spans_named(
+        exporter, "scheduler.preemption") if s.attributes["preemption.victim.request_id"] == "v"}
+    assert set(decisions) == {"a", "x"} and decisions["x"].attributes["preemption.mode"] == "recompute"
+    assert decisions["x"].attributes["scheduler.step"] > decisions["a"].attributes["scheduler.step"]
+    (susp,) = [s for s in spans_named(exporter, "worker.suspended") if s.attributes["request.id"] == "v"]
+    sa = susp.attributes
+    ids = [decisions[b].attributes["preemption.decision_id"] for b in ("a", "x")]
+    assert list(sa["suspend.decision_ids"]) == ids and list(sa["suspend.by_request_ids"]) == ["a", "x"]
+    assert sa["suspend.decision_id"] == ids[1] and sa["suspend.by_request_id"] == "x"
+    assert sa["suspend.mode"] == "recompute" and sa["suspend.trigger"] == "kv_memory"
+    assert {lk.context.span_id for lk in susp.links} == {s.context.span_id for s in decisions.values()}

@@ -68,6 +68,7 @@ class EngineTracer:
         self.tracer = tracer or trace.get_tracer(TRACER_NAME)
         self._requests: dict[str, Span] = {}
         self._suspended: dict[str, Span] = {}
+        self._suspend_decisions: dict[str, list[PreemptionDecision]] = {}  # per open suspended span, in order
         self._queued: dict[str, Span] = {}  # added, not yet scheduled
         self._decoding: dict[str, Span] = {}  # from the first token to the end
         self._step_start_ns = 0
@@ -143,8 +144,11 @@ class EngineTracer:
         for req in out.preempted:
             if req.request_id not in live:
                 continue  # suspended by hand, then aborted before this step: its request span is closed
-            ds = by_victim.get(req.request_id, [])
+            ds = by_victim.pop(req.request_id, [])
             self._start_suspended(req, ds, [decision_spans[d.decision_id] for d in ds])
+        for rid, ds in by_victim.items():  # already suspended (keep), now giving up its blocks too
+            if rid in self._suspended and rid in live:
+                self._more_decisions(live[rid], ds, [decision_spans[d.decision_id] for d in ds])
         for chunk in out.chunks:
             if chunk.request.request_id in self._suspended:
                 self._end_suspended(chunk.request.request_id)
@@ -170,23 +174,39 @@ class EngineTracer:
     def _start_suspended(self, req: Request, ds: list[PreemptionDecision], decisions: list[Span]) -> None:
         parent = self._requests.get(req.request_id)
         ctx = trace.set_span_in_context(parent) if parent is not None else None
-        attrs = request_attributes(req)
-        attrs["suspend.mode"] = req.preempt_mode or ""
-        if ds:
-            # The single-valued attributes (what explain reads) name the last decision: the one that set the mode
-            # it waits in. The lists name them all, in order.
-            d = ds[-1]
-            attrs.update({"suspend.decision_id": d.decision_id, "suspend.by_request_id": d.beneficiary_id,
-                          "suspend.by_tier": d.beneficiary_tier.value, "suspend.trigger": d.trigger.value,
-                          "suspend.decision_ids": [x.decision_id for x in ds],
-                          "suspend.by_request_ids": [x.beneficiary_id for x in ds]})
-            if d.beneficiary_tenant:
-                attrs["suspend.by_tenant"] = d.beneficiary_tenant
+        attrs = request_attributes(req) | _suspend_attributes(req, ds)
         links = [Link(span.get_span_context()) for span in decisions]
         self._suspended[req.request_id] = self.tracer.start_span("worker.suspended", context=ctx, links=links,
                                                                  attributes=attrs)
+        self._suspend_decisions[req.request_id] = list(ds)
+
+    def _more_decisions(self, req: Request, ds: list[PreemptionDecision], decisions: list[Span]) -> None:
+        span = self._suspended[req.request_id]
+        every = self._suspend_decisions.setdefault(req.request_id, [])
+        every.extend(ds)
+        span.set_attributes(_suspend_attributes(req, every))
+        if hasattr(span, "add_link"):
+            for d in decisions:
+                span.add_link(d.get_span_context())
 
     def _end_suspended(self, request_id: str) -> None:
+        self._suspend_decisions.pop(request_id, None)
         span = self._suspended.pop(request_id, None)
         if span is not None:
             span.end()
+
+
+def _suspend_attributes(req: Request, ds: list[PreemptionDecision]) -> dict[str, str | list[str]]:
+    """A suspended span's cause. A request can give way more than once while suspended (its slot to one request,
+    then its blocks to another, in that step or a later one): the single-valued attributes (what explain reads)
+    name the last decision, the one that set the mode it waits in; the lists name every one, in order."""
+    attrs: dict[str, str | list[str]] = {"suspend.mode": req.preempt_mode or ""}
+    if ds:
+        d = ds[-1]
+        attrs.update({"suspend.decision_id": d.decision_id, "suspend.by_request_id": d.beneficiary_id,
+                      "suspend.by_tier": d.beneficiary_tier.value, "suspend.trigger": d.trigger.value,
+                      "suspend.decision_ids": [x.decision_id for x in ds],
+                      "suspend.by_request_ids": [x.beneficiary_id for x in ds]})
+        if d.beneficiary_tenant:
+            attrs["suspend.by_tenant"] = d.beneficiary_tenant
+    return attrs
