@@ -31,6 +31,7 @@ from common.tiers import Tier
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
 from worker.giving_way import GivingWay
+from worker.kv_accounting import KvAccounting
 from worker.policy import FifoPolicy, SchedulingPolicy
 from worker.preemption import (DeclineReason, PreemptionConfig, PreemptionDecision, PreemptionPolicy,
                                PreemptMode, Trigger)
@@ -39,7 +40,7 @@ from worker.request import FinishReason, Request, RequestOutput, RequestStatus
 from worker.scheduler_types import BlockCopy, ScheduledChunk, SchedulerOutput, SchedulerStats  # noqa: F401
 
 
-class Scheduler(GivingWay):
+class Scheduler(GivingWay, KvAccounting):
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, policy: SchedulingPolicy | None = None,
                  preemption: PreemptionConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         config.validate()
@@ -238,70 +239,6 @@ class Scheduler(GivingWay):
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledChunk:
         return ScheduledChunk(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens)
-
-    # -- KV accounting with the priority-inversion guards ---------------------
-
-    def _target_tokens(self, req: Request, n: int) -> int:
-        target = req.num_computed_tokens + n
-        if not self.preemption.config.preemptible(req.tier):
-            # Never preempted, so it must never need a block later: reserve the whole footprint now.
-            target = max(target, min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len))
-        return target
-
-    def _usable_free(self, req: Request) -> int:
-        """Free blocks ``req`` may take: less the P0 reserve, and within the low-tier share."""
-        pc = self.preemption.config
-        free = self.blocks.num_free
-        if req.tier is not Tier.P0:
-            free -= pc.p0_reserve_blocks
-        if req.tier in (Tier.P2, Tier.P3) and pc.low_tier_kv_share < 1.0:
-            cap = int(pc.low_tier_kv_share * self.blocks.num_blocks)
-            free = min(free, cap - self._blocks_held(lambda r: r.tier in (Tier.P2, Tier.P3)))
-        return free
-
-    def _blocks_held(self, which: Callable[[Request], bool]) -> int:
-        held = [r for r in self.running if which(r)]
-        held += [r for r in self.waiting if r.preempt_mode == PreemptMode.KEEP.value and which(r)]
-        return sum(len(self.blocks.block_table(r.request_id)) for r in held)
-
-    def _missing(self, req: Request, n: int, starting: bool = False) -> int:
-        """Blocks ``req`` lacks for its next ``n`` tokens; ``starting``: to (re)start now (see _resume_tokens)."""
-        target = self._target_tokens(req, n)
-        if starting:
-            target = max(target, self._resume_tokens(req))
-        return self.blocks.num_missing(req.request_id, target)
-
-    def _resume_tokens(self, req: Request) -> int:
-        """Tokens a recomputed request must have room for before it resumes: its whole re-prefill and its
-        residency's worth of decoding. Resuming on less would re-prefill part of it and give way again, the
-        churn that wastes more than the urgent work it makes room for."""
-        if req.preempt_mode != PreemptMode.RECOMPUTE.value:
-            return 0
-        decode = min(self.preemption.residency_tokens(req), req.params.max_tokens - len(req.output_token_ids))
-        return min(req.num_tokens + decode, self.config.max_model_len)
-
-    def _can_start(self, req: Request, n: int) -> bool:
-        return self._missing(req, n, starting=True) <= self._usable_free(req)
-
-    def _allocate(self, req: Request, n: int) -> bool:
-        """Grow ``req``'s table for its next ``n`` tokens (restoring swapped blocks first)."""
-        if self._missing(req, n) > self._usable_free(req):
-            return False
-        swapped = req.preempt_mode == PreemptMode.SWAP.value
-        alloc = self.blocks.allocate(req.request_id, self._target_tokens(req, n))
-        assert alloc is not None
-        if swapped:
-            host_ids = tuple(self.host_blocks.block_table(req.request_id))
-            dev_ids = alloc.block_table[:len(host_ids)]
-            self._copies.append(BlockCopy(False, dev_ids, host_ids))
-            self.stats.bytes_swapped += len(host_ids) * self.preemption.config.bytes_per_block
-            self.host_blocks.free(req.request_id)
-            req.preempt_mode = None  # the blocks are home again; resuming is now like keep
-        return True
-
-    def _host_fits(self, req: Request) -> bool:
-        need = self.blocks.blocks_for(req.num_computed_tokens)
-        return self.host_blocks is not None and 0 < need <= self.host_blocks.num_free
 
     # -- after the forward step ----------------------------------------------
 
