@@ -797,7 +797,7 @@ def test_a_keep_suspended_request_whose_blocks_go_later_says_so_in_its_suspended
     run.add("x", ps[0][:7], SamplingParams(max_tokens=6, ignore_eos=True), "P2")
     run.add("v", ps[1], SamplingParams(max_tokens=6, ignore_eos=True), "P3")
     run.step()
-    run.add("a", ps[2][:4], SamplingParams(max_tokens=4, ignore_eos=True), "P0")
+    run.add("a", ps[2][:4], SamplingParams(max_tokens=4, ignore_eos=True), "P0", tenant="chat")
     run.step()
     assert engine.get_request("v").preempt_mode == "keep"
     run.finish()
@@ -811,4 +811,5 @@ def test_a_keep_suspended_request_whose_blocks_go_later_says_so_in_its_suspended
     assert list(sa["suspend.decision_ids"]) == ids and list(sa["suspend.by_request_ids"]) == ["a", "x"]
     assert sa["suspend.decision_id"] == ids[1] and sa["suspend.by_request_id"] == "x"
     assert sa["suspend.mode"] == "recompute" and sa["suspend.trigger"] == "kv_memory"
+    assert sa.get("suspend.by_tenant", "") == ""  # x has none; "chat" was a's
     assert {lk.context.span_id for lk in susp.links} == {s.context.span_id for s in decisions.values()}

@@ -184,7 +184,9 @@ class EngineTracer:
         span = self._suspended[req.request_id]
         every = self._suspend_decisions.setdefault(req.request_id, [])
         every.extend(ds)
-        span.set_attributes(_suspend_attributes(req, every))
+        attrs = _suspend_attributes(req, every)
+        attrs.setdefault("suspend.by_tenant", "")  # not the tenant of an earlier decision's beneficiary
+        span.set_attributes(attrs)
         if hasattr(span, "add_link"):
             for d in decisions:
                 span.add_link(d.get_span_context())
