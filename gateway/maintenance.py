@@ -15,6 +15,10 @@ from gateway import metrics
 
 log = logging.getLogger("gateway")
 ADMISSION_MEMORY_S = 3600.0  # admission times kept for TTFT; a job finished by another gateway is forgotten after
+# A worker told to stop a job it runs without a lease is told again after this, if it still reports the job (the
+# CancelJob may have been dropped on a full socket); the memory of such orders is bounded.
+STRAY_RESEND_S = 2.0
+STRAY_MEMORY = 4096
 
 
 class Maintenance:
@@ -46,10 +50,42 @@ class Maintenance:
             self.spans.left_queue(rec, "expired", now_ms * 1_000_000)
             metrics.ended(rec.id, rec.tier_granted.value, "expired", now)
             self._finish_stream(rec.id, "expired", None, "queue timeout exceeded")
+        self.stop_strays(now)
         self._measured_rates = {t: st.rate_per_s for t, st in self.queue.drain_stats(now_ms).items()}
         for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:
             del self.enqueued_at[job_id]
         self._dirty = True  # jobs admitted by other gateways, or capacity reported meanwhile
+
+    def stop_strays(self, now: float) -> None:
+        """Tell a worker to stop each job its latest report lists that Redis no longer holds for it (cancelled,
+        requeued, expired, dead, or leased to another worker). The CancelJob that the cancel or the requeue sent
+        may never have been read as meant: a worker reads its gateways' sockets in turn, so one gateway's cancel
+        could come before another's dispatch of the same attempt, was ignored (no such job yet), and the job then
+        ran to its end on a slot nobody counted. Each report is checked once; the figures of a job the worker
+        finished itself (its completion waiting for a confirmation) are left alone."""
+        seen, sent = self._strays_checked, self._strays_told
+        held = [(wid, job_id) for wid, w in self.workers.workers.items()
+                if w.load is not None and seen.get(wid) != w.load_at for job_id in w.load.job_ids]
+        for wid, w in self.workers.workers.items():
+            if w.load is not None:
+                seen[wid] = w.load_at
+        for wid in [wid for wid in seen if wid not in self.workers.workers]:
+            del seen[wid]
+        if not held:
+            return
+        for (wid, job_id), (state, holder, attempt) in zip(held, self.queue.lease_views([j for _, j in held])):
+            if state is None or (holder == wid and state in ("dispatched", "done", "failed")):
+                continue
+            key = (wid, job_id, attempt)
+            if now - sent.get(key, float("-inf")) < STRAY_RESEND_S:
+                continue
+            sent[key] = now
+            sent.move_to_end(key)
+            while len(sent) > STRAY_MEMORY:
+                sent.popitem(last=False)
+            self.counters["strays_stopped"] += 1
+            log.info("worker %s still runs job %s (%s in Redis): told to stop attempt %d", wid, job_id, state, attempt)
+            self._send(self.worker_sock, self.workers.workers[wid].identity, P.CancelJob(job_id, attempt))
 
     def settle_leases(self, settled: list, cause: str) -> None:
         """After leases were settled (requeued or dead): forget them here, and stop the attempts that lost them.

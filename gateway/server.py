@@ -102,6 +102,8 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                                             self.workers.drained_memory_s + self.workers.timeout_s)
         self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds
         self._stale_seen = new_stale_memory()
+        self._strays_checked: dict[str, float] = {}  # worker id -> load_at of its report stop_strays checked
+        self._strays_told: OrderedDict = OrderedDict()  # (worker, job, attempt) -> when stop_strays told it
         self._unstored: list = []  # (worker, JobFinished) that arrived while Redis was unreachable
         self._last_tokens_io = 0.0
         self._redis_backoff_s = 0.0  # > 0 while Redis is unreachable: wait this long between tries
