@@ -72,9 +72,14 @@ class TenantDirectory:
                     # 0 used to mean "no quota" (unlimited P0): refused, to give no P0 leave P0 out of tiers.
                     raise ConfigError(f"{where}: p0_rate_per_s must be a number > 0 (to give a tenant no P0, "
                                       "leave P0 out of its tiers; to leave P0 unlimited, omit p0_rate_per_s)")
+                burst = t.get("p0_burst", 1)
+                if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+                    # Read with int() before: 0 loaded, and every P0 submission of the tenant then failed in the
+                    # gateway's handler (a bucket that can never hold a job); 1.5 became another bucket silently.
+                    raise ConfigError(f"{where}: p0_burst must be a whole number >= 1, got {burst!r}")
                 if digest in out:
                     raise ConfigError(f"{where}: the same API key as tenant {out[digest].name!r}")
-                out[digest] = Tenant(t["name"], tiers, rate, int(t.get("p0_burst", 1)), mode)
+                out[digest] = Tenant(t["name"], tiers, rate, burst, mode)
             except (KeyError, ValueError) as e:
                 raise ConfigError(f"{where}: {e}") from None
         return cls(out)
