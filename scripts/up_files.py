@@ -5,6 +5,7 @@ scripts/leftovers.py keeps, Redis's folder, its state file)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -44,10 +45,17 @@ def recorded_secrets(state_file: Path) -> list[Path]:
 
 
 def write_state(path: Path, state: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.touch(mode=0o600)  # readable by its owner only: it holds the key paths and the Redis URL
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.replace(path)  # atomic: readers never see half a file
+    # A new file of a name nobody had (O_EXCL, mode 0600): it holds the Redis URL with its password and the API keys.
+    # A fixed "<name>.tmp" was reused as found, so a stale one (mode 0644), or another user's file or link in a shared
+    # folder, got the secrets and passed its mode on to the state file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=2))
+        os.replace(tmp, path)  # atomic: readers never see half a file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def remove_state(path: Path) -> None:
