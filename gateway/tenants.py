@@ -59,6 +59,11 @@ class TenantDirectory:
         for i, t in enumerate(data.get("tenant", [])):
             where = f"{path}: tenant #{i + 1}"
             try:
+                name = t["name"]
+                if not isinstance(name, str) or not name:
+                    # Jobs are owned by the name as Redis holds it, a string: 5 and "5" were two tenants here and
+                    # one there, each seeing and cancelling the other's jobs.
+                    raise ConfigError(f"{where}: name must be a non-empty string")
                 digest = _digest(t, where)
                 mode = t.get("on_quota_exhausted", "refuse")
                 if mode not in ("refuse", "downgrade"):
@@ -79,7 +84,9 @@ class TenantDirectory:
                     raise ConfigError(f"{where}: p0_burst must be a whole number >= 1, got {burst!r}")
                 if digest in out:
                     raise ConfigError(f"{where}: the same API key as tenant {out[digest].name!r}")
-                out[digest] = Tenant(t["name"], tiers, rate, burst, mode)
+                out[digest] = Tenant(name, tiers, rate, burst, mode)
+            except ConfigError:  # already says where: wrapped again below, it said so twice
+                raise
             except (KeyError, ValueError) as e:
                 raise ConfigError(f"{where}: {e}") from None
         return cls(out)

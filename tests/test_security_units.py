@@ -291,3 +291,13 @@ def test_a_2048_token_stream_decodes_each_token_once(tiny_model_dir):
 
 def test_zmq_has_curve():
     assert zmq.has("curve")
+
+
+@pytest.mark.parametrize("name", ["5", "true", '""', '["a"]'])
+def test_a_tenant_name_that_is_not_a_string_is_refused(tmp_path, name):
+    # Jobs are owned by the name as Redis holds it, a string: name = 5 and name = "5" were two tenants in the file
+    # and one in Redis, each seeing and cancelling the other's jobs; and a tenant named 5 could not read its own.
+    with pytest.raises(ConfigError, match="name must be a non-empty string") as e:
+        _tenants(tmp_path, f'[[tenant]]\nname = {name}\napi_key = "k"\ntiers = ["P3"]\n')
+    assert str(e.value).count("tenant #1") == 1, "where it is, once"
+
