@@ -87,7 +87,8 @@ class HelloPolicy:
         self.max_model_len: int | None = None
 
     def refusal(self, msg) -> str | None:
-        """Why this hello is refused, or None (and then its values are pinned)."""
+        """Why this hello is refused, or None. Pins nothing: a hello may still be refused after this (its key), and
+        a refused one must leave the cluster's model as it was (``pin`` it once it is accepted)."""
         if not 0 < len(msg.worker_id) <= self.MAX_WORKER_ID_CHARS:
             return "worker_id must be 1..200 characters"
         if min(msg.vocab_size, msg.max_model_len, msg.max_num_seqs) < 1 or msg.num_kv_blocks < 0:
@@ -96,8 +97,12 @@ class HelloPolicy:
                              ("max_model_len", self.max_model_len)):
             if pinned is not None and getattr(msg, name) != pinned:
                 return f"{name} {getattr(msg, name)!r} differs from this cluster's {pinned!r}"
-        self.model, self.vocab_size, self.max_model_len = msg.model, msg.vocab_size, msg.max_model_len
         return None
+
+    def pin(self, msg) -> None:
+        """An accepted hello's model, vocab_size and max_model_len are this cluster's (the first one's stay)."""
+        if self.model is None:
+            self.model, self.vocab_size, self.max_model_len = msg.model, msg.vocab_size, msg.max_model_len
 
 
 class SharedWorkerKeys:

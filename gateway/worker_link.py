@@ -49,6 +49,7 @@ class WorkerLink:
             self._send(self.worker_sock, ident, P.ErrorReply("forbidden", "hello refused: this worker id belongs "
                                                                            "to another key"))
             return
+        self.hello_policy.pin(msg)  # only now: a hello refused for its key had pinned another model for good
         self._hello_asked.pop(ident, None)
         self.workers.hello(msg, ident, self.clock())
         self._track_drain(msg.worker_id)
