@@ -103,8 +103,11 @@ class WorkerLink:
             return False
         if lease is None or attempt > lease[1]:  # unknown here (e.g. this gateway restarted) or moved on
             rec = self.queue.get(job_id)
-            if rec is not None and rec.state == "dispatched" and rec.worker:
-                lease = self.leases[job_id] = (rec.worker, rec.attempt)
+            # Taken over only from its holder, whose frames now come here. Taken on another worker's stale frame,
+            # this gateway waited for the holder's tokens (they go to the gateway that dispatched it) and stopped
+            # following the job's token log: its clients' streams stalled until the job ended.
+            if rec is not None and rec.state == "dispatched" and (rec.worker, rec.attempt) == (worker, attempt):
+                self.leases[job_id] = (worker, attempt)
                 s = self.streams.streams.get(job_id)
                 if s is None:
                     s = self._open_stream(job_id, rec.tenant)
@@ -115,8 +118,7 @@ class WorkerLink:
                     sent = now - (now_ms - rec.dispatched_at_ms) / 1e3
                     self.waits.dispatched(job_id, sent, True, rec.attempt, sent_ms=rec.dispatched_at_ms,
                                           enqueued_ms=rec.enqueued_at_ms, first_ms=first_prefill_ms(rec), told=True)
-                if lease == (worker, attempt):
-                    return True
+                return True
         self._stale_seen[(job_id, attempt, worker)] = None
         while len(self._stale_seen) > STALE_MEMORY:
             self._stale_seen.popitem(last=False)
