@@ -185,8 +185,10 @@ class _Analyser(WaitCauses, PreemptionCauses):
                 label = ""
             out.append(Phase(phase, self.rel(s.start_ns), self.rel(s.end_ns), label, attempt))
         for sus in suspensions:
-            label = f"by {sus.by_request_id}" + (f" ({sus.by_tier})" if sus.by_tier else "") \
-                if sus.by_request_id else (sus.mode or "suspended")
+            label = " then ".join(f"by {t.by_request_id}" + (f" ({t.by_tier})" if t.by_tier else "")
+                                  for t in sus.takings[:3] if t.by_request_id) or sus.mode or "suspended"
+            if len(sus.takings) > 3:
+                label += f" (+{len(sus.takings) - 3})"
             attempt = max(1, sum(1 for t in starts if self.rel(t) <= sus.start_s))
             out.append(Phase("suspended", sus.start_s, sus.end_s, label, attempt))
         return out

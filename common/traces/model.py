@@ -51,6 +51,21 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class Taking:
+    """One decision that took from a suspended request (its slot, its blocks), as its ``worker.suspended`` span
+    names it; the decision span's own attributes where found."""
+
+    decision_id: str | None
+    by_request_id: str | None
+    by_tier: str | None
+    by_tenant: str | None
+    mode: str | None
+    trigger: str | None
+    at_s: float | None  # the decision span's start, where found
+    decision: Decision | None
+
+
+@dataclass(frozen=True)
 class Suspension:
     """One period the request spent suspended (a ``worker.suspended`` span)."""
 
@@ -64,6 +79,9 @@ class Suspension:
     decision_id: str | None
     trigger: str | None
     decision: Decision | None  # the decision span itself, when it was found (cost, KV use, counts)
+    # Every decision that took from it, in order (the fields above are the last one's, which set its mode): its slot
+    # to one request, then its blocks to another, in that step or a later one. One for a span of one decision.
+    takings: list[Taking] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -161,9 +179,12 @@ class Explanation:
             lines.append("why:")
             for c in self.blame:
                 lines.append(f"  {'+' + format(c.at_s, '.2f'):>8} s  {c.text}")
-                d = c.detail.get("decision") if c.kind == "suspended" else None
-                if isinstance(d, dict):
-                    lines.append(" " * 14 + _decision_detail_text(d))
+                takings = c.detail.get("takings") if c.kind == "suspended" else None
+                if isinstance(takings, list) and len(takings) > 1:  # each decision of the period found, in order
+                    found = [t["decision"] for t in takings if isinstance(t.get("decision"), dict)]
+                else:
+                    found = [c.detail.get("decision")] if c.kind == "suspended" else []
+                lines += [" " * 14 + _decision_detail_text(d) for d in found if isinstance(d, dict)]
         else:
             lines.append("why: nothing held it up (no queueing, suspension or declined preemption recorded)"
                          + (" in the spans found" if self.missing else ""))

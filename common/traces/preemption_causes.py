@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from common.traces.model import Cause, Decision, Suspension
+from common.traces.model import Cause, Decision, Suspension, Taking
 from common.traces.schema import PREEMPTION_DECLINED, WORKER_SUSPENDED, attr_float, attr_int, attr_str, per_tier
 from common.traces.spans import Span
+
+# A suspended span's decisions told one by one up to this many; past it they are counted (a hostile or buggy producer
+# may write a list of any length).
+MAX_TAKINGS = 64
 
 
 class PreemptionCauses:
@@ -71,20 +75,28 @@ class PreemptionCauses:
             if d is not None:
                 used.add((d.trace_id, d.span_id))
             by = attr_str(s.get("suspend.by_request_id")) or (d.beneficiary_request_id if d else None)
-            sus = Suspension(
-                start_s=self.rel(s.start_ns), end_s=self.rel(s.end_ns), duration_s=s.duration_s,
-                mode=attr_str(s.get("suspend.mode")) or (d.mode if d else None),
+            last = Taking(
+                decision_id=attr_str(s.get("suspend.decision_id")) or (d.decision_id if d else None),
                 by_request_id=by,
                 by_tier=attr_str(s.get("suspend.by_tier")) or (d.beneficiary_tier if d else None),
                 by_tenant=attr_str(s.get("suspend.by_tenant")) or (d.beneficiary_tenant if d else None),
-                decision_id=attr_str(s.get("suspend.decision_id")) or (d.decision_id if d else None),
+                mode=attr_str(s.get("suspend.mode")) or (d.mode if d else None),
                 trigger=attr_str(s.get("suspend.trigger")) or (d.trigger if d else None),
-                decision=d)
+                at_s=d.at_s if d else None, decision=d)
+            takings, untold = _takings(s, last, by_id)
+            used.update((t.decision.trace_id, t.decision.span_id) for t in takings if t.decision is not None)
+            used.update((by_id[i].trace_id, by_id[i].span_id) for i in _ids(s) if i in by_id)
+            sus = Suspension(
+                start_s=self.rel(s.start_ns), end_s=self.rel(s.end_ns), duration_s=s.duration_s,
+                mode=last.mode, by_request_id=last.by_request_id, by_tier=last.by_tier, by_tenant=last.by_tenant,
+                decision_id=last.decision_id, trigger=last.trigger, decision=d, takings=takings)
             suspensions.append(sus)
-            add(7, Cause(sus.start_s, "suspended", _suspension_text(sus, self.rid), sus.duration_s,
-                         {"mode": sus.mode, "by_request_id": sus.by_request_id, "by_tier": sus.by_tier,
-                          "by_tenant": sus.by_tenant, "decision_id": sus.decision_id, "trigger": sus.trigger,
-                          "decision": asdict(d) if d else None}))
+            detail = {"mode": sus.mode, "by_request_id": sus.by_request_id, "by_tier": sus.by_tier,
+                      "by_tenant": sus.by_tenant, "decision_id": sus.decision_id, "trigger": sus.trigger,
+                      "decision": asdict(d) if d else None, "takings": [asdict(t) for t in takings]}
+            if untold:
+                detail["takings_untold"] = untold
+            add(7, Cause(sus.start_s, "suspended", _suspension_text(sus, self.rid, untold), sus.duration_s, detail))
 
         # Decisions that preempted it but whose suspended period was not recorded,
         # and the ones that made room for it.
@@ -117,6 +129,50 @@ class PreemptionCauses:
 
 
 
+def _ids(s: Span) -> list[str | None]:
+    """A list attribute of a suspended span (suspend.decision_ids), however it came: a lone value is a list of one."""
+    return _str_list(s.get("suspend.decision_ids"))
+
+
+def _str_list(v) -> list[str | None]:
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return [attr_str(x) if not isinstance(x, (list, dict)) else None for x in v]
+    return [attr_str(v) if not isinstance(v, dict) else None]
+
+
+def _takings(s: Span, last: Taking, by_id: dict[str, Decision]) -> tuple[list[Taking], int]:
+    """Every decision that took from the request in this suspended period, in order, and how many past MAX_TAKINGS
+    were left untold. A span without the lists (one written before them) names one: ``last``, the single-valued
+    attributes'. The lists name the rest by id and beneficiary alone; their tier, tenant, mode and trigger come
+    from the decision spans found (or, for the last, from the single-valued attributes)."""
+    ids, bys = _ids(s), _str_list(s.get("suspend.by_request_ids"))
+    if not ids and not bys:
+        return ([last] if last.decision_id or last.by_request_id or last.decision else []), 0
+    n = max(len(ids), len(bys))
+    if last.decision_id and last.decision_id not in ids:
+        # The ids leave out the decision the single-valued attributes name: it came last (the longer list's last).
+        n += len(ids) >= n
+        ids, bys = ids + [None] * (n - 1 - len(ids)) + [last.decision_id], bys + [None] * (n - len(bys))
+    out: list[Taking] = []
+    for i in [*range(min(n, MAX_TAKINGS) - 1), n - 1]:  # the last is always told: it set the mode it waited in
+        did = ids[i] if i < len(ids) else None
+        d = by_id.get(did) if did else None
+        if i == n - 1 and (did is None or did == last.decision_id):
+            out.append(Taking(did or last.decision_id, (bys[i] if i < len(bys) else None) or last.by_request_id,
+                              last.by_tier if d is None else d.beneficiary_tier or last.by_tier,
+                              last.by_tenant if d is None else d.beneficiary_tenant or last.by_tenant,
+                              last.mode if d is None else d.mode or last.mode,
+                              last.trigger if d is None else d.trigger or last.trigger,
+                              d.at_s if d else last.at_s, d or last.decision))
+            continue
+        by = (bys[i] if i < len(bys) else None) or (d.beneficiary_request_id if d else None)
+        out.append(Taking(did, by, d.beneficiary_tier if d else None, d.beneficiary_tenant if d else None,
+                          d.mode if d else None, d.trigger if d else None, d.at_s if d else None, d))
+    return out, n - len(out)
+
+
 def _who(request_id: str | None, tier: str | None, tenant: str | None) -> str:
     if not request_id:
         return "an unrecorded request"
@@ -124,8 +180,13 @@ def _who(request_id: str | None, tier: str | None, tenant: str | None) -> str:
     return f"request {request_id}" + (f" ({inner})" if inner else "")
 
 
-def _suspension_text(s: Suspension, rid: str) -> str:
+def _suspension_text(s: Suspension, rid: str, untold: int = 0) -> str:
     head = f"suspended {s.duration_s:.2f} s ({s.mode or 'mode not recorded'})"
+    if len(s.takings) > 1:
+        told = [_taking_text(t, rid, s.start_s) for t in s.takings]
+        if untold:
+            told.insert(-1, f"{untold} more decision{'s' if untold != 1 else ''} not told")
+        return f"{head} by {len(s.takings) + untold} decisions in turn: " + "; then ".join(told)
     if s.trigger == "manual" or (s.by_request_id == rid):
         by = " by an operator (manual suspend)"
     elif s.by_request_id:
@@ -136,3 +197,14 @@ def _suspension_text(s: Suspension, rid: str) -> str:
     if s.trigger and s.trigger != "manual":
         tail += f", trigger {s.trigger}"
     return head + by + tail
+
+
+def _taking_text(t: Taking, rid: str, start_s: float) -> str:
+    if t.trigger == "manual" or t.by_request_id == rid:
+        who = "an operator (manual suspend)"
+    else:
+        who = _who(t.by_request_id, t.by_tier, t.by_tenant)
+    how = ", ".join(x for x in (t.mode or "mode not recorded", f"trigger {t.trigger}" if t.trigger else None) if x)
+    # A decision of a later step than the one that suspended it (its blocks taken while it waited).
+    when = f" at +{t.at_s:.2f} s" if t.at_s is not None and t.at_s - start_s >= 0.005 else ""
+    return f"{who}, decision {t.decision_id or '?'} ({how}){when}"
