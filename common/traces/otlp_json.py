@@ -293,8 +293,9 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     for s in seed.spans:
         if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
             tokens.update(_id_forms(s.trace_id))
+    traces = {t for t in tokens if len(t) == 32}  # not per span: tokens grow by each link (minutes, for thousands)
     for s in seed.spans:  # links out of the request's spans (the victim's preempted_by link)
-        if s.trace_id in {t for t in tokens if len(t) == 32}:
+        if s.trace_id in traces:
             for link in s.links:
                 tokens.update(_id_forms(link.span_id))
     return parse_spans_text("\n".join(_lines_naming(paths, tokens)))

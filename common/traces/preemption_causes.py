@@ -15,15 +15,14 @@ MAX_TAKINGS = 64
 
 
 class PreemptionCauses:
-    """Needs the analyser's ``rid``, ``own``, ``own_keys``, ``rel`` and ``spans``; each method adds its causes through
-    ``add``."""
+    """Needs the analyser's ``rid``, ``own_keys``, ``own_link_roles``, ``rel`` and ``spans``; each method adds its
+    causes through ``add``."""
 
     def decision(self, s: Span) -> Decision:
         victim = attr_str(s.get("preemption.victim.request_id"))
         beneficiary = attr_str(s.get("preemption.beneficiary.request_id"))
         roles = {str(lk.attributes.get("link.role")) for lk in s.links if (lk.trace_id, lk.span_id) in self.own_keys}
-        linked_from_own = {str(lk.attributes.get("link.role")) for o in self.own for lk in o.links
-                           if (lk.trace_id, lk.span_id) == s.key}
+        linked_from_own = self.own_link_roles.get(s.key, set())
         declined = s.name == PREEMPTION_DECLINED or s.get("preemption.declined") is True
         if declined:
             role = "beneficiary"
