@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from common.traces.spans import Span
@@ -57,10 +58,13 @@ def attr_int(v: Any) -> int | None:
 
 
 def attr_float(v: Any) -> float | None:
+    """None also for NaN and +-inf (any producer may write them): no cost, wait or share, and --json must stay JSON
+    (json.dumps writes them as NaN and Infinity, which strict readers refuse)."""
     try:
-        return None if v is None or v == "" else float(v)
+        f = None if v is None or v == "" else float(v)
     except (TypeError, ValueError):
         return None
+    return f if f is None or math.isfinite(f) else None
 
 
 def per_tier(span: Span, prefix: str) -> dict[str, int]:
