@@ -283,6 +283,17 @@ UNHONOURED = [
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
+    # vLLM's, which were ignored: the answer came from every token, from no processor, without the prompt's
+    # logprobs, without the RAG documents or the structural tag asked for.
+    ("/v1/completions", {"allowed_token_ids": [5]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("/v1/completions", {"logits_processors": ["my_module.Processor"]}, "logits_processors"),
+    ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("/v1/chat/completions", {"documents": [{"title": "t", "text": "x"}]}, "documents"),
+    ("/v1/chat/completions", {"structural_tag": "{}"}, "structural_tag"),
+    ("/v1/completions", {"vllm_xargs": {"k": 1}}, "vllm_xargs"),
 ]
 
 
@@ -300,6 +311,7 @@ def test_neutral_values_and_nulls_are_accepted(cluster):
     neutral = {"temperature": None, "top_p": None, "n": None, "stream": None, "ignore_eos": None, "seed": None,
                "stop": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
                "min_tokens": 0, "repetition_penalty": 1, "min_p": 0.0, "stop_token_ids": [], "user": None,
+               "allowed_token_ids": None, "logits_processors": [], "prompt_logprobs": None, "vllm_xargs": {},
                "stream_options": None, "some_field_from_a_newer_client": {"x": 1}}
     r = post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 2, "echo": False, "suffix": None,
                                           "best_of": 1, **neutral}, headers={"X-Priority": "P1"})

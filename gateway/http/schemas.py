@@ -63,6 +63,10 @@ SHARED: Unhonoured = {
     "guided_grammar": (_is(None), "null"),
     "structured_outputs": (_is(None), "null"),
     "response_format": (_text_format, '{"type": "text"}'),
+    "allowed_token_ids": (_is(None), "null"),  # vLLM refuses [] itself
+    "logits_processors": (_empty, "[]"),
+    "prompt_logprobs": (_is(None), "null"),  # 0 still asks for the prompt's own tokens' log probabilities
+    "vllm_xargs": (_empty, "{}"),  # parameters of the server's custom extensions, which this server has none of
 }
 CHAT: Unhonoured = {
     **SHARED,
@@ -79,6 +83,8 @@ CHAT: Unhonoured = {
     "chat_template": (_is(None), "null"),
     "chat_template_kwargs": (_empty, "{}"),
     "add_special_tokens": (_is(False), "false"),
+    "documents": (_empty, "[]"),  # the chat template's RAG documents
+    "structural_tag": (_is(None), "null"),
 }
 COMPLETION: Unhonoured = {
     **SHARED,
@@ -87,6 +93,7 @@ COMPLETION: Unhonoured = {
     "suffix": (lambda v: v == "", '""'),
     "best_of": (_number(1), "1"),
     "add_special_tokens": (_is(True), "true"),
+    "prompt_embeds": (_is(None), "null"),
 }
 STREAM_OPTIONS: Unhonoured = {
     "continuous_usage_stats": (_is(False), "false"),  # vLLM: usage in every chunk
