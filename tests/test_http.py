@@ -323,6 +323,24 @@ def test_neutral_values_and_nulls_are_accepted(cluster):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(cluster):
+    """vLLM's truncate_prompt_tokens was ignored: the whole prompt was served, another answer than the one asked for
+    (or a 400 for a prompt the client had asked to cut to fit)."""
+    ids = [3, 17, 29, 41, 57, 63, 77, 81, 95, 101]
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    cut = post(cluster, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": 3}, tenant="api-co")
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 3
+    last = post(cluster, "/v1/completions", {**body, "prompt": ids[-3:]}, tenant="api-co")
+    assert cut.json()["choices"][0]["text"] == last.json()["choices"][0]["text"]
+    r = post(cluster, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Hello there"}],
+                                               "truncate_prompt_tokens": 2}, tenant="api-co")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2, r.text
+    for bad in (0, -1, True, "3"):
+        assert_error(post(cluster, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": bad}), 400,
+                     "invalid_request_error", "truncate_prompt_tokens")
+
+
 def test_the_openai_client_is_refused_tools(cluster):
     import openai
 

@@ -109,8 +109,10 @@ class FrontDoor:
 
     def _prompt_ids(self, body, chat: bool) -> list[int]:
         if chat:
-            return self.prompts.chat(body.messages)
-        return self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            ids = self.prompts.chat(body.messages)
+        else:
+            ids = self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        return ids[-body.truncate_prompt_tokens:] if body.truncate_prompt_tokens else ids
 
     async def _authenticate(self, key: str) -> None:
         """401 for a key no gateway knows, before the body is read: a stranger learns nothing of this server."""

@@ -167,6 +167,8 @@ class _Sampling(_Body):
     # vLLM extras.
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
+    # The prompt's last so many tokens are served (after the chat template), as in vLLM.
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
 
     def top_k_or_none(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k  # vLLM: -1 (and 0) mean "all tokens"
