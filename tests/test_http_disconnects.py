@@ -12,7 +12,7 @@ import pytest
 
 from common.ports import free_port
 from gateway.http.config import HttpConfig
-from tests.cluster_helpers import job_hash, local_cluster, wait_for
+from tests.cluster_helpers import job_hash, job_ids, local_cluster, wait_for
 from tests.test_http import key
 
 pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
@@ -96,3 +96,33 @@ def test_a_stream_whose_client_leaves_before_its_first_event_is_cancelled_and_re
         assert h["state"] == "cancelled", h
         entry = fd.upstream._entries[api_key]
         wait_for(lambda: entry.users == 0, 10, f"the tenant's client to be released (users {entry.users})")
+
+
+def test_a_client_that_leaves_while_its_prompt_is_tokenized_gets_no_job(cluster, tiny_model_dir):
+    # Tokenizing a prompt of megabytes takes seconds, during which the client may give up (a timeout, a retry).
+    # The door submitted the job anyway and only then saw the client gone: a job admitted for nobody (a P0 quota
+    # token charged, a queue place taken, perhaps dispatched before its cancel landed). Nothing is submitted now.
+    from gateway.http import metrics
+
+    api_key = key(cluster, "chat-co")  # P0: a job would charge its quota
+    with served_door(tiny_model_dir, cluster["gateway"]) as door:
+        fd = door.front_door
+        tokenize, tokenizing, go_on = fd._prompt_ids, threading.Event(), threading.Event()
+
+        def slow_prompt_ids(body, chat):
+            tokenizing.set()
+            assert go_on.wait(30)
+            return tokenize(body, chat)
+
+        fd._prompt_ids = slow_prompt_ids
+        gone = metrics.REQUESTS.labels("/v1/completions", "499")
+        before_499, before = gone._value.get(), job_ids(cluster)
+        s = raw_request(door.port, api_key, "/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+        try:
+            assert tokenizing.wait(60), "the door never began tokenizing"
+        finally:
+            s.close()
+        wait_for(lambda: not door.server.server_state.connections, 30, "the door to see its client go")
+        go_on.set()
+        wait_for(lambda: gone._value.get() > before_499, 30, "the request to end as a 499")
+        assert job_ids(cluster) == before

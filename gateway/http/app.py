@@ -97,6 +97,9 @@ class FrontDoor:
                                 f"server serves {self.model!r}", param="model", code="model_not_found")
             # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every other request waited.
             ids = await loop.run_in_executor(self._tokenizing, self._prompt_ids, body, chat)
+            if await request.is_disconnected():  # gave up while it was tokenized: no job (nor quota) for nobody
+                metrics.DISCONNECTS.inc()
+                raise ClientGone
             prompt_param = "messages" if chat else "prompt"
             job, release = await self.submitter.submit(key, body, ids, tier, idem, prompt_param)
             return await self._answer(request, key, body, chat, ids, job, idem, prompt_param, release)
