@@ -287,6 +287,16 @@ def frame_to_ask(msg, taken: int) -> P.InfoRequest | None:
     return P.InfoRequest(msg.api_key, frame_bytes=size)
 
 
+def raise_unless_older(endpoint: str, msg, e: ServingError) -> None:
+    """What the caller gets when the gateway at ``endpoint`` answered the question about ``msg``'s size with ``e``:
+    too big there (InvalidRequest naming the request's largest part), or ``e`` itself; nothing where the gateway is
+    older than the question (the frame is then sent as before)."""
+    if isinstance(e, InvalidRequest) and e.field == "frame_bytes":
+        raise too_big_for(endpoint, msg, e) from None
+    if not refused_as_unknown(e):
+        raise e
+
+
 def too_big_for(endpoint: str, msg, refusal: InvalidRequest) -> InvalidRequest:
     """The caller's error for ``msg``, which the gateway at ``endpoint`` said it could not take (``refusal``)."""
     part = _largest(msg, _PARTS[type(msg)])

@@ -14,12 +14,12 @@ import zmq
 from opentelemetry import trace
 
 from common import protocol as P
-from common.errors import InvalidRequest, ServingError
+from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
                                  auto_idempotency_key, client_settings, endpoint_list, failed_at, frame_to_ask,
-                                 job_request, new_request_id, on_submit_reply, raise_for, refused_as_unknown,
-                                 submit_request, submit_span, to_result, to_status, too_big_for, wait_limit,
+                                 job_request, new_request_id, on_submit_reply, raise_for, raise_unless_older,
+                                 refused_as_unknown, submit_request, submit_span, to_result, to_status, wait_limit,
                                  with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
@@ -151,13 +151,8 @@ class GatewayClient:
             return
         try:
             self._call(ask)
-        except InvalidRequest as e:
-            if e.field != "frame_bytes":
-                raise
-            raise too_big_for(self.endpoint, msg, e) from None
         except ServingError as e:
-            if not refused_as_unknown(e):  # a gateway older than the question: send as before
-                raise
+            raise_unless_older(self.endpoint, msg, e)
         self._taken[self.endpoint] = max(ask.frame_bytes, self._taken.get(self.endpoint, 0))
 
     def _call(self, msg):
