@@ -28,7 +28,7 @@ from tests.durable_cluster import DurableCluster
 pytestmark = pytest.mark.faults
 
 SEED = int(os.environ.get("CHAOS_SEED", "20240607"))
-SPAN_S = 60.0
+SPAN_S = float(os.environ.get("CHAOS_SPAN_S", "45"))  # longer for a deeper run: CHAOS_SPAN_S=600
 EOS = 1  # scripts/make_tiny_model.py: <|bos|>, <|eos|>, <|pad|>
 
 
