@@ -89,7 +89,8 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
            arrivals: Iterable[Arrivals] = (), aging_interval_s: float = math.inf,
            rng: random.Random | None = None, unread: Mapping[Tier, tuple[int, Work]] | None = None,
            promoted_s: float = math.inf, max_exact: int = MAX_EXACT_DISPATCHES,
-           dispatches: list[tuple[float, int, Work]] | None = None) -> tuple[float, int | None]:
+           dispatches: list[tuple[float, int, Work]] | None = None,
+           fits: frozenset[int] | None = None) -> tuple[float, int | None]:
     """Seconds until a job of ``tier`` admitted at ``enqueued_s`` gets a slot (see the module docstring), and the
     dispatches replayed one by one to get there, the job's own included (None: past ``max_exact`` of them, the
     rest of the work ahead was spread over the slots).
@@ -105,9 +106,13 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     ``max_exact``: dispatches replayed one by one before the rest is spread over the slots.
     ``dispatches``: where given, each replayed dispatch before the job's is appended to it, as (slot free at,
     worker index, work): what the model expects to go first (scripts/estimate_replay.py --explain).
+    ``fits``: the workers (indexes) the job itself may go to, on workers of different sizes; None: any. The others
+    still serve the jobs ahead that fit them, as dispatch sends those there, and so leave the job's workers to it.
     """
     if not workers:
         return math.inf, None
+    if fits is not None and not fits:
+        fits = None  # a job no worker fits is sent on to any (it fails there with the reason)
     # Every slot: when it frees, its worker, and whether only a job that may preempt there can take it then. The
     # heap holds (free at, urgent, -credit, slot, version): a prefill started beside a slot's work moves its time
     # on, and the entry pushed before that is stale.
@@ -201,8 +206,17 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
             continue  # moved on since
         n += 1
         i, urgent = worker_of[k], urgent_at[k]
-        work = line.first_before_the_job(t, preempting=urgent, worker=i)
-        if work is not None and tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1:
+        mine = fits is None or i in fits
+        work = line.first_before_the_job(t, preempting=urgent, worker=i, own=mine)
+        if work is None and not mine:
+            # Nobody in line fits this worker now: its slot idles until a job to come may take it (idle from ``t``
+            # on, past the replay, where none comes).
+            at = line.next_arrival_at(t, preempting=urgent)
+            free_at[k] = at if math.isfinite(at) else t
+            if math.isfinite(at):
+                push(k)
+            continue
+        if mine and work is not None and tier in PREEMPTING_TIERS and (PREEMPTED_BY[work.tier] >> tier.rank) & 1:
             # A job aged or promised ahead, still preemptible as what it was admitted as, starts there; the first in
             # line that may preempt it takes the slot from it: the job, unless an older P0 or P1 is still queued (the
             # dispatcher sends preempting jobs in queue order).
@@ -217,5 +231,5 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         # After a job that preempted, the victim resumes there: the slot is still one only preemption frees.
         start(k, t, work)
     handoff_s = sum(w.handoff_s * w.slots for w in workers) / len(free_at)  # every worker is busy by then
-    return max(0.0, fluid_tail(line, free_at, unread or {})) + handoff_s, None
+    return max(0.0, fluid_tail(line, free_at, unread or {}, worker_of, fits)) + handoff_s, None
 

@@ -44,9 +44,11 @@ def _unnum(x: float | str) -> float:
 
 
 def encode(told_s: float, bias: float, at: float, tier: Tier, workers: list[WorkerView], queued: list[Queued],
-           arrivals: list[Arrivals], unread: dict[Tier, tuple[int, Work]], **kw: float) -> dict[str, Any]:
-    """One estimate's inputs and what it told, as plain JSON values; ``kw``: told_wait_s's scalar keywords."""
-    return {
+           arrivals: list[Arrivals], unread: dict[Tier, tuple[int, Work]], fits: frozenset[int] | None = None,
+           **kw: float) -> dict[str, Any]:
+    """One estimate's inputs and what it told, as plain JSON values; ``kw``: told_wait_s's scalar keywords;
+    ``fits``: the workers the job fits (replay's), written only where it is not every one."""
+    return {**({"fits": sorted(fits)} if fits is not None else {}),
         "v": VERSION, "at": at, "told_s": _num(told_s), "bias": bias, "tier": tier.value,
         "workers": [{"slots": w.slots, "rates": [w.rates.prefill_tps, w.rates.decode_tps],
                      "held": [[*_work(h.work), h.status, h.preemptible_by, h.guard, h.context] for h in w.held],
@@ -79,11 +81,13 @@ class Dumped:
     unread: dict[Tier, tuple[int, Work]]
     kw: dict[str, float]  # enqueued_s, aging_interval_s, promoted_s
     work: Work | None = None  # the job's own, as the arrival rates counted it
+    fits: frozenset[int] | None = None  # the workers the job fits, on workers of different sizes (None: any)
 
     def args(self) -> tuple[tuple, dict[str, Any]]:
         """told_wait_s's positional and keyword arguments (without ``futures``)."""
         return ((self.tier, self.workers, self.queued),
-                {"arrivals": self.arrivals, "unread": self.unread, **self.kw})
+                {"arrivals": self.arrivals, "unread": self.unread, **self.kw,
+                 **({"fits": self.fits} if self.fits is not None else {})})
 
 
 def decode(line: dict[str, Any]) -> Dumped:
@@ -107,6 +111,7 @@ def decode(line: dict[str, Any]) -> Dumped:
         unread={Tier(t): (int(x[0]), _unwork(x[1:])) for t, x in line["unread"].items()},
         kw={k: _unnum(v) for k, v in line["kw"].items()},
         work=_unwork(line["work"]) if "work" in line else None,
+        fits=frozenset(line["fits"]) if "fits" in line else None,
     )
 
 

@@ -21,12 +21,39 @@ def _serves(fits: Fits, worker: int | None) -> bool:
     return fits is None or worker is None or worker in fits
 
 
-def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
+def fluid_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]],
+               worker_of: Sequence[int] = (), fits: Fits = None) -> float:
     """When the job gets a slot, past the replayed dispatches: the work still ahead of it (the slots' rest, the
     queued jobs still in line, the arrivals due by now that overtake it) and the arrivals that overtake it from
     now on, at the mean rates, drained by all the slots; in phases, as aging moves the job up a tier. Queued
     jobs of other tiers all count as ahead (where they can pass it at all): with a queue this deep, the older
-    ones age with the job and the newer ones of higher tiers mostly go before it ages up to them."""
+    ones age with the job and the newer ones of higher tiers mostly go before it ages up to them.
+
+    ``fits``: the workers the job may go to (``worker_of``: each slot's), on workers of different sizes. The
+    others' slots drain only the work that fits them: the queued jobs ahead that fit none but some of the job's
+    workers and others (confined_tail) are drained by those slots alone, and the job waits for them too."""
+    shared = _all_slots_tail(line, free_at, unread)
+    if fits is None:
+        return shared
+    return max(shared, confined_tail(line, free_at, worker_of, fits))
+
+
+def confined_tail(line: Line, free_at: Sequence[float], worker_of: Sequence[int], fits: frozenset[int]) -> float:
+    """When the slots of each set of workers that holds the job's have drained the queued jobs ahead that fit no
+    worker outside it (the latest of those): such work has no other slots, however many the others have."""
+    workers = set(worker_of)
+    sets = {fits} | {fits | f for f in line.fit_sets() if f is not None}
+    done = -math.inf
+    for places in sets:
+        if places >= workers:
+            continue  # every slot: the shared tail's
+        mine = [f for f, i in zip(free_at, worker_of) if i in places]
+        t = min(mine)
+        done = max(done, t + (sum(f - t for f in mine) + line.confined_s(places)) / len(mine))
+    return done
+
+
+def _all_slots_tail(line: Line, free_at: list[float], unread: Mapping[Tier, tuple[int, Work]]) -> float:
     t = min(free_at)
     slots = len(free_at)
     rank = line.rank(t)
@@ -156,6 +183,12 @@ class Line:
                     best = head if best is None or head[0] < best[0] else best
         return best
 
+    def next_arrival_at(self, t: float, preempting: bool = False) -> float:
+        """After ``t``, when the next job still to come that may take a slot arrives (``preempting``: one of a tier
+        that preempts), as the heads asked last; inf: none comes."""
+        tiers = PREEMPTING_TIERS if preempting else ALL_TIERS
+        return min((at for tier, at in self.next_at.items() if tier in tiers and at > t), default=math.inf)
+
     def passes(self, tier: Tier) -> bool:
         """Can a queued job admitted at ``tier``, older than the job, go before it? A lower tier's only by aging,
         and never into P0."""
@@ -166,14 +199,7 @@ class Line:
         """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job, with the
         ``unread`` ones, and of the arrivals due by ``t`` that overtake it (in queue ``rank``) and are not
         dispatched yet."""
-        still = {key: q for tier, by_fits in self.heads.items() if self.passes(tier) for qs in by_fits.values()
-                 for key, q in qs}
-        for tier, by_fits in self.promised.items():
-            if self.passes(tier):
-                for promoted in by_fits.values():
-                    still.update((key, q) for _, key, q in promoted)  # promoted: out of their deque, maybe
-        total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for key, q in still.items()
-                    if key not in self.taken)
+        total = sum(self.mean.seconds(q.work.prefill, q.work.decode) for q in self._still().values())
         total += sum(n * self.mean.seconds(work.prefill, work.decode) for queue, (n, work) in unread.items()
                      if n > 0 and self.passes(queue))
         for tier, a in self.streams.items():
@@ -183,6 +209,26 @@ class Line:
                     math.floor(expected) - self.arrived[tier]
                 total += max(0, due) * self.mean.seconds(a.work.prefill, a.work.decode)
         return total
+
+    def _still(self) -> dict[int, Queued]:
+        """The queued jobs still in line that may go before the job, by key."""
+        still = {key: q for tier, by_fits in self.heads.items() if self.passes(tier) for qs in by_fits.values()
+                 for key, q in qs}
+        for tier, by_fits in self.promised.items():
+            if self.passes(tier):
+                for promoted in by_fits.values():
+                    still.update((key, q) for _, key, q in promoted)  # promoted: out of their deque, maybe
+        return {key: q for key, q in still.items() if key not in self.taken}
+
+    def fit_sets(self) -> set[Fits]:
+        """The sets of workers the queued jobs fit (None: any)."""
+        return {f for by_fits in self.heads.values() for f in by_fits}
+
+    def confined_s(self, places: frozenset[int]) -> float:
+        """Slot-seconds (at the mean rates) of the queued jobs still in line that go before the job and fit no
+        worker outside ``places``."""
+        return sum(self.mean.seconds(q.work.prefill, q.work.decode) for q in self._still().values()
+                   if q.fits is not None and q.fits <= places)
 
     def surge_s(self, t: float, rank: int) -> float:
         """Slot-seconds of the arrivals above their long-run rate still to come after ``t`` that overtake the
@@ -196,12 +242,14 @@ class Line:
         return sum(a.long_run() * self.mean.seconds(a.work.prefill, a.work.decode)
                    for tier, a in self.streams.items() if tier.rank < rank)
 
-    def first_before_the_job(self, t: float, preempting: bool = False, worker: int | None = None) -> Work | None:
+    def first_before_the_job(self, t: float, preempting: bool = False, worker: int | None = None,
+                             own: bool = True) -> Work | None:
         """At time ``t``, the job first in line if it is not the one waiting, taken out of line; else None.
         ``preempting``: the slot is taken by preemption, so only jobs admitted at a tier that preempts are
-        in line for it. ``worker``: the slot's (only jobs that fit it are in line for it); None: any job."""
+        in line for it. ``worker``: the slot's (only jobs that fit it are in line for it); None: any job.
+        ``own``: the waiting job fits the slot's worker (else it is in no line for it: None is then nobody)."""
         self._due(t)  # before the heads: a promoted one leaves its deque for the promoted line
-        best, best_key, source = None, (self.rank(t), self.enqueued_s), None
+        best, best_key, source = None, (self.rank(t), self.enqueued_s) if own else (math.inf, math.inf), None
         for tier in (PREEMPTING_TIERS if preempting else ALL_TIERS):
             head = self._head(tier, t, worker)
             if head is not None and (key := (head[2], head[0])) <= best_key:

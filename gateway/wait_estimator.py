@@ -140,10 +140,14 @@ class WaitEstimator:
 
     def _estimate(self, tier: Tier, job_id: str | None, score: float | None, now: float,
                   tokens: int | None = None) -> float:
-        by_worker = self._views_by_worker(now, None if tokens is None else (tier, tokens))
+        # Every worker serves the line: one the job does not fit takes the jobs ahead that fit it, as dispatch sends
+        # them there, and so leaves the job's workers to it (a job only the big worker fits waited behind every job
+        # ahead on the big worker alone, though the small one ran half of them). ``own``: the job's workers.
+        by_worker = self._views_by_worker(now)
         views = list(by_worker.values())
         if not views:
             return 0.0  # no capacity known yet: nothing to estimate from, so nothing to shed on
+        own = self._fits(list(by_worker), tier, tokens)
         per_queue, counts, now_ms = self._queued(tier, score)
         infos = self.job_infos([i for found in per_queue for i, _ in found])
         fits: dict[str, frozenset[int]] = {}
@@ -162,16 +166,26 @@ class WaitEstimator:
                                                           statistics.fmean(q.work.decode for q in read)))
             queued += read
         enqueued_s = 0.0 if score is None else min(0.0, (score - now_ms) / 1000)
-        own = self._jobs.get(job_id) if job_id is not None else None
+        known = self._jobs.get(job_id) if job_id is not None else None
         arrivals = self.arrivals.arrivals(ALL_TIERS[:tier.rank], now, views)
         kw = dict(enqueued_s=enqueued_s, aging_interval_s=self.aging_interval_s,
-                  promoted_s=_relative_s(own.promise_at_ms if own else None, now_ms))
-        est = told_wait_s(tier, views, queued, futures=self.futures, arrivals=arrivals, unread=unread, **kw)
+                  promoted_s=_relative_s(known.promise_at_ms if known else None, now_ms))
+        est = told_wait_s(tier, views, queued, futures=self.futures, arrivals=arrivals, unread=unread,
+                          **({"fits": own} if own is not None else {}), **kw)
         bias = self.bias.factor(tier)
         told = est * bias if math.isfinite(est) else 0.0
         if self.dump is not None and job_id is None:  # a new job's: written once it is admitted
-            self.dump.hold(estimate_dump.encode(told, bias, now, tier, views, queued, arrivals, unread, **kw))
+            self.dump.hold(estimate_dump.encode(told, bias, now, tier, views, queued, arrivals, unread, fits=own,
+                                                **kw))
         return told
+
+    def _fits(self, serving: list[str], tier: Tier, tokens: int | None) -> frozenset[int] | None:
+        """Which of ``serving`` (indexes) a job of ``tier`` and ``tokens`` (prompt + max_tokens) fits, where it fits
+        some and not others; None: all, none (it is sent on and fails), or its size not known."""
+        if tokens is None:
+            return None
+        at = frozenset(k for k, wid in enumerate(serving) if self.workers.workers[wid].fits(tier, tokens))
+        return at if 0 < len(at) < len(serving) else None
 
     def _sharing(self, per_queue: list[list[tuple[str, float]]], counts: list[int], infos: dict[str, JobInfo],
                  serving: list[str]) -> tuple[list[list[tuple[str, float]]], list[int], dict[str, frozenset[int]]]:

@@ -245,3 +245,20 @@ def test_leaving_out_the_pairs_cost_keeps_the_rest_of_the_step_cost():
     assert estimate_replay.without_pair_cost(w).step == StepCost(0.02, 0.001, 0.0)
     assert estimate_replay.without_pair_cost(w).held == w.held and w.step.pair_s == 1e-6  # a copy, the rest kept
     assert estimate_replay.without_pair_cost(WorkerView(2, Rates(1000.0, 50.0))).step is None
+
+
+def test_a_dumped_state_keeps_which_workers_the_job_itself_fits():
+    """A job only the big worker fits is replayed on every worker (the small one runs the jobs ahead that fit it): a
+    dump without the job's own workers gave back the wait of a job that fits both (the small worker's free slot)."""
+    rates = Rates(1000.0, 50.0)
+    workers = [WorkerView(2, rates), WorkerView(1, rates, [Held(Work(P3, 0, 1000), RUNNING, 0b11)])]
+    queued = [Queued(Work(P3, 10, 50), -10.0 + k) for k in range(2)]
+    kw = {"enqueued_s": 0.0, "aging_interval_s": math.inf, "promoted_s": math.inf}
+    told = told_wait_s(P3, workers, queued, fits=frozenset({1}), **kw)
+    assert told > told_wait_s(P3, workers, queued, **kw)
+    line = estimate_dump.encode(told, 1.0, 5.0, P3, workers, queued, [], {}, fits=frozenset({1}), **kw)
+    d = estimate_dump.decode({**strict_json(json.dumps(line)), "job_id": "big-only"})
+    args, again = d.args()
+    assert told_wait_s(*args, **again) == told
+    alike = estimate_dump.encode(told, 1.0, 5.0, P3, workers, queued, [], {}, **kw)
+    assert "fits" not in alike  # dumps of jobs every worker fits are as they were
