@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,24 @@ from scripts.make_tiny_model import build
 from tests import compose_helpers
 
 CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """One torch thread in this process, before any fixture builds an engine: the tiny models' ops are far too
+    small to split, and on a 2-core machine shared with the cluster processes a test starts (and other runs) torch's
+    spinning thread pool made the in-process engine tests 3-5x slower. The workers a test starts set their own
+    (TS_WORKER_TORCH_THREADS: 1 in tests/durable_cluster.py and, with 2 workers, in scripts/up.py), so the
+    references computed here run with the thread count of the workers they are compared with."""
+    if "torch" not in sys.modules and not MODEL_FIXTURES & set(item.fixturenames):
+        return  # a test that never touches torch does not pay for importing it here
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+MODEL_FIXTURES = {"tiny_model_dir", "bench_model_dir"}  # every model fixture below depends on one of these
 
 
 @pytest.fixture(scope="session")
