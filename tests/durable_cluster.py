@@ -22,7 +22,7 @@ from common.redis_server import find_redis_server
 from common.ports import free_port
 from gateway.sdk import GatewayClient
 from scripts.up import write_tenants
-from tests.cluster_helpers import stop_process, wait_for
+from tests.cluster_helpers import stop_process, stop_processes, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,9 +151,9 @@ class DurableCluster:
             c.close()
 
     def __exit__(self, *exc) -> None:
-        for name, p in self.procs.items():
-            if name != "redis":
-                stop_process(p, timeout=15)
+        # All at once: each one's exit is mostly the interpreter's own teardown (~1.5 s of CPU with transformers
+        # loaded), which one after another cost a 2-gateway, 2-worker cluster 4-5 s. Redis last, as before.
+        stop_processes([p for name, p in self.procs.items() if name != "redis"], timeout=15)
         if "redis" in self.procs:
             stop_process(self.procs["redis"], timeout=15)
         self.redis.close()
