@@ -67,7 +67,7 @@ def test_the_tail_arrives_unjudged_and_stops_when_the_judged_jobs_are_done(tiny_
     judged = [job(i, 0.5 + 0.1 * i, t) for i, t in enumerate(("P0", "P1", "P2", "P3"))]
     soon = [job(10 + i, 0.0, "P1") for i in range(3)]  # before any judged job: surely sent
     never = [job(20 + i, 3600.0, "P0") for i in range(3)]  # an hour on: cancelled when the judged ones are done
-    with local_cluster(tmp_path, tiny_model_dir, workers=1) as state:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, http=False) as state:
         started = time.monotonic()
         records, sent = asyncio.run(bench_estimate.replay(state, judged, 60.0, soon + never))
         assert time.monotonic() - started < 60

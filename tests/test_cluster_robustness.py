@@ -126,7 +126,7 @@ def test_two_gateways_share_one_redis_and_dispatch_every_job_exactly_once(tmp_pa
                       rng.getrandbits(32)))
     want = reference([(p, n, temp, seed) for _, _, p, n, temp, seed in specs])
 
-    with local_cluster(tmp_path, tiny_model_dir, workers=2, gateways=2, max_running=4) as state:
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, gateways=2, max_running=4, http=False) as state:
         gws = state["gateways"]
         key = state["tenants"]["api-co"]["api_key"]  # P1..P3
         clients = [GatewayClient(g["endpoint"], key, timeout_s=30) for g in gws]
@@ -207,7 +207,7 @@ def test_kill_9_of_a_worker_mid_generation_loses_and_duplicates_nothing(tmp_path
              for _ in range(8)]
     want = reference(specs)
 
-    with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=2, lease_s=1.5) as state:
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, max_running=2, lease_s=1.5, http=False) as state:
         key = state["tenants"]["lab-co"]["api_key"]  # P3 only
         victim_worker = state["workers"][0]
         client = GatewayClient(state["gateway"], key, timeout_s=30)
@@ -433,12 +433,12 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
     fuzz_worker = subprocess.Popen(
         [sys.executable, "-m", "worker", "--worker-id", "wk-fuzz", "--gateway", fuzz_ep, "--model",
          str(tiny_model_dir), "--max-num-seqs", "4", "--num-kv-blocks", "512"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TS_WORKER_DRAIN_TIMEOUT_S="0"), stdout=wlog,
-        stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TS_WORKER_DRAIN_TIMEOUT_S="0", TS_WORKER_TORCH_THREADS="1"),
+        stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True)
     cluster_dir = tmp_path / "cluster"
     cluster_dir.mkdir()
     try:
-        with local_cluster(cluster_dir, tiny_model_dir, workers=1, max_running=2) as state:
+        with local_cluster(cluster_dir, tiny_model_dir, workers=1, max_running=2, http=False) as state:
             key = state["tenants"]["lab-co"]["api_key"]
             gw = state["gateways"][0]
 

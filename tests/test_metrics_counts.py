@@ -19,7 +19,7 @@ from tests.test_metrics import scrape, total
 def cluster(tiny_model_dir, tmp_path_factory):
     # One worker with two slots shared by two gateways: a third job queues, and either gateway may dispatch it.
     with local_cluster(tmp_path_factory.mktemp("metrics-counts"), tiny_model_dir, workers=1, gateways=2,
-                       max_running=2) as c:
+                       max_running=2, http=False) as c:
         yield c
 
 

@@ -65,7 +65,8 @@ class RawClient:
 @pytest.fixture(scope="module")
 def idle_cluster(tiny_model_dir, tmp_path_factory):
     """A gateway with no worker yet: every job stays queued until a test starts one."""
-    with local_cluster(tmp_path_factory.mktemp("idle"), tiny_model_dir, workers=0, env=KEEPALIVE_ENV) as state:
+    with local_cluster(tmp_path_factory.mktemp("idle"), tiny_model_dir, workers=0, env=KEEPALIVE_ENV,
+                       http=False) as state:
         yield state
 
 
@@ -190,7 +191,7 @@ def test_a_stream_the_client_gave_up_on_is_forgotten_by_its_gateway(idle_cluster
 @pytest.fixture(scope="module")
 def two_gateways(tiny_model_dir, tmp_path_factory):
     with local_cluster(tmp_path_factory.mktemp("two-gw"), tiny_model_dir, workers=1, gateways=2, max_running=4,
-                       env=KEEPALIVE_ENV) as state:
+                       env=KEEPALIVE_ENV, http=False) as state:
         yield state
 
 
