@@ -59,7 +59,7 @@ class Waiter(threading.Thread):
 
 @pytest.mark.parametrize("victim", ["wk-0", "redis", "gw-0"])
 def test_kill_9_under_load_every_job_ends_whole(tmp_path, tiny_model_dir, reference, victim):  # noqa: F811
-    with local_cluster(tmp_path, tiny_model_dir, workers=2, gateways=2, lease_s=4.0) as state:
+    with local_cluster(tmp_path, tiny_model_dir, workers=2, gateways=2, lease_s=4.0, http=False) as state:
         jobs = _load(state, 0)
         waiters = [Waiter(state, job_id, i % 2) for i, (job_id, _) in enumerate(jobs)]
         for w in waiters:
@@ -161,7 +161,7 @@ def test_a_job_that_finishes_while_its_gateway_restarts_is_not_run_again(
     a completion no gateway confirmed is sent again, and with a lease shorter than the restart (2-5 s here) the
     restarted gateway does not judge the lease that ran out while nobody listened: stored from attempt 1."""
     spec = ([9, 8, 7], 1200, 0.0, 21)
-    with local_cluster(tmp_path, tiny_model_dir, workers=1, gateways=1, lease_s=lease_s) as state:
+    with local_cluster(tmp_path, tiny_model_dir, workers=1, gateways=1, lease_s=lease_s, http=False) as state:
         old = state_pids(state)
         with GatewayClient(state["gateway"], state["tenants"]["lab-co"]["api_key"], timeout_s=10,
                            retries=20) as cl:
@@ -184,7 +184,7 @@ def test_a_stream_goes_on_token_by_token_after_its_gateway_restarts(tmp_path, be
     while it was down (and those it had not yet written to Redis): a gap, which held the job's stream until the
     completion filled it at the job's end, so the rest of a long answer came in one piece. The gateway asks the
     worker to say hello, and the worker sends every token so far again: the stream goes on as tokens are made."""
-    with local_cluster(tmp_path, bench_model_dir, workers=1, gateways=1, lease_s=15.0) as state:
+    with local_cluster(tmp_path, bench_model_dir, workers=1, gateways=1, lease_s=15.0, http=False) as state:
         # A short liveness, so the client is back on the restarted gateway well before the job (~20 s) ends.
         with GatewayClient(state["gateway"], state["tenants"]["lab-co"]["api_key"], timeout_s=4,
                            retries=20) as cl:
