@@ -433,7 +433,8 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
     fuzz_worker = subprocess.Popen(
         [sys.executable, "-m", "worker", "--worker-id", "wk-fuzz", "--gateway", fuzz_ep, "--model",
          str(tiny_model_dir), "--max-num-seqs", "4", "--num-kv-blocks", "512"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TS_WORKER_DRAIN_TIMEOUT_S="0", TS_WORKER_TORCH_THREADS="1"),
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TS_WORKER_DRAIN_TIMEOUT_S="0",
+                           TS_WORKER_TORCH_THREADS="1"),
         stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True)
     cluster_dir = tmp_path / "cluster"
     cluster_dir.mkdir()
