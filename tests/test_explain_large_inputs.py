@@ -234,3 +234,32 @@ def reference_gap_kind(timed, at):
         released = redispatch is not None and attr_str(redispatch.get("dispatch.requeue_cause")) == "released"
         return "hand_back" if released else "lost"
     return "other"
+
+
+# --------------------------------------------------------------------------------------------
+# Order and repetition
+
+def test_spans_out_of_order_and_written_twice_give_the_same_answer(tmp_path, capsys):
+    """An exporter's retry writes a batch twice, and rotated files hold spans of any age: the answer must be the one
+    the clean file gives. Every request of test_explain's file, its lines shuffled, some twice, over FILE.1 and FILE."""
+    import json
+
+    from scripts import explain
+    from tests.test_explain import build_spans_file
+
+    clean = tmp_path / "clean.jsonl"
+    build_spans_file(clean)
+    lines = clean.read_text().splitlines()
+    rng = random.Random(3)
+    for rid in ("req-p3", "chat-9", "api-7", "chat-1", "chat-2"):
+        assert explain.main([rid, "--spans", str(clean), "--json"]) == 0
+        want = json.loads(capsys.readouterr().out)
+        for k in range(4):
+            messy = lines + rng.sample(lines, 6)
+            rng.shuffle(messy)
+            path = tmp_path / f"{rid}-{k}.jsonl"
+            cut = rng.randint(1, len(messy) - 1)
+            (tmp_path / f"{rid}-{k}.jsonl.1").write_text("\n".join(messy[:cut]) + "\n")
+            path.write_text("\n".join(messy[cut:]) + "\n")
+            assert explain.main([rid, "--spans", str(path), "--json"]) == 0
+            assert json.loads(capsys.readouterr().out) == want, (rid, k)
