@@ -122,3 +122,29 @@ def test_a_dead_lettered_jobs_lost_prefill_is_counted_once(tmp_path, capsys):
     parts = d["queued_s"] + d["running_s"] + d["suspended_s"] + d["transit_s"] + d["other_s"]
     assert parts == pytest.approx(d["total_s"]) and d["transit"]["lost"] == pytest.approx(1.791), d
     assert "dead-lettered" in text, text
+
+
+def test_a_batch_appended_to_one_cut_short_is_read(tmp_path, capsys):
+    """A full disk cut a process's batch short (its line without an end); once there was room again, the next
+    batch was appended to that line. explain skipped the whole line as not JSON, and with it the batch after the
+    cut: here the job's dispatch, so that its hand-over to the worker was told as 'other'."""
+    path = tmp_path / "spans.jsonl"
+    (gw, wk, other), providers = tracers(path, "tiered-serve-gateway", "tiered-serve-worker", "tiered-serve-worker")
+    ra = req_attrs("job-1", "P2", "lab-co")
+    admit = admission(gw, None, 0.0, "job-1", "P2", "lab-co")
+    closed(gw, "gateway.queue", 0.001, 0.201, admit, {**ra, "queue.tier": "P2", "queue.tier_granted": "P2",
+                                                      "queue.attempt": 1})
+    closed(other, "worker.request", 0.1, 0.2, None, req_attrs("job-2", "P3", "lab-co"))
+    lines = path.read_text().splitlines()
+    path.write_text("".join(ln + "\n" for ln in lines[:-1]) + lines[-1][:150])  # the other's batch, as far as it got
+    dispatch = closed(gw, "gateway.dispatch", 0.201, 0.203, admit,
+                      {**ra, "dispatch.worker": "w0", "dispatch.reason": "credit", "dispatch.attempt": 1})
+    wreq = start(wk, "worker.request", 0.205, dispatch, ra)
+    closed(wk, "worker.prefill", 0.21, 0.3, wreq, ra)
+    wreq.end(end_time=ns(0.5))
+    for p in providers:
+        p.shutdown()
+    assert '"stringValue":"lab-co"' in path.read_text().splitlines()[2], "not the cut batch's line"
+    d, text = explained(capsys, "job-1", path)
+    assert d["transit"]["dispatch"] == pytest.approx(0.002) and d["other_s"] == pytest.approx(0.0), d
+    assert d["workers"] == ["w0"] and [p["phase"] for p in d["phases"]] == ["queue", "dispatch", "prefill"], d

@@ -220,11 +220,14 @@ def trace_ids_from_summaries(doc: Any) -> list[str]:
     return ids
 
 
+_BATCH_START = '{"resourceSpans":'  # how the file exporter begins each line
+
+
 def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
     """Every JSON value in ``text`` (one document, JSON lines, or values back to back).
 
     Yields (value, None), or (None, error) for a stretch that is not JSON (skipped up to the
-    next line), so one truncated line does not lose the rest of the file.
+    next line, or to a batch that begins later on its line), so one truncated line does not lose the rest of the file.
     """
     decoder = json.JSONDecoder()
     pos, n = 0, len(text)
@@ -239,6 +242,11 @@ def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
             line = text.count("\n", 0, pos) + 1
             yield None, f"line {line}: not JSON ({e.msg})"
             nl = text.find("\n", pos)
+            # A batch cut short (a full disk) and the next process's batch appended to it: the line's rest is whole.
+            again = text.find(_BATCH_START, pos + 1, None if nl < 0 else nl)
+            if again >= 0:
+                pos = again
+                continue
             if nl < 0:
                 return
             pos = nl + 1
