@@ -231,5 +231,7 @@ class ClientApi:
 
 
 def _submitted(result: Admitted, adm: admission.Admission) -> P.SubmitReply:
+    # Downgraded: served at a lower priority than asked (the quota's P1). A duplicate's tier is the job's current one,
+    # which aging may have raised: a tier other than the one asked for is not by itself a downgrade.
     return P.SubmitReply(result.job_id, result.tier.value, result.estimated_wait_s, result.duplicate,
-                         result.tier is not adm.tier_requested)
+                         result.tier.rank > adm.tier_requested.rank)
