@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import redis
+
 from common.tiers import ALL_TIERS, Tier
 from gateway.queue_records import Admitted, DrainStat, IdempotencyMismatch, JobRecord, JobState
 
@@ -33,13 +35,15 @@ class QueueReads:
 
     def _duplicate(self, job_id: str, fallback_tier: Tier, rates: list[float]) -> Admitted:
         """Describe the job an idempotency key points to, from one MULTI snapshot (read only)."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.keys.job(job_id))
-        for q in self.keys.queues():
-            pipe.zcard(q)
-        for q in self.keys.queues():
-            pipe.zrank(q, job_id)
-        raw, *rest = pipe.execute()
+        try:
+            raw, *rest = self._duplicate_reads(job_id, transaction=True)
+        except redis.ResponseError as e:
+            if not out_of_memory(e):
+                raise
+            # A full Redis (maxmemory, noeviction) refuses every command queued in a MULTI, reads too: a retry of a
+            # job admitted before was refused as "Redis is full" instead of getting its job back. Read without one:
+            # a job claimed or aged between the reads is described as no longer queued (no position), as below.
+            raw, *rest = self._duplicate_reads(job_id, transaction=False)
         depths, ranks = rest[:4], rest[4:]
         if not raw:  # the result expired before its idempotency key (result_ttl_s < idempotency_ttl_s)
             return Admitted(job_id, fallback_tier, 0.0, True, None)
@@ -49,6 +53,15 @@ class QueueReads:
         r = job.tier.rank
         ahead = [*depths[:r], ranks[r]]
         return Admitted(job_id, job.tier, sum(n / rates[i] for i, n in enumerate(ahead)), True, sum(ahead))
+
+    def _duplicate_reads(self, job_id: str, *, transaction: bool) -> list:
+        pipe = self.client.pipeline(transaction=transaction)
+        pipe.hgetall(self.keys.job(job_id))
+        for q in self.keys.queues():
+            pipe.zcard(q)
+        for q in self.keys.queues():
+            pipe.zrank(q, job_id)
+        return pipe.execute()
 
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.client.hgetall(self.keys.job(job_id))
@@ -98,6 +111,12 @@ class QueueReads:
             decayed = rate * math.exp(-max(0.0, now_ms - ts) / tau_ms)
             stats[t] = DrainStat(int(raw.get(f"completed:{t.value}", 0)), decayed)
         return stats
+
+
+def out_of_memory(e: redis.RedisError) -> bool:
+    """Redis at maxmemory under noeviction refused a write. Redis 7 answers OOM (redis-py's OutOfMemoryError);
+    6.2 wraps a script's refused call in an ERR that quotes it."""
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in str(e)
 
 
 def floored_rates(drain_rate_per_s: Mapping[Tier, float]) -> list[float]:

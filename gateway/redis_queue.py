@@ -20,7 +20,7 @@ import redis
 from common.errors import DuplicateRequest, IncompleteResult
 from common.redis_keys import KeySpace, load_scripts, run_pipelined
 from common.tiers import ALL_TIERS, Tier
-from gateway.queue_reads import QueueReads, floored_rates
+from gateway.queue_reads import QueueReads, floored_rates, out_of_memory
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, IdempotencyMismatch, JobRecord, JobState, Overloaded,
     QuotaRefused, QuotaSpec, Settled, Stored, StoreFull, TenantFull,
@@ -52,12 +52,6 @@ def _now(now_ms: int | None) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "-1" if seconds is None else str(int(round(seconds * 1000)))
-
-
-def out_of_memory(e: redis.RedisError) -> bool:
-    """Redis at maxmemory under noeviction refused a write. Redis 7 answers OOM (redis-py's OutOfMemoryError);
-    6.2 wraps a script's refused call in an ERR that quotes it."""
-    return isinstance(e, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in str(e)
 
 
 class RedisQueue(QueueSweeps, QueueReads):
