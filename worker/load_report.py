@@ -36,15 +36,18 @@ def build(worker_id: str, e, rates: RateTracker, held: Iterable[str], offer: boo
     # the next step's start.
     # Never-started, unguarded ones only: one that resumes is protected by its residency when it does.
     guarded = e.scheduler.preemption.protected_tokens
-    starting = [r for r in e.scheduler.next_to_start()
+    next_up = e.scheduler.next_to_start()
+    starting = [r for r in next_up
                 if r.tier.rank > 1 and r.status is RequestStatus.WAITING and not guarded(r)]
     low_running = starting or any(r.tier.rank >= 2 and r.status is RequestStatus.RUNNING
                                   for r in e.scheduler.running)
     cost = 0.0 if any_free or low_running else 1e6  # keep-mode preemption of a P2/P3 costs nothing
     may_preempt = e.scheduler.preemption.config.may_preempt
     # An urgent job already here but not yet running (added since the last step) will take a victim of its
-    # own: counting that victim as free would let a gateway send one more urgent job to wait behind it.
-    claimed = sum(r.tier.rank <= 1 for r in e.scheduler.waiting)
+    # own: counting that victim as free would let a gateway send one more urgent job to wait behind it. One that
+    # starts in a slot free now takes none (any_free already counts that slot as taken): counted as claiming one
+    # too, the report offered no victim for a step where one ran, and an urgent job waited in Redis that long.
+    claimed = sum(r.tier.rank <= 1 and r not in next_up for r in e.scheduler.waiting)
     victims = {t.value: max(0, sum(r.status is RequestStatus.RUNNING and may_preempt(t, r.tier)
                                    for r in e.scheduler.running)
                             + sum(may_preempt(t, r.tier) for r in starting) - claimed) for t in ALL_TIERS}
