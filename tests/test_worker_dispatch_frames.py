@@ -60,3 +60,22 @@ def test_a_dispatch_with_an_attempt_below_one_is_answered_as_failed(draining_wor
                            timeout_s=120)
     assert (done.state, done.num_tokens) == ("done", 200)
     assert not [m for _, m in gateway.seen if isinstance(m, P.JobTokens) and m.job_id in ("zero", "negative")]
+
+
+def test_a_dispatch_the_engine_refuses_is_answered_counted_and_logged(draining_worker, caplog):  # noqa: F811
+    """A buggy gateway's dispatch the engine refuses (negative max_tokens, a token id outside the vocabulary, an
+    unknown tier) was answered as failed, but neither counted nor logged: the gateway's fault went unseen here.
+    The worker serves on."""
+    service, gateway, _ = draining_worker
+    bad = {"neg-max": dict(max_tokens=-1), "bad-id": dict(prompt_token_ids=[-1, 5]), "tier": dict(tier="P9")}
+    with caplog.at_level("WARNING", logger="worker"):
+        for job_id, fields in bad.items():
+            msg = P.DispatchJob(job_id, 1, fields.get("tier", "P2"), "t", fields.get("prompt_token_ids", [5, 6]),
+                                fields.get("max_tokens", 4), 0.0, 1.0, None, 1, "gw", ignore_eos=True)
+            gateway.sock.send_multipart([gateway.ident, P.encode(msg)])
+            done = gateway.receive(is_(P.JobFinished, job_id), timeout_s=10)
+            assert done.state == "failed" and done.num_tokens == 0 and done.reason, done
+    assert service.counters["invalid_dispatches"] == len(bad)
+    assert all(any(f"job {j} attempt 1" in r.getMessage() for r in caplog.records) for j in bad), caplog.text
+    gateway.dispatch("fine", 8)
+    assert gateway.receive(is_(P.JobFinished, "fine"), timeout_s=60).state == "done"

@@ -229,6 +229,10 @@ class WorkerService(Draining):
             self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
                                     trace_context=msg.trace_context, output_token_ids=msg.resume_token_ids)
         except InvalidRequest as e:
+            # A gateway validates what it sends against this worker's hello: a refusal here is a buggy or
+            # mismatched gateway, which went unseen (no log line, no count) while its jobs failed.
+            self.counters["invalid_dispatches"] += 1
+            log.warning("refused a dispatch of job %s attempt %d: %s", msg.job_id, msg.attempt, e)
             self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
             return
         # Resumed: its output so far (as the engine kept it) is the start of what it streams and returns.
