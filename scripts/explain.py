@@ -40,11 +40,11 @@ from common.traces.otlp_json import (  # noqa: E402
     Span,
     TraceFormatError,
     is_otlp_document,
-    iter_json_values,
     read_spans_file,
     spans_from_document,
     trace_ids_from_summaries,
 )
+from common.traces.json_values import iter_json_values  # noqa: E402
 from common.traces import Explanation, NoSchedulingSpans, explain_request  # noqa: E402
 
 DEFAULT_SERVICE = "tiered-serve-gateway"

@@ -13,7 +13,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from common.traces import accounting, otlp_json
+from common.traces import accounting, id_lines
 from common.traces.spans import Span
 from tests.test_explain import closed, ns, req_attrs, start
 
@@ -35,7 +35,7 @@ def other_requests(path, n: int) -> None:
 
 
 def substring_scan(paths, tokens) -> list[str]:
-    """The scan _lines_naming did: every token searched in every line."""
+    """The scan lines_naming did: every token searched in every line."""
     out = []
     for path in paths:
         with path.open(encoding="utf-8", errors="replace") as f:
@@ -45,7 +45,7 @@ def substring_scan(paths, tokens) -> list[str]:
 
 def id_tokens(rng: random.Random, n: int) -> set[str]:
     """Every form read_spans_file seeks of ``n`` span ids (hex either case, base64, URL-safe base64)."""
-    return {f for _ in range(n) for f in otlp_json._id_forms(format(rng.getrandbits(64), "016x"))}
+    return {f for _ in range(n) for f in id_lines.id_forms(format(rng.getrandbits(64), "016x"))}
 
 
 def test_scanning_a_spans_file_does_not_grow_with_the_ids_sought(tmp_path):
@@ -59,13 +59,13 @@ def test_scanning_a_spans_file_does_not_grow_with_the_ids_sought(tmp_path):
     # Some lines do name an id sought: a span id taken from the file itself.
     named = path.read_text().split('"spanId":"')[37][:16]
     for tokens in sought.values():
-        tokens |= otlp_json._id_forms(named) | {'"o12"'}
+        tokens |= id_lines.id_forms(named) | {'"o12"'}
     cpu: dict[int, float] = {}
     for n, tokens in sought.items():
         spent = []
         for _ in range(3):
             t = time.process_time()
-            got = otlp_json._lines_naming([path], tokens)
+            got = id_lines.lines_naming([path], tokens)
             spent.append(time.process_time() - t)
         cpu[n] = min(spent)
         assert 0 < len(got) < len(path.read_text().splitlines())
@@ -79,8 +79,8 @@ def test_the_lines_selected_are_those_a_substring_search_selects(tmp_path):
     rng = random.Random(11)
     ids = [format(rng.getrandbits(64), "016x") for _ in range(40)] + [format(rng.getrandbits(128), "032x")
                                                                      for _ in range(20)]
-    tokens = {f for i in ids[:30] + ids[40:50] for f in otlp_json._id_forms(i)} | {'"req-7"', "ab12", "Q"}
-    every_form = [f for i in ids for f in otlp_json._id_forms(i)]
+    tokens = {f for i in ids[:30] + ids[40:50] for f in id_lines.id_forms(i)} | {'"req-7"', "ab12", "Q"}
+    every_form = [f for i in ids for f in id_lines.id_forms(i)]
     alphabet = "0123456789abcdefABCDEF+/=_-xyzXYZ"
     lines = []
     for _ in range(4000):
@@ -101,7 +101,7 @@ def test_the_lines_selected_are_those_a_substring_search_selects(tmp_path):
     path = tmp_path / "lines.jsonl"
     path.write_text("\n".join(lines) + "\n")
     want = substring_scan([path], tokens)
-    assert otlp_json._lines_naming([path], tokens) == want
+    assert id_lines.lines_naming([path], tokens) == want
     assert 400 < len(want) < 3600, len(want)  # both kinds of line are there
 
 

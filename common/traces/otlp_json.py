@@ -5,7 +5,8 @@ Input: one ``{"resourceSpans": [...]}`` object per line (lines from several proc
 batches), a single (pretty-printed) OTLP/JSON document, or Jaeger api_v3 responses
 (``{"result": {"resourceSpans": [...]}}``). Ids may be hex (any case) or base64 (protobuf
 JSON); they are normalised to lowercase hex. Nothing here knows what the spans mean:
-``common.traces.analysis`` does the analysis.
+``common.traces.analysis`` does the analysis. The text is read as JSON values by ``common.traces.json_values``; a
+request's lines are picked out of a large file by ``common.traces.id_lines``.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from common.spans_file import rotated_files
+from common.traces.id_lines import id_forms, lines_naming
+from common.traces.json_values import iter_json_values
 from common.traces.schema import REQUEST_ID
 from common.traces.spans import Span, SpanEvent, SpanLink, SpanSet, dedupe
+
 
 class TraceFormatError(ValueError):
     """The input is not OTLP/JSON (nothing at all could be read from it)."""
@@ -220,41 +223,6 @@ def trace_ids_from_summaries(doc: Any) -> list[str]:
     return ids
 
 
-_BATCH_START = '{"resourceSpans":'  # how the file exporter begins each line
-
-
-def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
-    """Every JSON value in ``text`` (one document, JSON lines, or values back to back).
-
-    Yields (value, None), or (None, error) for a stretch that is not JSON (skipped up to the
-    next line, or to a batch that begins later on its line), so one truncated line does not lose the rest of the file.
-    """
-    decoder = json.JSONDecoder()
-    pos, n = 0, len(text)
-    while True:
-        while pos < n and text[pos] in " \t\r\n":
-            pos += 1
-        if pos >= n:
-            return
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            line = text.count("\n", 0, pos) + 1
-            yield None, f"line {line}: not JSON ({e.msg})"
-            nl = text.find("\n", pos)
-            # A batch cut short (a full disk) and the next process's batch appended to it: the line's rest is whole.
-            again = text.find(_BATCH_START, pos + 1, None if nl < 0 else nl)
-            if again >= 0:
-                pos = again
-                continue
-            if nl < 0:
-                return
-            pos = nl + 1
-            continue
-        yield value, None
-        pos = end
-
-
 def parse_spans_text(text: str) -> SpanSet:
     """Spans of OTLP/JSON text: JSON lines or one document. Raises TraceFormatError if none is OTLP."""
     spans: list[Span] = []
@@ -289,7 +257,7 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     if request_id is None:
         return parse_spans_text(_read_all(paths))
     needle = json.dumps(str(request_id))
-    first = _lines_naming(paths, {needle})
+    first = lines_naming(paths, {needle})
     if not first:
         # Nothing names the request (or the file is one pretty-printed document): parse it all.
         return parse_spans_text(_read_all(paths))
@@ -300,72 +268,16 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     tokens = {needle}
     for s in seed.spans:
         if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
-            tokens.update(_id_forms(s.trace_id))
+            tokens.update(id_forms(s.trace_id))
     traces = {t for t in tokens if len(t) == 32}  # not per span: tokens grow by each link (minutes, for thousands)
     for s in seed.spans:  # links out of the request's spans (the victim's preempted_by link)
         if s.trace_id in traces:
             for link in s.links:
-                tokens.update(_id_forms(link.span_id))
-    return parse_spans_text("\n".join(_lines_naming(paths, tokens)))
+                tokens.update(id_forms(link.span_id))
+    return parse_spans_text("\n".join(lines_naming(paths, tokens)))
 
 
 def _read_all(paths: list[Path]) -> str:
     if len(paths) == 1:  # one document, pretty-printed, stays one
         return paths[0].read_text(encoding="utf-8", errors="replace")
     return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
-
-
-def _lines_naming(paths: list[Path], tokens: set[str]) -> list[str]:
-    """The lines of ``paths`` that hold any of ``tokens`` (as a substring), read one at a time."""
-    finder = _TokenFinder(tokens)
-    out = []
-    for path in paths:
-        with path.open(encoding="utf-8", errors="replace") as f:
-            out += [ln.rstrip("\n") for ln in f if finder.in_line(ln)]
-    return out
-
-
-# An id in each form _id_forms makes of a span's or a trace's: hex of either case, base64, URL-safe base64. Other
-# tokens (the request id in quotes, an odd id a producer wrote) are searched for as they are: they are few.
-_ID_TOKEN = re.compile(r"[0-9A-Za-z+/=_-]{12}|[0-9A-Za-z+/=_-]{16}|[0-9A-Za-z+/=_-]{24}|[0-9A-Za-z+/=_-]{32}")
-
-
-class _TokenFinder:
-    """Whether a line holds any of many tokens, at a cost that does not grow with their number: searching each
-    token in each line took (lines x tokens), four per link of the request, minutes for a request preempted
-    thousands of times in a large spans file. An id-like token can only lie inside a run of id characters in the
-    line, so each run at least as long as the shortest is looked up in a set, and so are its substrings of each
-    length sought (a span id inside a longer string still counts, as with a substring search)."""
-
-    def __init__(self, tokens: set[str]) -> None:
-        self.ids = {t for t in tokens if _ID_TOKEN.fullmatch(t)}
-        self.others = [t for t in tokens if t not in self.ids]
-        self.lengths = sorted({len(t) for t in self.ids})
-        self.runs = re.compile(f"[0-9A-Za-z+/=_-]{{{self.lengths[0]},}}") if self.lengths else None
-
-    def in_line(self, line: str) -> bool:
-        if any(t in line for t in self.others):
-            return True
-        if self.runs is None:
-            return False
-        ids = self.ids
-        for run in self.runs.findall(line):
-            if run in ids:
-                return True
-            for k in self.lengths:
-                if k >= len(run):
-                    break
-                if any(run[i:i + k] in ids for i in range(len(run) - k + 1)):
-                    return True
-        return False
-
-
-def _id_forms(hex_id: str) -> set[str]:
-    forms = {hex_id, hex_id.upper()}
-    try:
-        raw = bytes.fromhex(hex_id)
-        forms.add(base64.b64encode(raw).decode())
-        forms.add(base64.urlsafe_b64encode(raw).decode())
-    except ValueError:
-        pass
-    return forms
