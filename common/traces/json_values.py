@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 _BATCH_START = '{"resourceSpans":'  # how the file exporter begins each line
+_LOOKAHEAD = 16  # more than the decoder reads at once: a \uXXXX\uXXXX surrogate pair, -Infinity
 
 
 def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
@@ -19,25 +20,54 @@ def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
     """
     decoder = json.JSONDecoder()
     pos, n = 0, len(text)
+    # Both counted on from where the last bad stretch was, never from the start: a file of bad lines (or a line of
+    # many cut batches) took time growing with the square of its size.
+    line, counted = 1, 0  # the line that offset `counted` is on
+    nl = -1  # where the line of the last bad stretch ends (n: it is the last)
     while True:
         while pos < n and text[pos] in " \t\r\n":
             pos += 1
         if pos >= n:
             return
         try:
-            value, end = decoder.raw_decode(text, pos)
+            value, end = _decode(decoder, text, pos)
         except json.JSONDecodeError as e:
-            line = text.count("\n", 0, pos) + 1
+            line += text.count("\n", counted, pos)
+            counted = pos
             yield None, f"line {line}: not JSON ({e.msg})"
-            nl = text.find("\n", pos)
+            if nl < pos:
+                nl = text.find("\n", pos)
+                nl = n if nl < 0 else nl
             # A batch cut short (a full disk) and the next process's batch appended to it: the line's rest is whole.
-            again = text.find(_BATCH_START, pos + 1, None if nl < 0 else nl)
+            again = text.find(_BATCH_START, pos + 1, nl)
             if again >= 0:
                 pos = again
                 continue
-            if nl < 0:
+            if nl >= n:
                 return
             pos = nl + 1
             continue
         yield value, None
         pos = end
+
+
+def _decode(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int]:
+    """What ``decoder.raw_decode(text, pos)`` returns or raises (the same value, or an error of the same msg), at a
+    cost growing with the value's extent, not with ``pos``: each JSONDecodeError counts the newlines of the text it
+    was given from its start, so the decoder is given a window of whole lines, doubled while its end may have
+    made the answer differ (an error near the window's end, or a string it cut). Each window ends before a newline,
+    where no token goes on, so a value decoded in it is the one the whole text holds."""
+    n = len(text)
+    stop = text.find("\n", pos)
+    stop = n if stop < 0 else stop
+    while True:
+        window = text[pos:stop]
+        try:
+            value, end = decoder.raw_decode(window)
+        except json.JSONDecodeError as e:
+            if stop >= n or (e.pos + _LOOKAHEAD < len(window) and not e.msg.startswith("Unterminated string")):
+                raise
+            stop = text.find("\n", max(stop + 1, pos + 2 * len(window)))
+            stop = n if stop < 0 else stop
+            continue
+        return value, pos + end
