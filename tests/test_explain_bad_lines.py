@@ -10,6 +10,8 @@ import random
 import time
 
 from common.traces.json_values import _BATCH_START, iter_json_values
+from scripts import explain
+from tests.test_explain_hostile import one_job
 
 
 def plain_iter(text: str):
@@ -75,3 +77,24 @@ def test_the_bad_lines_told_are_those_the_plain_count_told():
         if rng.random() < 0.3:
             text += rng.choice(["\n", "", '{"resourceSpans": x'])
         assert list(iter_json_values(text)) == list(plain_iter(text)), text
+
+
+def test_a_line_nested_too_deeply_is_told_not_a_traceback(tmp_path, capsys):
+    """A line of 5,000 open brackets naming the request: json's decoder raised RecursionError, which the reader did
+    not catch, and explain died with a traceback. It is now one bad line, told by its number, and the rest read."""
+    path = tmp_path / "spans.jsonl"
+    one_job(path, 1)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:1] + ["[" * 5000 + '"job-1"', '{"a": ' * 5000 + '"job-1"'] + lines[1:]) + "\n")
+    assert explain.main(["job-1", "--spans", str(path), "--json"]) == 0
+    out = capsys.readouterr()
+    d = json.loads(out.out)
+    assert d["total_s"] > 0.9 and d["workers"] == ["w0"], d
+    assert "line 2: not JSON (nested too deeply)" in out.err, out.err
+    # Bad from the start to the end: the whole text is one bad value, and the error says so.
+    told = list(iter_json_values("[" * 5000 + "\n" + good_batch()))
+    assert told == [(None, "line 1: not JSON (nested too deeply)"), (json.loads(good_batch()), None)], told
+
+
+def good_batch() -> str:
+    return json.dumps({"resourceSpans": []})

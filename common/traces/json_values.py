@@ -31,10 +31,12 @@ def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
             return
         try:
             value, end = _decode(decoder, text, pos)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
+            # RecursionError: a value nested deeper than the decoder goes (a hostile line), bad like any other.
             line += text.count("\n", counted, pos)
             counted = pos
-            yield None, f"line {line}: not JSON ({e.msg})"
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            yield None, f"line {line}: not JSON ({why})"
             if nl < pos:
                 nl = text.find("\n", pos)
                 nl = n if nl < 0 else nl
