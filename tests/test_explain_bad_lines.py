@@ -69,7 +69,8 @@ def test_the_bad_lines_told_are_those_the_plain_count_told():
     good = json.dumps({"resourceSpans": []})
     pieces = [good, good + "\n" + good, '{"resourceSpans": [', "not json", "", "  ", '{"a": 1}', "[1, 2]",
               '{"resourceSpans": [' + good, "x" + good + "y", "\r", good + " trailing",
-              '"abc', '"\\u12', '"\\ud800', '"x\\', "tru", "12", "-Infinity", "NaN", "[1,", '{"a":', '{"a"', "1e", '"\\"',
+              '"abc', '"\\u12', '"\\ud800', '"x\\', "tru", "12", "-Infinity", "NaN", "[1,", '{"a":', '{"a"', "1e",
+              '"\\"',
               '{"resourceSpans": [{', "  ]}", "}", "]", ',"b": [2]}', "3]", '"x\tabc"',
               json.dumps({"resourceSpans": [{"a": [1, "x"], "b": None}]}, indent=2)]
     for _ in range(2000):
