@@ -56,6 +56,19 @@ def explained(path, capsys, rid="v") -> tuple[str, dict]:
     return text, json.loads(capsys.readouterr().out)
 
 
+def decision_steps(path) -> dict[str, int]:
+    """decision id -> the engine step it was made in (scheduler.step), for the decisions that took from v."""
+    out = {}
+    for line in path.read_text().splitlines():
+        for rs in json.loads(line)["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    a = {kv["key"]: next(iter(kv["value"].values())) for kv in sp.get("attributes", [])}
+                    if sp["name"] == "scheduler.preemption" and a.get("preemption.victim.request_id") == "v":
+                        out[a["preemption.decision_id"]] = int(a["scheduler.step"])
+    return out
+
+
 def decision_ids(path) -> dict[str, str]:
     """beneficiary -> decision id of the decisions that took from v, read from the file."""
     out = {}
@@ -106,9 +119,15 @@ def test_a_later_steps_decision_is_told_with_its_time(tiny_model_dir, tmp_path, 
     (cause,) = [c for c in d["blame"] if c["kind"] == "suspended"]
     a, x = cause["detail"]["takings"]
     assert (a["by_request_id"], a["mode"], x["by_request_id"], x["mode"]) == ("a", "keep", "x", "recompute")
-    assert x["at_s"] > a["at_s"] + 0.005, (a, x)
-    assert (f"request a (P0, tenant chat), decision {ids['a']} (keep, trigger slot); then request x (P2), decision "
-            f"{ids['x']} (recompute, trigger kv_memory) at +{x['at_s']:.2f} s") in text, text
+    steps = decision_steps(path)
+    assert steps[ids["x"]] > steps[ids["a"]], steps  # a later step's: what this test is about
+    told = (f"request a (P0, tenant chat), decision {ids['a']} (keep, trigger slot); then request x (P2), decision "
+            f"{ids['x']} (recompute, trigger kv_memory)")
+    assert told in text, text
+    # Its time is told where it came 5 ms or more into the suspended period (a step of the tiny model on one torch
+    # thread may take less): then it must be the decision's own.
+    after = text.split(told, 1)[1]
+    assert after.startswith(f" at +{x['at_s']:.2f} s") or not after.startswith(" at +"), text
 
 
 def hand_made(path, suspended_attrs: dict, *, decisions=("a", "x")) -> None:
