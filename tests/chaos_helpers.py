@@ -131,12 +131,12 @@ class Books:
             self.problems.append(msg)
 
 
-def outcome(rec: dict, fn) -> None:
-    """Run the wait ``fn`` and put what it gave (tokens, or the error's kind) in the record."""
+@contextmanager
+def outcome(rec: dict):
+    """Around a wait for a job's result, sync or async: what it gave goes in the record, the result the caller hands
+    to ``got`` (its tokens and finish reason) or the error's kind."""
     try:
-        res = fn()
-        rec["result"] = list(res.token_ids)
-        rec["finish_reason"] = res.finish_reason
+        yield lambda res: rec.update(result=list(res.token_ids), finish_reason=res.finish_reason)
     except JobCancelled:
         rec["error"] = "cancelled"
     except JobExpired:
@@ -217,7 +217,8 @@ class SyncClient(threading.Thread):
         elif action == "cancel":
             time.sleep(self.rng.uniform(0.0, 1.5))
             rec["cancelled"] = job.cancel()
-        outcome(rec, lambda: job.result(timeout=240))
+        with outcome(rec) as got:
+            got(job.result(timeout=240))
 
 
 class AsyncClients(threading.Thread):
@@ -296,15 +297,8 @@ class AsyncClients(threading.Thread):
             elif action == "cancel":
                 await asyncio.sleep(rng.uniform(0.0, 1.5))
                 rec["cancelled"] = await job.cancel()
-            try:
-                res = await job.result(timeout=240)
-                rec["result"], rec["finish_reason"] = list(res.token_ids), res.finish_reason
-            except JobCancelled:
-                rec["error"] = "cancelled"
-            except JobExpired:
-                rec["error"] = "expired"
-            except JobFailed as e:
-                rec["error"] = f"failed: {e}"
+            with outcome(rec) as got:
+                got(await job.result(timeout=240))
 
 
 class Faults(threading.Thread):

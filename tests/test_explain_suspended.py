@@ -56,30 +56,27 @@ def explained(path, capsys, rid="v") -> tuple[str, dict]:
     return text, json.loads(capsys.readouterr().out)
 
 
-def decision_steps(path) -> dict[str, int]:
-    """decision id -> the engine step it was made in (scheduler.step), for the decisions that took from v."""
-    out = {}
+def decisions_against_v(path) -> list[dict]:
+    """The attributes of each decision that took from v, read from the file."""
+    out = []
     for line in path.read_text().splitlines():
         for rs in json.loads(line)["resourceSpans"]:
             for ss in rs["scopeSpans"]:
                 for sp in ss["spans"]:
                     a = {kv["key"]: next(iter(kv["value"].values())) for kv in sp.get("attributes", [])}
                     if sp["name"] == "scheduler.preemption" and a.get("preemption.victim.request_id") == "v":
-                        out[a["preemption.decision_id"]] = int(a["scheduler.step"])
+                        out.append(a)
     return out
+
+
+def decision_steps(path) -> dict[str, int]:
+    """decision id -> the engine step it was made in (scheduler.step), for the decisions that took from v."""
+    return {a["preemption.decision_id"]: int(a["scheduler.step"]) for a in decisions_against_v(path)}
 
 
 def decision_ids(path) -> dict[str, str]:
     """beneficiary -> decision id of the decisions that took from v, read from the file."""
-    out = {}
-    for line in path.read_text().splitlines():
-        for rs in json.loads(line)["resourceSpans"]:
-            for ss in rs["scopeSpans"]:
-                for sp in ss["spans"]:
-                    a = {kv["key"]: next(iter(kv["value"].values())) for kv in sp.get("attributes", [])}
-                    if sp["name"] == "scheduler.preemption" and a.get("preemption.victim.request_id") == "v":
-                        out[a["preemption.beneficiary.request_id"]] = a["preemption.decision_id"]
-    return out
+    return {a["preemption.beneficiary.request_id"]: a["preemption.decision_id"] for a in decisions_against_v(path)}
 
 
 def test_every_decision_of_a_suspended_period_is_told_in_order(tiny_model_dir, tmp_path, capsys):
