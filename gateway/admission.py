@@ -40,6 +40,25 @@ class OnlyDraining(Overloaded):
         self.admission = admission
 
 
+class BeyondWorkers(InvalidRequest):
+    """Refused as invalid by the workers registered now (their context, their vocabulary), not by the request alone.
+    ``admission``: the request's, valid in every other way, so that a retry of a job its idempotency key admitted
+    before the cluster changed gets that job (the key's promise), not a refusal saying it could never be stored."""
+
+    def __init__(self, message: str, admission: Admission, *, field: str) -> None:
+        super().__init__(message, field=field)
+        self.admission = admission
+
+
+class FitsNoWorker(TierLimitExceeded):
+    """Past every registered worker's share of the KV cache for the tier (the only worker it fitted may have left):
+    ``admission`` as BeyondWorkers'."""
+
+    def __init__(self, message: str, admission: Admission, *, tier: str, limit_tokens: int) -> None:
+        super().__init__(message, tier=tier, limit_tokens=limit_tokens)
+        self.admission = admission
+
+
 def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size: int | None,
           max_model_len: int, max_tokens_limit: int,
           tier_max_tokens: Callable[[str], int | None] = lambda tier: None,
@@ -67,13 +86,6 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise InvalidRequest("the prompt is empty", field="prompt")
     if not 1 <= req.max_tokens <= max_tokens_limit:
         raise InvalidRequest(f"max_tokens must be in 1..{max_tokens_limit}", field="max_tokens")
-    if len(ids) + req.max_tokens > max_model_len:
-        raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-                             f"model's context of {max_model_len}", field="prompt" if len(ids) >= max_model_len
-                             else "max_tokens")
-    # After the length check (cheap, and it bounds this one); min and max run in C.
-    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise InvalidRequest(f"token ids must be in 0..{vocab_size - 1}", field="prompt_token_ids")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidRequest("temperature must be finite and >= 0", field="temperature")
     if not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:
@@ -85,19 +97,28 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
     if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= MAX_IDEMPOTENCY_KEY_LEN:
         raise InvalidRequest(f"idempotency_key must be 1..{MAX_IDEMPOTENCY_KEY_LEN} characters",
                              field="idempotency_key")
-    # Last: a request refused as overloaded below must be valid in every other way, or its retry is refused anyway.
+    # Last, the checks against the workers registered now (their context, vocabulary and KV shares): a request they
+    # refuse must be valid in every other way, for a retry of its job admitted before the cluster changed gets that
+    # job (client_api._replay), and one refused as overloaded would be refused anyway on its retry.
+    adm = Admission(tenant, tier, list(ids))
+    if len(ids) + req.max_tokens > max_model_len:
+        raise BeyondWorkers(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                            f"model's context of {max_model_len}", adm,
+                            field="prompt" if len(ids) >= max_model_len else "max_tokens")
+    # After the length check (cheap, and it bounds this one); min and max run in C.
+    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise BeyondWorkers(f"token ids must be in 0..{vocab_size - 1}", adm, field="prompt_token_ids")
     limit = tier_max_tokens(tier.value)
     if limit is not None and len(ids) + req.max_tokens > limit:
         later = returning_max_tokens(tier.value)
         if later is not None and len(ids) + req.max_tokens <= later:
             raise OnlyDraining(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) fits only workers that "
                                f"are draining or restarting (a redeploy), past the {limit} tokens a {tier.value} job "
-                               "may hold on the others; nothing was stored, retry shortly",
-                               Admission(tenant, tier, list(ids)))
-        raise TierLimitExceeded(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
-                                f"tokens a {tier.value} job may hold on this cluster's workers", tier=tier.value,
-                                limit_tokens=limit)
-    return Admission(tenant, tier, list(ids))
+                               "may hold on the others; nothing was stored, retry shortly", adm)
+        raise FitsNoWorker(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {limit} "
+                           f"tokens a {tier.value} job may hold on this cluster's workers", adm, tier=tier.value,
+                           limit_tokens=limit)
+    return adm
 
 
 def fingerprint(req: SubmitRequest, adm: Admission) -> str:

@@ -46,6 +46,10 @@ class ClientApi:
                                   max_tokens_limit=self.config.max_tokens_limit,
                                   tier_max_tokens=self.workers.tier_max_tokens,
                                   returning_max_tokens=self.workers.returning_max_tokens)
+        except (admission.BeyondWorkers, admission.FitsNoWorker) as e:  # judged by the workers there are now
+            if (replay := self._replay(req, e.admission)) is not None:
+                return replay
+            return self._error_for(e)
         except (Unauthorized, Forbidden, InvalidRequest) as e:
             return self._error_for(e)
         except admission.OnlyDraining as e:  # fits only a worker a redeploy is restarting: nothing stored or charged
