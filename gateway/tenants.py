@@ -45,6 +45,11 @@ def _digest(entry: dict, where: str) -> str:
     return key_digest(key)
 
 
+def _differs(a: Tenant, b: Tenant) -> str:
+    return " and ".join(f for f in ("tiers", "p0_rate_per_s", "p0_burst", "on_quota_exhausted")
+                        if getattr(a, f) != getattr(b, f))
+
+
 class TenantDirectory:
     def __init__(self, tenants: dict[str, Tenant]) -> None:
         self._by_digest = tenants  # sha256 hex -> Tenant
@@ -56,6 +61,7 @@ class TenantDirectory:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read tenants file {path}: {e}") from None
         out: dict[str, Tenant] = {}
+        named: dict[str, tuple[str, Tenant]] = {}  # name -> (its first entry, its record)
         for i, t in enumerate(data.get("tenant", [])):
             where = f"{path}: tenant #{i + 1}"
             try:
@@ -84,7 +90,13 @@ class TenantDirectory:
                     raise ConfigError(f"{where}: p0_burst must be a whole number >= 1, got {burst!r}")
                 if digest in out:
                     raise ConfigError(f"{where}: the same API key as tenant {out[digest].name!r}")
-                out[digest] = Tenant(name, tiers, rate, burst, mode)
+                tenant = Tenant(name, tiers, rate, burst, mode)
+                first, same = named.setdefault(name, (f"tenant #{i + 1}", tenant))
+                if same != tenant:
+                    raise ConfigError(f"{where}: tenant {name!r} is also {first}, with other "
+                                      f"{_differs(same, tenant)}; entries of one name (an API key's rotation) are one "
+                                      "tenant (its quota, jobs and idempotency keys are kept by name): make them agree")
+                out[digest] = tenant
             except ConfigError:  # already says where: wrapped again below, it said so twice
                 raise
             except (KeyError, ValueError) as e:
