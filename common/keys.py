@@ -25,6 +25,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from common.secrets import check_writers
+
 GATEWAY_NAME = "gateway"
 WORKERS_DIR = "workers"
 ALLOW_LIST_DIR = "authorized_workers"
@@ -36,6 +38,7 @@ class KeyFileError(ValueError):
 
 def load_public(path: str | Path) -> bytes:
     """The z85 public key in a ``.key`` (or ``.key_secret``) file."""
+    check_writers(path, "CURVE key file")
     try:
         public, _ = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
@@ -45,6 +48,7 @@ def load_public(path: str | Path) -> bytes:
 
 def load_pair(path: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) z85 keys from a ``.key_secret`` file."""
+    check_writers(path, "CURVE key file")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
@@ -59,6 +63,7 @@ def load_allow_list(directory: str | Path) -> set[bytes]:
     d = Path(directory)
     if not d.is_dir():
         raise KeyFileError(f"worker allow-list {d} is not a directory")
+    check_writers(d, "worker allow-list directory")  # whoever may add a file to it adds a worker
     keys = {load_public(p) for p in sorted(d.glob("*.key"))}
     if not keys:
         raise KeyFileError(f"worker allow-list {d} holds no *.key file")

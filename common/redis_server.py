@@ -25,6 +25,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.ports import free_port
+from common.secrets import check_writers
 from common.process import die_with_parent
 
 
@@ -38,6 +39,7 @@ def redact_url(text: str) -> str:
 
 def read_secret(path: str | os.PathLike) -> str:
     """A secret from a file (one line; surrounding whitespace stripped)."""
+    check_writers(path, "secret file")
     try:
         value = Path(path).read_text().strip()
     except OSError as e:

@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.secrets import check_writers
 from common.settings import ConfigError
 from common.tiers import Tier, parse_tier
 
@@ -56,6 +57,7 @@ class TenantDirectory:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantDirectory:
+        check_writers(path, "tenants file")  # whoever may write it adds a tenant, with a key of their own
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:

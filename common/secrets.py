@@ -1,0 +1,65 @@
+"""A warning for a secret or trust file (a key, a password, the tenants file, the worker allow-list) others may write.
+
+Whoever can write one can swap a key or the Redis password, add a tenant or a worker key: the file is still read (a
+refusal would stop a running deployment on its next restart), with one warning naming it and its mode. Readable by
+others is left alone: the Compose specification's default mode for a secret is 0444, and Compose bind-mounts a file
+secret with its host mode, so an image running as its own uid (the gateway's 10001) often reads its secrets through
+the "other" bits alone; a warning there would be said by every such deployment, and so heard by none.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import stat
+
+log = logging.getLogger("secrets")
+_warned: set[tuple[str, int]] = set()  # (path, mode): said once a process, though a key pair is read once a socket
+
+
+def check_writers(path: str | os.PathLike, what: str) -> None:
+    """Warn (once per path and mode) when someone other than its owner may write ``path``, or replace it through
+    its directory. Not said where nobody else can: a read-only mount (as Kubernetes and Compose mount secrets), a
+    directory others cannot enter (scripts/up.py's 0700 secrets folder), a group that is its owner's alone (the user
+    private groups of umask 002 systems)."""
+    path = os.fspath(path)
+    try:
+        st, parent = os.stat(path), os.stat(os.path.dirname(os.path.abspath(path)))
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return
+    except OSError:
+        return  # the reader says why it cannot read it
+    if who := _writers(st, parent):
+        _say(path, st.st_mode, f"{what} {path} is writable by {who}")
+    elif not parent.st_mode & stat.S_ISVTX and (who := _writers(parent, None)):
+        folder = os.path.dirname(os.path.abspath(path))
+        _say(folder, parent.st_mode, f"directory {folder} (of {what} {path}) is writable by {who}")
+
+
+def _writers(st: os.stat_result, parent: os.stat_result | None) -> str:
+    """Who besides the owner may write (``parent``: the directory they must enter to reach it; None: not checked)."""
+    mode, enter = st.st_mode, parent.st_mode if parent is not None else 0o777
+    who = []
+    if mode & stat.S_IWGRP and enter & (stat.S_IXGRP | stat.S_IXOTH) and _shared_group(st):
+        who.append("its group")
+    if mode & stat.S_IWOTH and enter & stat.S_IXOTH:
+        who.append("others")
+    return " and ".join(who)
+
+
+def _shared_group(st: os.stat_result) -> bool:
+    try:
+        group, owner = grp.getgrgid(st.st_gid), pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:  # an id this host does not name (a mount from another host): it may be anyone's
+        return True
+    return group.gr_name != owner or any(m != owner for m in group.gr_mem)
+
+
+def _say(path: str, mode: int, text: str) -> None:
+    if (path, mode) in _warned:  # a directory of several keys: said once
+        return
+    _warned.add((path, mode))
+    log.warning("%s (mode %04o): whoever can write it can replace what the file holds; chmod go-w it", text,
+                stat.S_IMODE(mode))
