@@ -16,6 +16,10 @@ from common.settings import ConfigError
 from common.tiers import Tier, parse_tier
 
 
+ENTRY_KEYS = frozenset({"name", "api_key", "api_key_sha256", "tiers", "p0_rate_per_s", "p0_burst",
+                        "on_quota_exhausted"})
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -64,8 +68,18 @@ class TenantDirectory:
             raise ConfigError(f"cannot read tenants file {path}: {e}") from None
         out: dict[str, Tenant] = {}
         named: dict[str, tuple[str, Tenant]] = {}  # name -> (its first entry, its record)
+        # Unknown keys are refused, as in every other configuration file: a misspelled p0_rate_per_s loaded a tenant
+        # with no P0 quota at all, and [[tenants]] a file of no tenant.
+        if set(data) - {"tenant"} or not isinstance(data.get("tenant", []), list):
+            raise ConfigError(f"{path}: holds {sorted(data)}; expected only [[tenant]] entries (an array of tables)")
         for i, t in enumerate(data.get("tenant", [])):
             where = f"{path}: tenant #{i + 1}"
+            if not isinstance(t, dict):
+                raise ConfigError(f"{where}: not a table (write each entry as [[tenant]])")
+            if unknown := set(t) - ENTRY_KEYS:
+                raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(ENTRY_KEYS)}")
+            if not isinstance(t.get("tiers", []), list):
+                raise ConfigError(f"{where}: tiers must be a list of tiers, such as [\"P1\", \"P2\"]")
             try:
                 name = t["name"]
                 if not isinstance(name, str) or not name:

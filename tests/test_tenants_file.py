@@ -9,12 +9,18 @@ on the key a client happened to hold. They loaded silently; now the file is refu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from common.settings import ConfigError
 from common.tiers import Tier
 from gateway.tenants import TenantDirectory
 
+ROOT = Path(__file__).resolve().parent.parent
 ENTRY = 'name = "chat"\ntiers = ["P0", "P1"]\np0_rate_per_s = 2\np0_burst = 4\non_quota_exhausted = "refuse"\n'
 
 
@@ -49,3 +55,33 @@ def test_a_quota_left_out_of_one_entry_of_a_name_is_a_disagreement(tmp_path):
     unlimited = "".join(line + "\n" for line in ENTRY.splitlines() if not line.startswith("p0_rate"))
     with pytest.raises(ConfigError, match="p0_rate_per_s"):
         TenantDirectory.from_file(_write(tmp_path, ENTRY + 'api_key = "a"\n', unlimited + 'api_key = "b"\n'))
+
+
+@pytest.mark.parametrize("body, said", [
+    # A misspelled quota key was ignored: the tenant loaded with no P0 quota at all (unlimited P0).
+    (ENTRY.replace("p0_rate_per_s", "p0_rate_per_sec") + 'api_key = "k"\n', "p0_rate_per_sec"),
+    (ENTRY.replace("p0_burst", "p0_bursts") + 'api_key = "k"\n', "p0_bursts"),
+    # [[tenants]] loaded no tenant (every key refused, the file said to be fine); [tenant] crashed with a TypeError.
+    ("[[tenants]]\n" + ENTRY + 'api_key = "k"\n', "tenants"),
+    ("[tenant]\n" + ENTRY + 'api_key = "k"\n', "tenant"),
+    ("tenant = 5\n", "tenant"),
+    ("tenant = [5]\n", "tenant #1"),
+    ("[[tenant]]\n" + ENTRY.replace('tiers = ["P0", "P1"]', "tiers = 5") + 'api_key = "k"\n', "tiers"),
+    ("[[tenant]]\n" + ENTRY.replace('tiers = ["P0", "P1"]', 'tiers = "P1"') + 'api_key = "k"\n', "tiers"),
+])
+def test_a_tenants_file_not_as_documented_is_a_config_error_naming_what(tmp_path, body, said):
+    path = tmp_path / "tenants.toml"
+    path.write_text(body if body.startswith(("[", "tenant")) else "[[tenant]]\n" + body)
+    with pytest.raises(ConfigError, match=said):
+        TenantDirectory.from_file(path)
+
+
+def test_a_gateway_given_a_tenants_file_it_cannot_use_says_why_in_one_line_and_exits_2(tmp_path):
+    """Read before Redis is reached: no other process is needed to see it."""
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenant]\n" + ENTRY + 'api_key = "k"\n')
+    done = subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(path), "--insecure-workers",
+                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and str(path) in done.stderr, done.stderr
