@@ -4,9 +4,9 @@ The SDK's client speaks for one API key, and the front door serves every tenant,
 a client per key that has asked recently (bounded: the least recently used idle client is
 closed past ``max_clients``, a client being idle once no answer of a job it submitted is still
 being sent; a key the gateway refuses is forgotten at once, so strangers
-cannot fill the table). A key is checked with a gateway the first time the table holds it
-(``check``), before the door reads the request that came with it: a stranger gets 401 and no
-other answer. Nothing here outlives a restart: jobs live in the gateways' Redis.
+cannot fill the table). A key is checked with a gateway before the door reads the request that
+came with it (``check``; again once the gateway's word is AUTH_MAX_AGE_S old): a stranger, or a
+tenant the gateways no longer know, gets 401 and no other answer. Nothing here outlives a restart: jobs live in the gateways' Redis.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from contextlib import asynccontextmanager
 from common import protocol as P
 from common.errors import Unauthorized
 from gateway.sdk import AsyncGatewayClient, GatewayClient
+
+# How long a gateway's word that it knows a key stands (its latest info answer for the key): a tenant removed from
+# the gateways' tenants file (and the gateways restarted) is a stranger to the door once this has passed, and the
+# door reads nothing of its requests. Shorter than a gateway takes to restart; an active key is asked once a second.
+AUTH_MAX_AGE_S = 1.0
 
 
 class _Entry:
@@ -83,16 +88,20 @@ class Upstream:
         return entry, release
 
     async def check(self, api_key: str) -> None:
-        """Raise Unauthorized if the gateway does not know ``api_key``. Asked once while the table holds the key;
-        the gateways still check it on every call. Any other error (TimeoutError, Unavailable while Redis is
-        down) is raised as well and leaves the key unchecked: it is asked again next time."""
+        """Raise Unauthorized if the gateway does not know ``api_key``. Asked again once the gateway's latest word on
+        the key is AUTH_MAX_AGE_S old: taken as known for as long as the door kept its client, a key whose tenant
+        was removed had its requests read, validated and tokenized (a 404 naming the served model, not a 401)
+        until one reached a gateway. Any other error (TimeoutError, Unavailable while Redis is down) is raised as
+        well and leaves the key unchecked: it is asked again next time."""
         entry = self._entries.get(api_key)
-        if entry is not None and entry.known:
+        if entry is not None and entry.known and time.monotonic() - entry.info_at <= AUTH_MAX_AGE_S:
             self._entries.move_to_end(api_key)
             return
         try:
             await self.info(api_key, max_age_s=0.0)
         except Unauthorized:
+            if entry is not None:
+                entry.known = False  # kept while a job of the key still streams through it
             self.forget(api_key)
             raise
 
