@@ -6,7 +6,8 @@ closed past ``max_clients``, a client being idle once no answer of a job it subm
 being sent; a key the gateway refuses is forgotten at once, so strangers
 cannot fill the table). A key is checked with a gateway before the door reads the request that
 came with it (``check``; again once the gateway's word is AUTH_MAX_AGE_S old): a stranger, or a
-tenant the gateways no longer know, gets 401 and no other answer. Nothing here outlives a restart: jobs live in the gateways' Redis.
+tenant the gateways no longer know, gets 401 and no other answer. Nothing here outlives a
+restart: jobs live in the gateways' Redis.
 """
 
 from __future__ import annotations
