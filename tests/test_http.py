@@ -121,8 +121,8 @@ def test_completion_stream_with_usage(cluster):
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     streamed = "".join(c["choices"][0]["text"] for c in chunks)
-    # The same request whole gives the same text (temperature 0).
-    whole = post(cluster, "/v1/completions", body | {"stream": False}, tenant="api-co").json()
+    # The same request whole gives the same text (temperature 0); stream_options are a stream's only.
+    whole = post(cluster, "/v1/completions", body | {"stream": False, "stream_options": None}, tenant="api-co").json()
     assert whole["choices"][0]["text"] == streamed
     assert whole["usage"] == usage["usage"]
 

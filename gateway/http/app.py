@@ -112,7 +112,7 @@ class FrontDoor:
 
     def _prompt_ids(self, body, chat: bool) -> list[int]:
         if chat:
-            ids = self.prompts.chat(body.messages)
+            ids = self.prompts.chat(body.messages, body.template_kwargs())
         else:
             ids = self.prompts.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         return ids[-body.truncate_prompt_tokens:] if body.truncate_prompt_tokens else ids

@@ -57,14 +57,16 @@ class Prompts:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
 
-    def chat(self, messages: Sequence[Message]) -> list[int]:
+    def chat(self, messages: Sequence[Message], template_kwargs: dict | None = None) -> list[int]:
+        """``template_kwargs``: variables the template gets beside the messages (reasoning_effort: schemas.py)."""
         if not self.has_chat_template:
             return self.encode(plain_chat_text(messages))
         # Rendered to text first: the template already holds the special tokens (BOS, role markers), so the
         # text is encoded without adding them again.
         try:
             text = self.tokenizer.apply_chat_template([template_message(m) for m in messages],
-                                                      tokenize=False, add_generation_prompt=True)
+                                                      tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
         except Exception as e:
             if _refused_by_template(e):
                 # The template judged the conversation (Llama-2/Mistral templates refuse roles that do not

@@ -42,6 +42,8 @@ def _text_format(value: Any) -> bool:
 
 
 # name: (whether a value asks for nothing, that value as the refusal names it). null always asks for nothing.
+# Not here, for it cannot change the answer: spaces_between_special_tokens, which only a slow tokenizer's decoding
+# reads (in vLLM too), where the gateway decodes with the fast one and skips special tokens (gateway/detokenize.py).
 Unhonoured = dict[str, tuple[Callable[[Any], bool], str]]
 SHARED: Unhonoured = {
     "presence_penalty": (_number(0), "0"),
@@ -178,6 +180,11 @@ class _Sampling(_Body):
 
     def unhonoured(self) -> tuple[str, str] | None:
         """(param, message) for the first field asking for what this server cannot do; None: none does."""
+        # Options of a stream that is not one (as OpenAI and vLLM refuse them): ignored, the client that asked for
+        # the usage chunk got a whole answer and no word that its option did nothing. {} asks for nothing.
+        if not self.stream and self.stream_options is not None and (
+                self.stream_options.model_fields_set or self.stream_options.model_extra):
+            return "stream_options", "stream_options is only allowed when stream is true"
         if self.stream_options is not None and (
                 found := first_unhonoured(self.stream_options.model_extra, STREAM_OPTIONS, "stream_options.")):
             return found
@@ -189,6 +196,16 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    # Handed to the chat template, as vLLM hands it (with enable_thinking, false for "none"): a template that reads
+    # it (gpt-oss's, Qwen3's enable_thinking) renders the effort asked for; one that does not is the same prompt,
+    # as in vLLM. The plain format (a tokenizer without a template) has no reasoning mode to set.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets beside the messages."""
+        if self.reasoning_effort is None:
+            return {}
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none"}
 
     def requested_max_tokens(self) -> int | None:
         """What the client asked for; None: the door sizes it (gateway/http/sizing.py)."""
