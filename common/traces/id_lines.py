@@ -8,13 +8,18 @@ import re
 from pathlib import Path
 
 
-def lines_naming(paths: list[Path], tokens: set[str]) -> list[str]:
-    """The lines of ``paths`` that hold any of ``tokens`` (as a substring), read one at a time."""
+def lines_naming(paths: list[Path], tokens: set[str], at: list[tuple[Path, int]] | None = None) -> list[str]:
+    """The lines of ``paths`` that hold any of ``tokens`` (as a substring), read one at a time; with ``at``, the file
+    and line number (from 1) of each is appended to it, so that a bad one can be told where the file has it."""
     finder = _TokenFinder(tokens)
     out = []
     for path in paths:
         with path.open(encoding="utf-8", errors="replace") as f:
-            out += [ln.rstrip("\n") for ln in f if finder.in_line(ln)]
+            for n, ln in enumerate(f, 1):
+                if finder.in_line(ln):
+                    out.append(ln.rstrip("\n"))
+                    if at is not None:
+                        at.append((path, n))
     return out
 
 

@@ -5,18 +5,19 @@ skipped, so one bad line does not lose the rest. Nothing here knows OTLP: ``comm
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _BATCH_START = '{"resourceSpans":'  # how the file exporter begins each line
 _LOOKAHEAD = 16  # more than the decoder reads at once: a \uXXXX\uXXXX surrogate pair, -Infinity
 
 
-def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
+def iter_json_values(text: str, where: Callable[[int], str] | None = None) -> Iterator[tuple[Any, str | None]]:
     """Every JSON value in ``text`` (one document, JSON lines, or values back to back).
 
     Yields (value, None), or (None, error) for a stretch that is not JSON (skipped up to the
     next line, or to a batch that begins later on its line), so one truncated line does not lose the rest of the file.
+    ``where`` names the text's line n in an error (default ``line n``): the text may be a file's picked lines.
     """
     decoder = json.JSONDecoder()
     pos, n = 0, len(text)
@@ -36,7 +37,7 @@ def iter_json_values(text: str) -> Iterator[tuple[Any, str | None]]:
             line += text.count("\n", counted, pos)
             counted = pos
             why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-            yield None, f"line {line}: not JSON ({why})"
+            yield None, f"{where(line) if where else f'line {line}'}: not JSON ({why})"
             if nl < pos:
                 nl = text.find("\n", pos)
                 nl = n if nl < 0 else nl

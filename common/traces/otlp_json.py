@@ -15,6 +15,8 @@ import base64
 import binascii
 import json
 import re
+from bisect import bisect_right
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,12 +225,13 @@ def trace_ids_from_summaries(doc: Any) -> list[str]:
     return ids
 
 
-def parse_spans_text(text: str) -> SpanSet:
-    """Spans of OTLP/JSON text: JSON lines or one document. Raises TraceFormatError if none is OTLP."""
+def parse_spans_text(text: str, where: Callable[[int], str] | None = None) -> SpanSet:
+    """Spans of OTLP/JSON text: JSON lines or one document. Raises TraceFormatError if none is OTLP. ``where`` names
+    the text's line n in a warning (iter_json_values)."""
     spans: list[Span] = []
     warnings: list[str] = []
     docs = 0
-    for value, error in iter_json_values(text):
+    for value, error in iter_json_values(text, where):
         if error is not None:
             warnings.append(error)
             continue
@@ -250,21 +253,22 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     With ``request_id``, the files are streamed twice and only the lines that can matter are kept and
     parsed: those naming the request id, then those naming one of its traces or spans (in hex or
     base64), which holds the decision spans of other traces that link to it. Memory stays that of
-    those lines, however large the files (up.py's grow about 2.6 KB a job).
+    those lines, however large the files (up.py's grow about 2.6 KB a job). A bad line is told by its file and
+    its line there, not by its place among the lines kept.
     Raises OSError when the file cannot be read, TraceFormatError when it holds no OTLP/JSON.
     """
     paths = rotated_files(path)
     if request_id is None:
-        return parse_spans_text(_read_all(paths))
+        return _parse_all(paths)
     needle = json.dumps(str(request_id))
     first = lines_naming(paths, {needle})
     if not first:
         # Nothing names the request (or the file is one pretty-printed document): parse it all.
-        return parse_spans_text(_read_all(paths))
+        return _parse_all(paths)
     try:
         seed = parse_spans_text("\n".join(first))
     except TraceFormatError:
-        return parse_spans_text(_read_all(paths))
+        return _parse_all(paths)
     tokens = {needle}
     for s in seed.spans:
         if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
@@ -274,10 +278,24 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
         if s.trace_id in traces:
             for link in s.links:
                 tokens.update(id_forms(link.span_id))
-    return parse_spans_text("\n".join(lines_naming(paths, tokens)))
+    at: list[tuple[Path, int]] = []
+    kept = lines_naming(paths, tokens, at)
+    return parse_spans_text("\n".join(kept), lambda n: _line_of(*at[n - 1]))
 
 
-def _read_all(paths: list[Path]) -> str:
-    if len(paths) == 1:  # one document, pretty-printed, stays one
-        return paths[0].read_text(encoding="utf-8", errors="replace")
-    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+def _parse_all(paths: list[Path]) -> SpanSet:
+    """Every file whole, as one text; its line n told as the line of the file it came from."""
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+    firsts = [1]  # the text's line each file begins on: one more for each file's join
+    for t in texts[:-1]:
+        firsts.append(firsts[-1] + t.count("\n") + 1)
+
+    def where(n: int) -> str:
+        i = bisect_right(firsts, n) - 1
+        return _line_of(paths[i], n - firsts[i] + 1)
+    # One file's text as it is: a pretty-printed document stays one.
+    return parse_spans_text(texts[0] if len(texts) == 1 else "\n".join(texts), where)
+
+
+def _line_of(path: Path, n: int) -> str:
+    return f"{path}, line {n}"
