@@ -13,10 +13,12 @@ wait with its cause, in time order) and the phases for a Gantt chart.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 
 from common.traces import accounting
 from common.traces.clocks import clock_offsets, on_redis_clock
+from common.traces.lookups import Within
 from common.traces.missing import missing_spans
 from common.traces.model import Cause, Explanation, NoSchedulingSpans, Phase, Suspension
 from common.traces.preemption_causes import PreemptionCauses
@@ -115,7 +117,8 @@ class _Analyser(WaitCauses, PreemptionCauses):
         if self.spans(WORKER_REQUEST):
             # Only the waits inside a worker.request found: a worker killed -9 exported its lost attempt's queue
             # wait but never its worker.request, and that wait taken off the next attempt's running was told twice.
-            inside = [s for s in self.spans(WORKER_QUEUE) + self.spans(WORKER_SUSPENDED) if self._in_request(s)]
+            within = Within(self.spans(WORKER_REQUEST))
+            inside = [s for s in self.spans(WORKER_QUEUE) + self.spans(WORKER_SUSPENDED) if within.holds(s)]
             running = self.total(WORKER_REQUEST) - sum(s.duration_s for s in inside)
         else:
             running = self.total(WORKER_PREFILL) + self.total(WORKER_DECODE) - suspended
@@ -166,21 +169,16 @@ class _Analyser(WaitCauses, PreemptionCauses):
         attempt = (attr_int(before[-1].get("dispatch.attempt")) or len(before)) if before else 1
         return round(max(0, at - admitted) / 1e9, 9), attempt
 
-    def _in_request(self, s: Span) -> bool:
-        """Whether ``s`` lies in one of the request's worker.request spans found (its parent, or its interval)."""
-        return any(s.parent_span_id == w.span_id or w.start_ns <= s.start_ns <= s.end_ns <= w.end_ns
-                   for w in self.spans(WORKER_REQUEST) if w.trace_id == s.trace_id)
-
     def _phases(self, dispatches: list[Span], suspensions: list[Suspension]) -> list[Phase]:
         out: list[Phase] = []
-        starts = [d.start_ns for d in dispatches]
+        starts = sorted(d.start_ns for d in dispatches)  # attempts counted by bisection (a pass each: squared)
         chunk = 0
         for s in self.own:
             phase = PHASES.get(s.name)
             if phase is None or phase == "suspended":
                 continue
-            attempt = max(1, sum(1 for t in starts if t <= s.start_ns)) if phase != "queue" else \
-                max(1, sum(1 for t in starts if t < s.start_ns) + 1)
+            attempt = max(1, bisect_right(starts, s.start_ns)) if phase != "queue" else \
+                max(1, bisect_left(starts, s.start_ns) + 1)
             if phase == "queue":
                 label = attr_str(s.get("queue.tier")) or ""
             elif phase == "dispatch":
@@ -191,11 +189,12 @@ class _Analyser(WaitCauses, PreemptionCauses):
             else:
                 label = ""
             out.append(Phase(phase, self.rel(s.start_ns), self.rel(s.end_ns), label, attempt))
+        rel_starts = sorted(self.rel(t) for t in starts)  # rel of an unset start (0) is 0.0: not in starts' order
         for sus in suspensions:
             label = " then ".join(f"by {t.by_request_id}" + (f" ({t.by_tier})" if t.by_tier else "")
                                   for t in sus.takings[:3] if t.by_request_id) or sus.mode or "suspended"
             if len(sus.takings) > 3:
                 label += f" (+{len(sus.takings) - 3})"
-            attempt = max(1, sum(1 for t in starts if self.rel(t) <= sus.start_s))
+            attempt = max(1, bisect_right(rel_starts, sus.start_s))
             out.append(Phase("suspended", sus.start_s, sus.end_s, label, attempt))
         return out

@@ -9,6 +9,8 @@ attempt before theirs), and what its absence leaves out.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, WORKER_DECODE,
                                   WORKER_PREFILL, WORKER_QUEUE, WORKER_REQUEST, WORKER_SUSPENDED, attr_int, attr_str)
 from common.traces.spans import Span
@@ -50,13 +52,14 @@ def missing_spans(own: list[Span], t0: int) -> list[str]:
             first = orphans.get((s.trace_id, s.parent_span_id))
             if first is None or s.start_ns < first.start_ns:
                 orphans[(s.trace_id, s.parent_span_id)] = s
+    starts = [d.start_ns for d in dispatches]  # in order: the last begun by an instant found by bisection
     for s in sorted(orphans.values(), key=lambda s: s.start_ns):
         at = f"+{(s.start_ns - t0) / 1e9:.2f} s"
         if s.name == WORKER_REQUEST:
             out.append(f"gateway.dispatch before the worker.request at {at}: its hand-off and the queue wait before")
         else:
-            before = [d for d in dispatches if d.start_ns <= s.start_ns]
-            worker = attr_str(before[-1].get("dispatch.worker")) if before else None
+            begun = bisect_right(starts, s.start_ns)
+            worker = attr_str(dispatches[begun - 1].get("dispatch.worker")) if begun else None
             out.append(f"worker.request of the attempt on worker {worker or '?'} (its {s.name} at {at}): that "
                        "attempt's stay on the worker (a worker killed before it ended exports none)")
     return out

@@ -3,6 +3,9 @@ hand-overs to a worker (a mixin of common.traces.analysis._Analyser)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
+from common.traces.lookups import LastEnded
 from common.traces.model import Cause
 from common.traces.schema import (GATEWAY_DEAD_LETTER, STEP_BEFORE_END, STEP_BEFORE_REQUESTS, STEP_BEFORE_START,
                                   STEP_BEFORE_TOKENS, WORKER_QUEUE, WORKER_REQUEST, attr_float, attr_int, attr_str,
@@ -11,21 +14,24 @@ from common.traces.spans import Span
 
 
 class WaitCauses:
-    """Needs the analyser's ``rel``, ``spans`` and ``min_wait_s``; each method adds its causes through ``add``."""
+    """Needs the analyser's ``rel``, ``spans`` and ``min_wait_s``; each method adds its causes through ``add``. The
+    spans given come in the order of their starts (the analyser sorts them): what the bisections below rely on."""
 
     def _dispatch_causes(self, dispatches: list[Span], queues: list[Span], add) -> list[str]:
         """Each re-dispatch (why, what was kept and lost) and each dispatch with no free credit; the workers, in
         dispatch order."""
         workers: list[str] = []
+        queue_starts = [q.start_ns for q in queues]
         for i, d in enumerate(dispatches):
             worker = attr_str(d.get("dispatch.worker")) or "?"
             workers.append(worker)
             attempt = attr_int(d.get("dispatch.attempt")) or i + 1
             if i > 0 or attempt > 1:
                 prev = workers[i - 1] if i > 0 else None
-                requeue = [q for q in queues if (i == 0 or q.start_ns >= dispatches[i - 1].start_ns)
-                           and q.start_ns <= d.start_ns]
-                at = requeue[-1].start_ns if requeue and i > 0 else d.start_ns
+                # The queue spans begun from the previous dispatch's start to this one's: the last is its re-queue.
+                last = bisect_right(queue_starts, d.start_ns)
+                requeue = last > (bisect_left(queue_starts, dispatches[i - 1].start_ns) if i > 0 else 0)
+                at = queue_starts[last - 1] if requeue and i > 0 else d.start_ns
                 # A draining worker hands its job back (gateway.dispatch says so since it can): its time on that
                 # worker is in its worker.request span, and the next attempt goes on from its tokens.
                 released = attr_str(d.get("dispatch.requeue_cause")) == "released"
@@ -65,13 +71,14 @@ class WaitCauses:
 
     def _dead_letter_causes(self, dispatches: list[Span], add) -> None:
         """Its last allowed attempt lost its lease: the job was dead-lettered (no next dispatch tells of it)."""
+        ended = LastEnded(dispatches)
         for s in self.spans(GATEWAY_DEAD_LETTER):
-            before = [d for d in dispatches if d.end_ns <= s.start_ns]
+            before = ended.at(s.start_ns)
             worker = attr_str(s.get("dead_letter.lost_worker")) or \
-                (attr_str(before[-1].get("dispatch.worker")) if before else None)
+                (attr_str(before.get("dispatch.worker")) if before else None)
             attempt = attr_int(s.get("dead_letter.attempt"))
             cause = attr_str(s.get("dead_letter.cause")) or "lease_expired"
-            lost = (s.start_ns - before[-1].end_ns) / 1e9 if before else None
+            lost = (s.start_ns - before.end_ns) / 1e9 if before else None
             how = "handed back by" if cause == "released" else "lease expired on"
             text = f"{how} worker {worker or '?'}" + (f" (attempt {attempt})" if attempt else "") + \
                 ": dead-lettered, no attempt left"
@@ -131,37 +138,34 @@ class WaitCauses:
 
     def _worker_queue_causes(self, dispatches: list[Span], add) -> None:
         """Worker queue waits (attempt i's worker from the dispatch that preceded it)."""
+        starts = [d.start_ns for d in dispatches]
         for wq in self.spans(WORKER_QUEUE):
             if wq.duration_s < self.min_wait_s:
                 continue
-            worker = self._worker_at(dispatches, wq.start_ns)
+            at = bisect_right(starts, wq.start_ns)  # the last dispatch begun by then
+            worker = attr_str(dispatches[at - 1].get("dispatch.worker")) if at else None
             where = f"worker {worker}'s queue" if worker else "the worker's queue"
             add(4, Cause(self.rel(wq.start_ns), "worker_queue", f"waited {wq.duration_s:.2f} s in {where}",
                          wq.duration_s, {"worker": worker}))
 
     def _to_worker_causes(self, dispatches: list[Span], add) -> None:
         """A hand-over to a worker that took a while: the step the worker was running when the job came."""
+        ended = LastEnded(dispatches)
         for w in self.spans(WORKER_REQUEST):
-            before = [d for d in dispatches if d.end_ns <= w.start_ns]
-            if not before:
+            before = ended.at(w.start_ns)
+            if before is None:
                 continue
-            gap = (w.start_ns - before[-1].end_ns) / 1e9
+            gap = (w.start_ns - before.end_ns) / 1e9
             if gap < self.min_wait_s:
                 continue
-            worker = attr_str(before[-1].get("dispatch.worker")) or "?"
+            worker = attr_str(before.get("dispatch.worker")) or "?"
             text = f"reached worker {worker} {gap:.3f} s after dispatch"
             step_end = attr_int(w.get(STEP_BEFORE_END))
             detail = {"worker": worker, "step_requests": attr_int(w.get(STEP_BEFORE_REQUESTS)),
                       "step_tokens": attr_int(w.get(STEP_BEFORE_TOKENS))}
-            if step_end is not None and step_end > before[-1].end_ns:
+            if step_end is not None and step_end > before.end_ns:
                 step_start = attr_int(w.get(STEP_BEFORE_START)) or step_end
                 detail["step_s"] = (step_end - step_start) / 1e9
                 text += (f": it was running a step ({detail['step_requests']} requests, {detail['step_tokens']} "
                          f"tokens, {detail['step_s']:.3f} s) and reads new jobs between steps")
-            add(4, Cause(self.rel(before[-1].end_ns), "to_worker", text, gap, detail))
-
-
-    def _worker_at(self, dispatches: list[Span], ns: int) -> str | None:
-        before = [d for d in dispatches if d.start_ns <= ns]
-        return attr_str(before[-1].get("dispatch.worker")) if before else None
-
+            add(4, Cause(self.rel(before.end_ns), "to_worker", text, gap, detail))
