@@ -22,9 +22,10 @@ from common.traces.lookups import Within
 from common.traces.missing import missing_spans
 from common.traces.model import Cause, Explanation, NoSchedulingSpans, Phase, Suspension
 from common.traces.preemption_causes import PreemptionCauses
-from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DISPATCH, GATEWAY_QUEUE, PHASES, REQUEST_ID, REQUEST_TIER,
-                                  SCHEDULING_SPANS, SDK_SUBMIT, TENANT_ID, WORKER_DECODE, WORKER_PREFILL, WORKER_QUEUE,
-                                  WORKER_REQUEST, WORKER_SUSPENDED, attr_int, attr_str)
+from common.traces.schema import (GATEWAY_ADMIT, GATEWAY_DEAD_LETTER, GATEWAY_DISPATCH, GATEWAY_QUEUE, PHASES,
+                                  PREEMPTION, PREEMPTION_DECLINED, REQUEST_ID, REQUEST_TIER, SCHEDULING_SPANS,
+                                  SDK_SUBMIT, TENANT_ID, WORKER_DECODE, WORKER_PREFILL, WORKER_QUEUE, WORKER_REQUEST,
+                                  WORKER_SUSPENDED, attr_int, attr_str)
 from common.traces.select import RequestSpans, select_request_spans
 from common.traces.spans import Span
 from common.traces.wait_causes import WaitCauses
@@ -39,6 +40,18 @@ def explain_request(spans: Iterable[Span], request_id: str, *, fallback_all: boo
     return _Analyser(sel, min_wait_s).run()
 
 
+# Spans of the same start and end in the order of a request's life, then by name and id: a sort by times alone kept
+# the input's order for them (lines of several processes, rotated files, an exporter's retry), and so did the
+# answer (which dispatch's worker came first, which decision a suspension took, the gaps' names).
+_LIFE = {name: i for i, name in enumerate((SDK_SUBMIT, GATEWAY_ADMIT, GATEWAY_QUEUE, GATEWAY_DISPATCH,
+                                           GATEWAY_DEAD_LETTER, WORKER_REQUEST, WORKER_QUEUE, WORKER_PREFILL,
+                                           WORKER_DECODE, WORKER_SUSPENDED, PREEMPTION, PREEMPTION_DECLINED))}
+
+
+def _in_time(s: Span) -> tuple:
+    return s.start_ns, s.end_ns, _LIFE.get(s.name, len(_LIFE)), s.name, s.trace_id, s.span_id
+
+
 class _Analyser(WaitCauses, PreemptionCauses):
     """The causes come from the mixins: the gateway's side (wait_causes) and preemption's (preemption_causes)."""
 
@@ -46,7 +59,7 @@ class _Analyser(WaitCauses, PreemptionCauses):
         self.sel = sel
         self.rid = sel.request_id
         self.min_wait_s = min_wait_s
-        self.own = sorted(sel.own, key=lambda s: (s.start_ns, s.end_ns))
+        self.own = sorted(sel.own, key=_in_time)
         # The request's extent: its own spans (request.id, or one of the schema's span names), not a
         # caller's wrapping span that happens to share the trace.
         mine = [s for s in self.own if s.start_ns > 0 and (attr_str(s.get(REQUEST_ID)) == self.rid
@@ -76,7 +89,7 @@ class _Analyser(WaitCauses, PreemptionCauses):
         return sum(s.duration_s for s in self.spans(name))
 
     def run(self) -> Explanation:
-        decision_spans = sorted(self.sel.decisions, key=lambda s: s.start_ns)
+        decision_spans = sorted(self.sel.decisions, key=_in_time)
         decisions = [self.decision(s) for s in decision_spans]
 
         causes: list[tuple[float, int, Cause]] = []
