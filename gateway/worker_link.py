@@ -141,7 +141,24 @@ class WorkerLink:
                 metrics.first_token(msg.job_id, now)
             self._flush(msg.job_id)
         else:
-            self.counters["token_gaps"] += 1  # JobFinished carries them all; the stream waits for it
+            self.counters["token_gaps"] += 1
+            # Tokens before these never came (sent to this gateway's previous process, or dropped on the way): the
+            # worker sends every token so far when asked to say hello. Without it the stream held every client of
+            # the job until its JobFinished, which carries them all; a restarted gateway whose first frame from the
+            # worker was its periodic hello never asked.
+            self._ask_hello(ident, f"job {msg.job_id} lacks tokens before index {msg.index}: send them again")
+
+    def _ask_hello(self, ident: bytes, why: str) -> None:
+        """Ask a registered worker to say hello (and so send its jobs' tokens again), at most once a
+        HELLO_ASK_EVERY_S: frames already on their way with the same gap need no second replay."""
+        now = self.clock()
+        if now - self._hello_asked.get(ident, float("-inf")) < security.HELLO_ASK_EVERY_S:
+            return
+        self._hello_asked[ident] = now
+        self._hello_asked.move_to_end(ident)
+        while len(self._hello_asked) > security.HELLO_ASK_MEMORY:
+            self._hello_asked.popitem(last=False)
+        self._send(self.worker_sock, ident, P.ErrorReply(P.HELLO_FIRST, why))
 
     def _prefill_started(self, worker: str, msg: P.JobTokens | P.JobFinished) -> None:
         """The end of the job's wait, if this is the first start a worker reports; the hand-off of the attempt this
