@@ -26,6 +26,11 @@ from gateway.waits import first_prefill_ms
 
 log = logging.getLogger("gateway")
 STALE_MEMORY = 4096  # (job, attempt, worker) triples remembered as stale, so a flood costs no Redis reads
+# How long a triple stays stale without another read: Redis that lost a claim (AOF everysec and a crash, a failover)
+# shows the job queued under a worker still running it, and its claim again, for the same attempt on the same worker,
+# makes that worker's frames the lease holder's. Remembered for good, they stayed stale: the job's stream stalled and
+# its completion was confirmed as stale and lost, so it waited out its lease and ran again.
+STALE_RECHECK_S = 1.0
 
 
 class WorkerLink:
@@ -99,7 +104,8 @@ class WorkerLink:
         lease = self.leases.get(job_id)
         if lease is not None and lease == (worker, attempt):
             return True
-        if (job_id, attempt, worker) in self._stale_seen:
+        seen = self._stale_seen.get((job_id, attempt, worker))
+        if seen is not None and self.clock() - seen < STALE_RECHECK_S:
             return False
         if lease is None or attempt > lease[1]:  # unknown here (e.g. this gateway restarted) or moved on
             rec = self.queue.get(job_id)
@@ -119,7 +125,8 @@ class WorkerLink:
                     self.waits.dispatched(job_id, sent, True, rec.attempt, sent_ms=rec.dispatched_at_ms,
                                           enqueued_ms=rec.enqueued_at_ms, first_ms=first_prefill_ms(rec), told=True)
                 return True
-        self._stale_seen[(job_id, attempt, worker)] = None
+        self._stale_seen[(job_id, attempt, worker)] = self.clock()
+        self._stale_seen.move_to_end((job_id, attempt, worker))
         while len(self._stale_seen) > STALE_MEMORY:
             self._stale_seen.popitem(last=False)
         return False
