@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
 
 from common import protocol as P
 from tests.cluster_helpers import wait_for
