@@ -13,6 +13,12 @@ A gateway that hangs (its process stopped) or whose host is lost keeps its TCP c
 own heartbeats (ZMTP PING, answered by the peer's I/O thread, so a gateway busy in Python still answers) close
 such a connection after HEARTBEAT_TIMEOUT_MS; it counts as up again only once a handshake completes (a stopped
 process accepts the TCP connection through its kernel, and never greets).
+
+A gateway that hung longer than that timeout never heard this worker again once it went on: ZeroMQ's ROUTER still
+held the old connection's pipe under the worker's identity when the new connection said who it was, and drops a
+peer with a duplicate identity without a word (the worker saw the handshake succeed). A gateway answers every hello
+(sent every few seconds) with a welcome, so a socket that has heard nothing for SILENT_RECONNECT_S is connected
+anew: the new connection finds the identity free.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ _UP = (zmq.EVENT_HANDSHAKE_SUCCEEDED,)
 _DOWN = (zmq.EVENT_DISCONNECTED,)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+SILENT_RECONNECT_S = 15.0  # three hellos unanswered
 
 
 class GatewayRoutes:
@@ -37,6 +44,8 @@ class GatewayRoutes:
             events |= e
         self.monitors = {sock.get_monitor_socket(events): sock for sock in sockets}
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
+        self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
+        self.reconnects = 0
 
     def register(self, poller: zmq.Poller) -> None:
         for mon in self.monitors:
@@ -59,6 +68,20 @@ class GatewayRoutes:
     def other_than(self, sock: zmq.Socket) -> zmq.Socket | None:
         """A gateway socket connected now, not ``sock``; the one connected longest (likely the steadiest)."""
         return next((s for s in self.up if s is not sock), None)
+
+    def silent(self, endpoints: dict[zmq.Socket, str], now: float) -> list[zmq.Socket]:
+        """Connect anew every socket that has heard nothing for SILENT_RECONNECT_S; those reconnected. What was
+        queued for that gateway is dropped: completions and hand-backs are sent again, and tokens replayed."""
+        out = []
+        for sock, endpoint in endpoints.items():
+            if now - self.heard.setdefault(sock, now) < SILENT_RECONNECT_S:
+                continue
+            sock.disconnect(endpoint)
+            sock.connect(endpoint)
+            self.heard[sock] = now
+            self.reconnects += 1
+            out.append(sock)
+        return out
 
     def close(self) -> None:
         for mon, sock in self.monitors.items():

@@ -29,7 +29,7 @@ from worker.calibration import RateTracker, calibrate
 from worker.drain import Drain, Draining
 from worker.linger import Linger, offers_room
 from worker.request import SamplingParams
-from worker.routes import GatewayRoutes
+from worker.routes import SILENT_RECONNECT_S, GatewayRoutes
 from worker.service_config import WorkerConfig
 
 log = logging.getLogger("worker")
@@ -137,7 +137,9 @@ class WorkerService(Draining):
                         for gone in self.routes.read(sock):
                             self._reroute(gone)
                     else:
+                        self.routes.heard[sock] = self.clock()
                         self._drain(sock)
+                self._reconnect_silent()
                 self._resend_unconfirmed()
             if busy and self.linger.poll_ms(self.clock()):
                 continue  # a frame came, not the dispatch the last report offered room for: wait on
@@ -272,6 +274,14 @@ class WorkerService(Draining):
         if moved:
             self.counters["rerouted"] += len(moved)
             log.warning("lost the connection to a gateway: %d jobs now stream through another", len(moved))
+
+    def _reconnect_silent(self) -> None:
+        """A gateway that answers no hello may hold this worker's identity on a dead pipe (worker/routes.py)."""
+        for sock in self.routes.silent(dict(zip(self.sockets, self.config.gateways)), self.clock()):
+            log.warning("gateway %s answered nothing for %.0f s: connecting to it anew",
+                        self.config.gateways[self.sockets.index(sock)], SILENT_RECONNECT_S)
+            self._hello([sock])
+            self._replay_tokens(sock, [job for job in self.jobs.values() if job.reply is sock])
 
     def _replay_tokens(self, sock: zmq.Socket, jobs: list[RunningJob]) -> None:
         """Every token so far of ``jobs``, through ``sock``: a gateway that dropped their token frames (it restarted)
