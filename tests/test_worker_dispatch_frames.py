@@ -79,3 +79,20 @@ def test_a_dispatch_the_engine_refuses_is_answered_counted_and_logged(draining_w
     assert all(any(f"job {j} attempt 1" in r.getMessage() for r in caplog.records) for j in bad), caplog.text
     gateway.dispatch("fine", 8)
     assert gateway.receive(is_(P.JobFinished, "fine"), timeout_s=60).state == "done"
+
+
+def test_a_refused_re_dispatch_leaves_no_timing_behind(draining_worker):  # noqa: F811
+    """A newer attempt the engine refuses aborted the older one here but left its first-prefill timing (and the
+    engine request it holds) in the worker's RateTracker: one entry more per refused re-dispatch, for good."""
+    service, gateway, _ = draining_worker
+    job_ids = [f"job-{i}" for i in range(6)]
+    for job_id in job_ids:
+        gateway.dispatch(job_id, 600)  # attempt 1, running or waiting for a slot
+        bad = P.DispatchJob(job_id, 2, "P2", "t", [-1, 5], 4, 0.0, 1.0, None, 1, "gw", ignore_eos=True)
+        gateway.sock.send_multipart([gateway.ident, P.encode(bad)])
+        done = gateway.receive(lambda m, j=job_id: isinstance(m, P.JobFinished) and m.job_id == j and m.attempt == 2,
+                               timeout_s=10)
+        assert done.state == "failed", done
+    assert service.counters["invalid_dispatches"] == len(job_ids)
+    assert not service.jobs and not service.engine.has_unfinished()
+    assert not [j for j in job_ids if j in service.rates._timings], service.rates._timings.keys()

@@ -221,6 +221,7 @@ class WorkerService(Draining):
         if msg.job_id in self.jobs:  # re-dispatched here after its lease expired: start over
             self.engine.abort(msg.job_id)
             del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever
+            self.rates.forget(msg.job_id)  # and its timing, which holds the aborted request, kept for good
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
         self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
