@@ -28,8 +28,13 @@ def test_the_drain_starts_once_and_hands_back_at_its_deadline_or_a_second_signal
     assert d.finished(12.0, holding=False, unconfirmed=False)
     assert not d.finished(15.0 + CONFIRM_GRACE_S - 0.1, holding=False, unconfirmed=True)
     assert d.finished(15.0 + CONFIRM_GRACE_S, holding=False, unconfirmed=True)
-    d.request()  # a second signal: everything at once
-    assert d.due(11.0) and d.finished(11.0, holding=False, unconfirmed=True)
+    d.request()  # a second signal: everything at once, and the confirmations get their grace from now
+    assert d.due(11.0) and not d.finished(11.0, holding=False, unconfirmed=True)
+    assert d.finished(11.5, holding=False, unconfirmed=False)
+    assert not d.finished(11.0 + CONFIRM_GRACE_S - 0.1, holding=False, unconfirmed=True)
+    assert d.finished(11.0 + CONFIRM_GRACE_S, holding=False, unconfirmed=True)
+    d.request()  # a third: leave at once
+    assert d.finished(11.1, holding=False, unconfirmed=True)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "10"])
@@ -173,6 +178,32 @@ def test_a_second_signal_hands_back_everything_at_once(draining_worker):
     service.drain.request()
     assert gateway.receive(is_(P.JobReleased, "long"), timeout_s=1.5).reason == "draining: out of time"
     thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_second_signal_while_the_gateway_restarts_still_hands_back(draining_worker):
+    """A second signal while the gateway was down (crashed, its supervisor restarting it): the worker left at once,
+    and closing its sockets dropped the hand-backs queued for that gateway; the jobs waited out their leases (an
+    attempt counted each). It waits CONFIRM_GRACE_S for a confirmation, sending them again after a hello."""
+    import zmq
+
+    service, gateway, thread = draining_worker
+    gateway.dispatch("long", 600)
+    gateway.receive(is_(P.JobTokens, "long"))
+    gateway.sock.close(linger=0)  # down
+    service.drain.request()
+    service.drain.request()
+    end = time.monotonic() + 0.5
+    while thread.is_alive() and time.monotonic() < end:
+        time.sleep(0.01)
+    if not thread.is_alive():
+        service.close()  # as the process does the moment serve() returns
+    gateway.sock = zmq.Context.instance().socket(zmq.ROUTER)  # back, on the same port
+    gateway.sock.bind(f"tcp://127.0.0.1:{gateway.port}")
+    released = gateway.receive(is_(P.JobReleased, "long"), timeout_s=3)
+    assert (released.attempt, released.reason) == (1, "draining: out of time")
+    gateway.sock.send_multipart([gateway.ident, P.encode(P.JobFinishedAck("long", 1))])
+    thread.join(CONFIRM_GRACE_S)
     assert not thread.is_alive()
 
 

@@ -12,8 +12,11 @@ the start elsewhere: a rolling redeploy cost every running job a lease and its t
 - it exits once it holds no job and every completion and hand-back is confirmed, or ``CONFIRM_GRACE_S`` after
   the deadline.
 
-A second signal ends the drain: everything is handed back and the worker exits. A worker that dies (kill -9, a
-crash) still loses its jobs to their leases: the drain needs the worker alive to say what it gives up.
+A second signal ends the drain: everything is handed back at once, and the worker exits as soon as a gateway
+confirms it, ``CONFIRM_GRACE_S`` later at the latest (before, it left at once and closed its sockets, dropping the
+hand-backs still queued for a gateway that was restarting: their jobs waited out their leases). A third signal leaves
+at once. A worker that dies (kill -9, a crash) still loses its jobs to their leases: the drain needs the worker alive
+to say what it gives up.
 """
 
 from __future__ import annotations
@@ -52,14 +55,19 @@ class Drain:
         return True
 
     def due(self, now: float) -> bool:
-        """The jobs still held are to be handed back: the deadline passed, or a second signal came."""
-        return self.deadline is not None and (now >= self.deadline or self.signals > 1)
+        """The jobs still held are to be handed back: the deadline passed, or a second signal came (which moves the
+        deadline to now: the hand-backs get their grace from then)."""
+        if self.deadline is None:
+            return False
+        if self.signals > 1 and now < self.deadline:
+            self.deadline = now
+        return now >= self.deadline
 
     def finished(self, now: float, holding: bool, unconfirmed: bool) -> bool:
         """Nothing left to do here: no job held, and no completion waiting for a confirmation (or no more time)."""
         if self.deadline is None or holding:
             return False
-        return not unconfirmed or self.signals > 1 or now >= self.deadline + CONFIRM_GRACE_S
+        return not unconfirmed or self.signals > 2 or now >= self.deadline + CONFIRM_GRACE_S
 
 
 class Draining:
