@@ -73,3 +73,36 @@ def test_a_frame_over_the_gateways_own_limit_is_refused_by_size_and_streams_besi
             assert str(LIMIT) in str(e.value) and time.monotonic() - started < 2
         assert client.submit(prompt_token_ids=[1, 2], max_tokens=2).result(timeout=60).token_ids
     assert len(set(job_ids(cluster)) - before) == 2 and job_id in set(job_ids(cluster))  # the refused stored nothing
+
+
+def test_a_large_submission_is_encoded_once_before_it_is_sent(cluster, monkeypatch):
+    """The SDK measured a submission (its 8 MiB check), then encoded it again to decide whether to ask the gateway
+    about its size, and a third time to word a refusal: ~70 ms of CPU each for a million-id prompt. Measured once,
+    it is encoded once more only to be sent (with each attempt's request id)."""
+    from common import protocol
+
+    encoded: list[int] = []
+    encode = protocol.encode
+
+    def counted(msg):
+        frame = encode(msg)
+        if len(frame) > 20_000:
+            encoded.append(len(frame))
+        return frame
+
+    monkeypatch.setattr(protocol, "encode", counted)
+
+    async def main():
+        async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=10, retries=0) as client:
+            for ids in ([3] * 30_000, [3] * 100_000):  # taken by the gateway (whose answer refuses it), and not
+                with pytest.raises(InvalidRequest):
+                    await client.submit(max_tokens=4, prompt_token_ids=ids)
+
+    asyncio.run(main())
+    asynced, encoded[:] = list(encoded), []
+    with GatewayClient(cluster["gateway"], key(cluster), timeout_s=10, retries=0) as client:
+        for ids in ([3] * 30_000, [3] * 100_000):
+            with pytest.raises(InvalidRequest):
+                client.submit(max_tokens=4, prompt_token_ids=ids)
+    # 30,000 ids: measured, then sent; 100,000: measured, then refused by the gateway's answer to the question.
+    assert len(asynced) == 3 and len(encoded) == 3, (asynced, encoded)

@@ -21,9 +21,10 @@ from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
-                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, frame_to_ask,
-                                 job_request, new_request_id, on_submit_reply, raise_for, raise_unless_older,
-                                 refused_as_unknown, submit_request, submit_span, to_result, to_status, wait_limit,
+                                 auto_idempotency_key, client_settings, endpoint_list, FrameSizes, failed_at,
+                                 frame_bytes, job_request, new_request_id, on_submit_reply, raise_for,
+                                 refused_as_unknown, sized_submit_request, submit_span, to_result, to_status,
+                                 wait_limit,
                                  with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
@@ -162,7 +163,7 @@ class AsyncGatewayClient:
         self.endpoints = endpoint_list(endpoint)
         self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0
-        self._taken: dict[str, int] = {}  # per gateway, the largest frame it said it takes
+        self._frames = FrameSizes()  # per gateway, the frame sizes it said it takes
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.asyncio.Context.instance()
         self._conns: dict[str, _Connection] = {}
@@ -198,21 +199,24 @@ class AsyncGatewayClient:
             log.warning("%s; trying %s", failed_at(from_endpoint, why),
                         "it again" if self.endpoint == from_endpoint else self.endpoint)
 
-    async def _fits(self, msg) -> None:
-        """Ask the gateway whether it takes a frame as large as ``msg``'s, unless it has said so already: its
-        limit may be below the protocol's, and it drops the connection that brings a larger frame (every stream
-        on it stalls, and the call itself fails after every retry as if the gateway were dead)."""
-        ask = frame_to_ask(msg, self._taken.get(self.endpoint, 0))
-        if ask is None:
+    async def _fits(self, msg, size: int | None) -> None:
+        """Ask the gateway whether it takes a frame as large as ``msg``'s (``size``; None: measure it), unless it
+        has said so already: its limit may be below the protocol's, and it drops the connection that brings a
+        larger frame (every stream on it stalls, and the call itself fails after every retry as if the gateway
+        were dead)."""
+        if not FrameSizes.concerns(msg):
             return
-        try:
-            await self._call(ask)
-        except ServingError as e:
-            raise_unless_older(self.endpoint, msg, e)
-        self._taken[self.endpoint] = max(ask.frame_bytes, self._taken.get(self.endpoint, 0))
+        size = frame_bytes(msg) if size is None else size
+        while (ask := self._frames.question(self.endpoint, msg, size)) is not None:
+            answer = None
+            try:
+                await self._call(ask)
+            except ServingError as e:
+                answer = e
+            self._frames.answered(self.endpoint, msg, size, ask, answer)
 
-    async def _call(self, msg):
-        await self._fits(msg)
+    async def _call(self, msg, size: int | None = None):
+        await self._fits(msg, size)
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
         sent: list[tuple[_Connection, str]] = []
         budget = RetryBudget(self.retries, self.timeout_s)
@@ -293,10 +297,10 @@ class AsyncGatewayClient:
         """As GatewayClient.submit."""
         key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
         with submit_span(self._tracer) as span:
-            req = submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
-                                 tier, key, ignore_eos, max_tokens_defaulted)
+            req, size = sized_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p,
+                                             top_k, seed, tier, key, ignore_eos, max_tokens_defaulted)
             try:
-                reply = await self._call(req)
+                reply = await self._call(req, size)
             except ServingError as e:
                 reply = await self._call(without_defaulted(req, e))
             on_submit_reply(span, reply)

@@ -207,10 +207,18 @@ class RetryBudget:
 INT64 = (-(2**63), 2**63)  # what a frame carries (msgpack): a larger int could not even be sent
 
 
-def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
-                   idempotency_key, ignore_eos, max_tokens_defaulted: bool = False) -> P.SubmitRequest:
-    """The frame, once each argument has the type the gateway's decoder takes (P.mistyped): a wrong one is
-    InvalidRequest naming it. Ranges are the gateway's to judge, but for what 64-bit frame fields can carry."""
+def submit_request(*args, **kwargs) -> P.SubmitRequest:
+    """sized_submit_request's frame alone (for those who need no size)."""
+    return sized_submit_request(*args, **kwargs)[0]
+
+
+def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
+                         idempotency_key, ignore_eos,
+                         max_tokens_defaulted: bool = False) -> tuple[P.SubmitRequest, int]:
+    """The frame and its frame_bytes (measured once: a million-id prompt takes ~70 ms of CPU to encode, and the
+    question to the gateway about its size encoded it again), once each argument has the type the gateway's decoder
+    takes (P.mistyped): a wrong one is InvalidRequest naming it. Ranges are the gateway's to judge, but for what
+    64-bit frame fields can carry."""
     if prompt_token_ids is not None and not isinstance(prompt_token_ids, (str, bytes)):
         ids = list(prompt_token_ids)
         # numpy's integers as well; a bool stays a bool, which the decoder refuses.
@@ -233,8 +241,7 @@ def submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperatu
                              f"{P.MAX_LIST_LEN}", field="prompt_token_ids")
     req = P.SubmitRequest(**fields | dict(temperature=float(temperature), top_p=float(top_p)),
                           trace_context=tracing.carrier())
-    check_frame_size(req, ("prompt", "prompt_token_ids", "idempotency_key"))
-    return req
+    return req, check_frame_size(req, ("prompt", "prompt_token_ids", "idempotency_key"))
 
 
 def job_request(cls, api_key: str, job_id, **fields):
@@ -261,47 +268,67 @@ def _largest(msg, fields: tuple[str, ...]) -> str:
     return max(fields, key=lambda f: len(getattr(msg, f) or ""))
 
 
-def check_frame_size(msg, fields: tuple[str, ...]) -> None:
-    """InvalidRequest naming the largest of ``fields`` if ``msg`` would not fit in one frame. A gateway cannot
-    read such a frame far enough to find its request id (over the size limit ZeroMQ even drops the connection),
-    so its refusal could reach no caller: better refused here, where it is this call's alone."""
+def check_frame_size(msg, fields: tuple[str, ...]) -> int:
+    """``msg``'s frame_bytes; InvalidRequest naming the largest of ``fields`` if ``msg`` would not fit in one
+    frame. A gateway cannot read such a frame far enough to find its request id (over the size limit ZeroMQ even
+    drops the connection), so its refusal could reach no caller: better refused here, where it is this call's alone.
+    """
     size = frame_bytes(msg)
     if size > P.MAX_MESSAGE_BYTES:
         raise InvalidRequest(f"the request is {size} bytes; a frame carries at most {P.MAX_MESSAGE_BYTES} "
                              f"(its {_largest(msg, fields)} is the largest part)", field=_largest(msg, fields))
+    return size
 
 
 # A gateway may take smaller frames than the protocol's (its client_max_message_bytes), and drops the connection
-# that brings a larger one, with every stream on it. A frame over this many bytes is announced first
-# (InfoRequest.frame_bytes), once per size a gateway has not yet taken; below it, frames are sent unasked.
+# that brings a larger one, with every stream on it. A frame over UNASKED_BYTES is announced first
+# (InfoRequest.frame_bytes), once per size a gateway has not yet taken. The first question to a gateway is about
+# ASK_OVER_BYTES at least, so one that takes that many is asked about nothing smaller; one that does not is asked
+# about each larger size it has not taken (a limit below 16 KiB dropped the connection for frames under it, unasked).
+# Frames of UNASKED_BYTES or less go unasked: a gateway that takes no more than that serves almost no prompt, and
+# asking about every first frame would cost every client a round trip.
 ASK_OVER_BYTES = 16 * 2**10
+UNASKED_BYTES = 2**10
 _PARTS = {P.SubmitRequest: ("prompt", "prompt_token_ids", "idempotency_key"), P.StatusRequest: ("job_id",),
           P.CancelRequest: ("job_id",)}
 
 
-def frame_to_ask(msg, taken: int) -> P.InfoRequest | None:
-    """The question to ask a gateway that took frames of up to ``taken`` bytes before sending it ``msg``, or
-    None if ``msg`` needs none."""
-    if type(msg) not in _PARTS or (size := frame_bytes(msg)) <= max(ASK_OVER_BYTES, taken):
-        return None
-    return P.InfoRequest(msg.api_key, frame_bytes=size)
+class FrameSizes:
+    """What each gateway said of the frame sizes it takes: the largest it took, the smallest it refused."""
 
+    def __init__(self) -> None:
+        self.taken: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
 
-def raise_unless_older(endpoint: str, msg, e: ServingError) -> None:
-    """What the caller gets when the gateway at ``endpoint`` answered the question about ``msg``'s size with ``e``:
-    too big there (InvalidRequest naming the request's largest part), or ``e`` itself; nothing where the gateway is
-    older than the question (the frame is then sent as before)."""
-    if isinstance(e, InvalidRequest) and e.field == "frame_bytes":
-        raise too_big_for(endpoint, msg, e) from None
-    if not refused_as_unknown(e):
-        raise e
+    @staticmethod
+    def concerns(msg) -> bool:
+        """Is ``msg`` of a kind asked about (those that carry a caller's arbitrary prompt or job id)?"""
+        return type(msg) in _PARTS
 
+    def question(self, endpoint: str, msg, size: int) -> P.InfoRequest | None:
+        """The question to ask the gateway at ``endpoint`` before sending it ``msg`` (of frame_bytes ``size``), or
+        None if ``msg`` needs none."""
+        if type(msg) not in _PARTS or size <= max(UNASKED_BYTES, self.taken.get(endpoint, 0)):
+            return None
+        ask = max(size, ASK_OVER_BYTES)
+        return P.InfoRequest(msg.api_key, frame_bytes=ask if ask < self.refused.get(endpoint, ask + 1) else size)
 
-def too_big_for(endpoint: str, msg, refusal: InvalidRequest) -> InvalidRequest:
-    """The caller's error for ``msg``, which the gateway at ``endpoint`` said it could not take (``refusal``)."""
-    part = _largest(msg, _PARTS[type(msg)])
-    return InvalidRequest(f"the request is {frame_bytes(msg)} bytes, too large for gateway {endpoint} (its "
-                          f"{part} is the largest part): {refusal}", field=part)
+    def answered(self, endpoint: str, msg, size: int, ask: P.InfoRequest, e: ServingError | None) -> None:
+        """Note the gateway's answer ``e`` (None: it takes ``ask``'s size), and raise what the caller gets: too big
+        there (InvalidRequest naming the request's largest part), or ``e`` itself; nothing where the gateway is
+        older than the question (the frame is then sent as before) or refused only a question larger than
+        ``msg`` (the next is about ``size`` itself)."""
+        if e is None or refused_as_unknown(e):
+            self.taken[endpoint] = max(ask.frame_bytes, self.taken.get(endpoint, 0))
+            return
+        if not (isinstance(e, InvalidRequest) and e.field == "frame_bytes"):
+            raise e
+        self.refused[endpoint] = min(ask.frame_bytes, self.refused.get(endpoint, ask.frame_bytes))
+        if ask.frame_bytes > size:
+            return
+        part = _largest(msg, _PARTS[type(msg)])
+        raise InvalidRequest(f"the request is {size} bytes, too large for gateway {endpoint} (its {part} is the "
+                             f"largest part): {e}", field=part) from None
 
 
 def with_request_id(msg, request_id: str):

@@ -17,9 +17,10 @@ from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
-                                 auto_idempotency_key, client_settings, endpoint_list, failed_at, frame_to_ask,
-                                 job_request, new_request_id, on_submit_reply, raise_for, raise_unless_older,
-                                 refused_as_unknown, submit_request, submit_span, to_result, to_status, wait_limit,
+                                 auto_idempotency_key, client_settings, endpoint_list, FrameSizes, failed_at,
+                                 frame_bytes, job_request, new_request_id, on_submit_reply, raise_for,
+                                 refused_as_unknown, sized_submit_request, submit_span, to_result, to_status,
+                                 wait_limit,
                                  with_request_id, without_defaulted)
 
 log = logging.getLogger("gateway.sdk")
@@ -90,7 +91,7 @@ class GatewayClient:
         self.endpoints = endpoint_list(endpoint)
         self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0
-        self._taken: dict[str, int] = {}  # per gateway, the largest frame it said it takes
+        self._frames = FrameSizes()  # per gateway, the frame sizes it said it takes
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.Context.instance()
         self._local = threading.local()  # each thread's sockets for calls, one per gateway; each stream has its own
@@ -142,21 +143,24 @@ class GatewayClient:
         self._current = (self._current + 1) % len(self.endpoints)
         log.warning("%s; trying %s", failed_at(old, why), "it again" if self.endpoint == old else self.endpoint)
 
-    def _fits(self, msg) -> None:
-        """Ask the gateway whether it takes a frame as large as ``msg``'s, unless it has said so already: its
-        limit may be below the protocol's, and it drops the connection that brings a larger frame (every stream
-        on it stalls, and the call itself fails after every retry as if the gateway were dead)."""
-        ask = frame_to_ask(msg, self._taken.get(self.endpoint, 0))
-        if ask is None:
+    def _fits(self, msg, size: int | None) -> None:
+        """Ask the gateway whether it takes a frame as large as ``msg``'s (``size``; None: measure it), unless it
+        has said so already: its limit may be below the protocol's, and it drops the connection that brings a
+        larger frame (every stream on it stalls, and the call itself fails after every retry as if the gateway
+        were dead)."""
+        if not FrameSizes.concerns(msg):
             return
-        try:
-            self._call(ask)
-        except ServingError as e:
-            raise_unless_older(self.endpoint, msg, e)
-        self._taken[self.endpoint] = max(ask.frame_bytes, self._taken.get(self.endpoint, 0))
+        size = frame_bytes(msg) if size is None else size
+        while (ask := self._frames.question(self.endpoint, msg, size)) is not None:
+            answer = None
+            try:
+                self._call(ask)
+            except ServingError as e:
+                answer = e
+            self._frames.answered(self.endpoint, msg, size, ask, answer)
 
-    def _call(self, msg):
-        self._fits(msg)
+    def _call(self, msg, size: int | None = None):
+        self._fits(msg, size)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
         budget = RetryBudget(self.retries, self.timeout_s)
         while True:
@@ -252,10 +256,10 @@ class GatewayClient:
         door does): a retry under the same key that sizes another is still the same request."""
         key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
         with submit_span(self._tracer) as span:
-            req = submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
-                                 tier, key, ignore_eos, max_tokens_defaulted)
+            req, size = sized_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p,
+                                             top_k, seed, tier, key, ignore_eos, max_tokens_defaulted)
             try:
-                reply = self._call(req)
+                reply = self._call(req, size)
             except ServingError as e:
                 reply = self._call(without_defaulted(req, e))
             on_submit_reply(span, reply)
