@@ -168,13 +168,19 @@ class AsyncGatewayClient:
         self._ctx = zmq.asyncio.Context.instance()
         self._conns: dict[str, _Connection] = {}
         self._pid = os.getpid()
+        # close() calls so far: a call or stream between two attempts when one came ends, rather than open a
+        # connection again that nobody would close.
+        self._closes = 0
 
     @property
     def endpoint(self) -> str:
         """The gateway new calls and streams go to now."""
         return self.endpoints[self._current]
 
-    def _conn(self) -> _Connection:
+    def _conn(self, closes: int) -> _Connection:
+        """The connection to the current gateway, for a call or stream that began after ``closes`` close() calls."""
+        if closes != self._closes:
+            raise ServingError("the client was closed while this call waited to try again")
         if self._pid != os.getpid():
             # A child process (os.fork): the parent's connections (their loop, libzmq's threads) are not its own,
             # and a call on them blocked for ever. Left alone, not closed: pyzmq would not close them here anyway.
@@ -186,7 +192,7 @@ class AsyncGatewayClient:
                 raise RuntimeError("this AsyncGatewayClient's connections belong to another event loop, which is "
                                    "still running: use one client per event loop")
             # That loop has ended (asyncio.run again, say), and the connections' readers with it: start afresh.
-            self.close()
+            self._close_connections()
         conn = self._conns.get(self.endpoint)
         if conn is None:
             conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint, self.server_public_key)
@@ -220,9 +226,10 @@ class AsyncGatewayClient:
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
         sent: list[tuple[_Connection, str]] = []
         budget = RetryBudget(self.retries, self.timeout_s)
+        closes = self._closes
         try:
             while True:
-                conn, rid = self._conn(), new_request_id()
+                conn, rid = self._conn(closes), new_request_id()
                 conn.inboxes[rid] = inbox
                 sent.append((conn, rid))
                 await conn.send(with_request_id(msg, rid))
@@ -250,10 +257,11 @@ class AsyncGatewayClient:
                          deadline=None if deadline is None else time.monotonic() + (deadline - loop.time()))
         inbox: asyncio.Queue = asyncio.Queue()
         conn: _Connection | None = None
+        closes = self._closes
         try:
             while st.done is None:
                 if conn is None:
-                    conn, req = self._conn(), st.request()
+                    conn, req = self._conn(closes), st.request()
                     conn.inboxes[req.request_id] = inbox
                     await conn.send(req)
                 msg = await _next(inbox, st.wait_s())
@@ -329,6 +337,10 @@ class AsyncGatewayClient:
         return await self._call(P.InfoRequest(self.api_key))
 
     def close(self) -> None:
+        self._closes += 1
+        self._close_connections()
+
+    def _close_connections(self) -> None:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()

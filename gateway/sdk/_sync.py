@@ -98,6 +98,9 @@ class GatewayClient:
         self._open: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()  # every thread's, for close()
         self._open_lock = threading.Lock()
         self._pid = os.getpid()
+        # close() calls so far: a call or stream between two attempts when one came (a pause after Unavailable)
+        # ends, rather than open a socket again that nobody would close.
+        self._closes = 0
 
     def _after_fork(self) -> None:
         """In a child process (os.fork, a preforking server), leave the parent's sockets and ZeroMQ context behind
@@ -125,7 +128,8 @@ class GatewayClient:
         """The gateway calls go to now."""
         return self.endpoints[self._current]
 
-    def _new_socket(self, endpoint: str) -> zmq.Socket:
+    def _new_socket(self, endpoint: str, closes: int) -> zmq.Socket:
+        """A socket to ``endpoint`` for a call or stream that began after ``closes`` close() calls."""
         self._after_fork()
         sock = make_socket(self._ctx, zmq.DEALER)
         # A gateway that refused our handshake (say, CURVE without its key) leaves no pipe to queue on: a send
@@ -135,8 +139,11 @@ class GatewayClient:
             curve_client(sock, self.server_public_key)
         sock.connect(endpoint)
         with self._open_lock:
-            self._open.add(sock)
-        return sock
+            if closes == self._closes:
+                self._open.add(sock)
+                return sock
+        sock.close(linger=0)
+        raise ServingError("the client was closed while this call waited to try again")
 
     def _fail_over(self, why: Exception) -> None:
         old = self.endpoint
@@ -163,9 +170,10 @@ class GatewayClient:
         self._fits(msg, size)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
         budget = RetryBudget(self.retries, self.timeout_s)
+        closes = self._closes
         while True:
             if self.endpoint not in self._socks:
-                self._socks[self.endpoint] = self._new_socket(self.endpoint)
+                self._socks[self.endpoint] = self._new_socket(self.endpoint, closes)
             request_ids.add(rid := new_request_id())
             try:
                 self._socks[self.endpoint].send(P.encode(with_request_id(msg, rid)))
@@ -211,11 +219,11 @@ class GatewayClient:
                 deadline: float | None = None) -> Iterator[Chunk]:
         st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
                          chunk_timeout=chunk_timeout, deadline=deadline)
-        sock = None
+        sock, closes = None, self._closes
         try:
             while st.done is None:
                 if sock is None:
-                    sock = self._new_socket(self.endpoint)
+                    sock = self._new_socket(self.endpoint, closes)
                     try:
                         sock.send(P.encode(st.request()))
                     except zmq.Again:
@@ -295,6 +303,7 @@ class GatewayClient:
         or call still waiting in another thread ends with ServingError, as it would on the async client)."""
         with self._open_lock:
             socks, self._open = list(self._open), weakref.WeakSet()
+            self._closes += 1
         for sock in socks:
             sock.close(linger=0)
         self._local = threading.local()
