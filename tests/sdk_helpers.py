@@ -5,9 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from gateway.sdk import AsyncGatewayClient, AsyncJob
+import pytest
+
+from common.errors import InvalidRequest
+
+from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient
 
 
 class SdkWarnings(logging.Handler):
@@ -53,3 +59,34 @@ async def stream_beside(client: AsyncGatewayClient, n: int, settle_s: float = 0.
         raise
     await asyncio.wait_for(task, 60)
     beside.result = (await beside.job.result()).token_ids
+
+
+async def refused_beside(client: AsyncGatewayClient, n: int, too_big: list[dict], odd: Callable[[], Awaitable],
+                         then: Callable[[], Awaitable]):
+    """Each of ``too_big`` submitted, then ``odd()``, each refused with InvalidRequest, while a stream of ``n``
+    tokens goes on beside them on the same client; then ``then()``. Returns ([(field, message, seconds to the
+    refusal)], what ``then()`` gave, the Beside)."""
+    refusals = []
+    async with stream_beside(client, n) as beside:
+        for kwargs in too_big:
+            started = time.monotonic()
+            with pytest.raises(InvalidRequest) as e:
+                await client.submit(max_tokens=4, **kwargs)
+            refusals.append((e.value.field, str(e.value), time.monotonic() - started))
+        with pytest.raises(InvalidRequest) as e:
+            await odd()
+        refusals.append((e.value.field, str(e.value), 0.0))
+        after = await then()
+    return refusals, after, beside
+
+
+def refused_blocking(endpoint: str, api_key: str, too_big: list[dict], limit: int) -> None:
+    """The blocking client: each of ``too_big`` refused at once with the gateway's ``limit`` named, and a small
+    submission still served."""
+    with GatewayClient(endpoint, api_key, timeout_s=3, retries=1) as client:
+        for kwargs in too_big:
+            started = time.monotonic()
+            with pytest.raises(InvalidRequest) as e:
+                client.submit(max_tokens=4, **kwargs)
+            assert str(limit) in str(e.value) and time.monotonic() - started < 2
+        assert client.submit(prompt_token_ids=[1, 2], max_tokens=2).result(timeout=60).token_ids
