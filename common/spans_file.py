@@ -4,13 +4,14 @@ Each process appends whole batches with O_APPEND, and before each batch checks t
 file it holds open: once the launcher (scripts/up.py) has renamed a full file to FILE.1 (FILE.1 to FILE.2, ...,
 the oldest beyond ``keep`` removed), every process's next batch opens a new FILE. A batch written in the instant
 between the check and the rename lands in FILE.1, which is kept: explain reads FILE and its rotated ones
-(rotated_files)."""
+(rotated_files), through the files it opened (open_rotated), so that a rotation while it reads moves nothing."""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
+from typing import TextIO
 
 
 class AppendStream:
@@ -106,3 +107,48 @@ def rotated_files(path: str | os.PathLike) -> list[Path]:
         rotated.append(Path(f"{path}.{n}"))
         n += 1
     return list(reversed(rotated)) + ([path] if path.exists() or not rotated else [])
+
+
+def open_rotated(path: str | os.PathLike, tries: int = 5) -> tuple[list[tuple[Path, TextIO]], bool]:
+    """``path`` and its rotated files (rotated_files), open, oldest first; whether they are one state of the files.
+
+    A reader that reads the files more than once (explain's two passes) reads them through these: by name, a rotation
+    between two reads made FILE.1 what had been FILE, and what had been FILE.1 read by neither. A rotation while they
+    are opened is told by the names no longer naming the files open once all are; they are opened again then, and
+    after ``tries`` those last opened come back with False (some spans may be missing: the caller says so).
+    Raises OSError when they cannot be opened (FileNotFoundError: there is no such file)."""
+    tries = max(1, tries)
+    for attempt in range(1, tries + 1):
+        files: list[tuple[Path, TextIO]] = []
+        try:
+            for p in rotated_files(path):
+                files.append((p, p.open(encoding="utf-8", errors="replace")))
+        except FileNotFoundError:  # renamed or removed (pruned) between the listing and its opening
+            _close(files)
+            if attempt == tries:
+                raise
+            continue
+        except BaseException:
+            _close(files)
+            raise
+        try:
+            same = _identities(path) == [_identity(os.fstat(f.fileno())) for _, f in files]
+        except OSError:  # one renamed away meanwhile
+            same = False
+        if same or attempt == tries:
+            return files, same
+        _close(files)
+    raise FileNotFoundError(path)  # not reached: the last try returns or raises
+
+
+def _identities(path: str | os.PathLike) -> list[tuple[int, int]]:
+    return [_identity(p.stat()) for p in rotated_files(path)]
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _close(files: list[tuple[Path, TextIO]]) -> None:
+    for _, f in files:
+        f.close()

@@ -5,22 +5,36 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 
-def lines_naming(paths: list[Path], tokens: set[str], at: list[tuple[Path, int]] | None = None) -> list[str]:
-    """The lines of ``paths`` that hold any of ``tokens`` (as a substring), read one at a time; with ``at``, the file
-    and line number (from 1) of each is appended to it, so that a bad one can be told where the file has it."""
+def lines_naming(files: Sequence[Path | tuple[Path, TextIO]], tokens: set[str],
+                 at: list[tuple[Path, int]] | None = None) -> list[str]:
+    """The lines of ``files`` that hold any of ``tokens`` (as a substring), read one at a time; with ``at``, the file
+    and line number (from 1) of each is appended to it, so that a bad one can be told where the file has it. Each is
+    a path, or a path and its file open (read from its start: a file read again is the same file, however renamed
+    since)."""
     finder = _TokenFinder(tokens)
     out = []
-    for path in paths:
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for n, ln in enumerate(f, 1):
-                if finder.in_line(ln):
-                    out.append(ln.rstrip("\n"))
-                    if at is not None:
-                        at.append((path, n))
+    for item in files:
+        if isinstance(item, tuple):
+            path, f = item
+            f.seek(0)
+            _scan(path, f, finder, out, at)
+        else:
+            with item.open(encoding="utf-8", errors="replace") as f:
+                _scan(item, f, finder, out, at)
     return out
+
+
+def _scan(path: Path, f: TextIO, finder: _TokenFinder, out: list[str], at: list[tuple[Path, int]] | None) -> None:
+    for n, ln in enumerate(f, 1):
+        if finder.in_line(ln):
+            out.append(ln.rstrip("\n"))
+            if at is not None:
+                at.append((path, n))
 
 
 # An id in each form id_forms makes of a span's or a trace's: hex of either case, base64, URL-safe base64. Other

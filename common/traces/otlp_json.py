@@ -18,9 +18,9 @@ import re
 from bisect import bisect_right
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from common.spans_file import rotated_files
+from common.spans_file import open_rotated
 from common.traces.id_lines import id_forms, lines_naming
 from common.traces.json_values import iter_json_values
 from common.traces.schema import REQUEST_ID
@@ -257,18 +257,30 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     its line there, not by its place among the lines kept.
     Raises OSError when the file cannot be read, TraceFormatError when it holds no OTLP/JSON.
     """
-    paths = rotated_files(path)
+    files, whole = open_rotated(path)
+    try:
+        got = _read_files(files, request_id)
+    finally:
+        for _, f in files:
+            f.close()
+    if not whole:
+        got.warnings.insert(0, f"{path} was rotated while it was opened, again each time: spans may be missing "
+                               "(run explain again)")
+    return got
+
+
+def _read_files(files: list[tuple[Path, TextIO]], request_id: str | None) -> SpanSet:
     if request_id is None:
-        return _parse_all(paths)
+        return _parse_all(files)
     needle = json.dumps(str(request_id))
-    first = lines_naming(paths, {needle})
+    first = lines_naming(files, {needle})
     if not first:
         # Nothing names the request (or the file is one pretty-printed document): parse it all.
-        return _parse_all(paths)
+        return _parse_all(files)
     try:
         seed = parse_spans_text("\n".join(first))
     except TraceFormatError:
-        return _parse_all(paths)
+        return _parse_all(files)
     tokens = {needle}
     for s in seed.spans:
         if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
@@ -279,13 +291,17 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
             for link in s.links:
                 tokens.update(id_forms(link.span_id))
     at: list[tuple[Path, int]] = []
-    kept = lines_naming(paths, tokens, at)
+    kept = lines_naming(files, tokens, at)
     return parse_spans_text("\n".join(kept), lambda n: _line_of(*at[n - 1]))
 
 
-def _parse_all(paths: list[Path]) -> SpanSet:
+def _parse_all(files: list[tuple[Path, TextIO]]) -> SpanSet:
     """Every file whole, as one text; its line n told as the line of the file it came from."""
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+    paths = [p for p, _ in files]
+    texts = []
+    for _, f in files:
+        f.seek(0)
+        texts.append(f.read())
     firsts = [1]  # the text's line each file begins on: one more for each file's join
     for t in texts[:-1]:
         firsts.append(firsts[-1] + t.count("\n") + 1)
