@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
+import threading
 
 from common import spans_file
 from common.spans_file import AppendStream, rotate, rotated_files
@@ -141,3 +143,37 @@ def test_a_half_written_last_line_is_at_most_a_warning(tmp_path, monkeypatch):
     assert got["rc"] == 0 and "not JSON" not in got["err"], got["err"]
     assert got["json"] == want
 
+
+def test_a_pipe_is_read_once_and_explained(tmp_path):
+    """--spans <(zcat spans.jsonl.gz): the first pass read the pipe to its end, the second found it empty, and the
+    request was told as unknown (exit 1, 'no trace carries it'). A file that cannot be read again is read once,
+    whole."""
+    path, want = job_files(tmp_path, 0)
+    r, w = os.pipe()
+    data = path.read_bytes()
+    feeder = threading.Thread(target=lambda: (os.write(w, data), os.close(w)), daemon=True)
+    feeder.start()
+    try:
+        got = explain_json(f"/dev/fd/{r}")
+    finally:
+        feeder.join(10)
+        os.close(r)
+    assert got["rc"] == 0, got["err"]
+    assert got["json"] == want
+
+
+def test_a_file_rotating_at_each_opening_is_said_to_miss_spans(tmp_path, monkeypatch):
+    """Rotated again each time it was opened: what was last opened is read, and explain says spans may be missing."""
+    path, _ = job_files(tmp_path, 3)
+    real = spans_file.rotated_files
+
+    def hooked(p):
+        got = real(p)
+        rotate_and_write(path)
+        return got
+
+    monkeypatch.setattr(spans_file, "rotated_files", hooked)
+    got = explain_json(path)
+    monkeypatch.undo()
+    assert got["rc"] in (0, 1), got["err"]
+    assert f"warning: {path} was rotated while it was opened" in got["err"], got["err"]

@@ -270,8 +270,8 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
 
 
 def _read_files(files: list[tuple[Path, TextIO]], request_id: str | None) -> SpanSet:
-    if request_id is None:
-        return _parse_all(files)
+    if request_id is None or not all(f.seekable() for _, f in files):
+        return _parse_all(files)  # a pipe (--spans <(...)) is read once: a second pass would find it empty
     needle = json.dumps(str(request_id))
     first = lines_naming(files, {needle})
     if not first:
@@ -300,7 +300,8 @@ def _parse_all(files: list[tuple[Path, TextIO]]) -> SpanSet:
     paths = [p for p, _ in files]
     texts = []
     for _, f in files:
-        f.seek(0)
+        if f.seekable():
+            f.seek(0)
         texts.append(f.read())
     firsts = [1]  # the text's line each file begins on: one more for each file's join
     for t in texts[:-1]:
