@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     except NoSchedulingSpans as e:
         print(f"explain: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"request_id": args.request_id, "error": str(e), "trace_ids": e.trace_ids}))
+            print(json.dumps({"request_id": args.request_id, "error": str(e), "trace_ids": e.trace_ids,
+                              "named_by": e.named_by}))
         return 1
     if args.json:
         print(json.dumps(exp.to_dict(), indent=2))

@@ -35,9 +35,20 @@ def explain_request(spans: Iterable[Span], request_id: str, *, fallback_all: boo
                     min_wait_s: float = 0.005) -> Explanation:
     """Explain one request. Raises NoSchedulingSpans when there is nothing to explain."""
     sel = select_request_spans(on_redis_clock(spans), request_id, fallback_all=fallback_all)
-    if not any(s.name in SCHEDULING_SPANS for s in sel.own) and not sel.decisions:
-        raise NoSchedulingSpans(sel.request_id, sel.trace_ids)
+    if not any(s.name in SCHEDULING_SPANS for s in sel.own):
+        # Decisions alone (its own spans gone) were told as a request of 0 s, made of another request's instant.
+        raise NoSchedulingSpans(sel.request_id, sel.trace_ids, _named_by(sel))
     return _Analyser(sel, min_wait_s).run()
+
+
+def _named_by(sel: RequestSpans) -> list[dict]:
+    out = []
+    for s in sorted(sel.decisions, key=_in_time):
+        role = ("victim" if attr_str(s.get("preemption.victim.request_id")) == sel.request_id else
+                "beneficiary" if attr_str(s.get("preemption.beneficiary.request_id")) == sel.request_id else "linked")
+        out.append({"decision_id": attr_str(s.get("preemption.decision_id")), "role": role, "trace_id": s.trace_id,
+                    "span_id": s.span_id})
+    return out
 
 
 # Spans of the same start and end in the order of a request's life, then by name and id: a sort by times alone kept

@@ -14,13 +14,23 @@ WAITS_DIFFER_S = 0.05
 
 
 class NoSchedulingSpans(LookupError):
-    """No trace of the request, or its traces hold none of the scheduling spans."""
+    """No trace of the request, or its traces hold none of the scheduling spans. ``named_by``: the preemption
+    decisions that name it all the same (its own spans rotated away, or never exported), each a dict of decision_id,
+    role, trace_id and span_id."""
 
-    def __init__(self, request_id: str, trace_ids: Iterable[str] = ()) -> None:
+    def __init__(self, request_id: str, trace_ids: Iterable[str] = (), named_by: Iterable[dict] = ()) -> None:
         self.request_id = request_id
         self.trace_ids = sorted(trace_ids)
+        self.named_by = list(named_by)
         where = f" (traces {', '.join(self.trace_ids)})" if self.trace_ids else " (no trace carries it)"
-        super().__init__(f"no scheduling spans for request {request_id}{where}")
+        text = f"no scheduling spans for request {request_id}{where}"
+        if self.named_by:
+            shown = [f"{d['decision_id'] or 'span ' + d['span_id']} (as {d['role']}, trace {d['trace_id']})"
+                     for d in self.named_by[:3]]
+            more = f" and {len(self.named_by) - 3} more" if len(self.named_by) > 3 else ""
+            text += (f"; it is named only by preemption decisions: {', '.join(shown)}{more}. Its "
+                     "own spans are not in the input (rotated away, or never exported)")
+        super().__init__(text)
 
 
 @dataclass(frozen=True)
