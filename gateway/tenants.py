@@ -39,6 +39,13 @@ def key_digest(api_key: str) -> str:
 
 def _digest(entry: dict, where: str) -> str:
     """The entry's key digest, normalised: a SHA-256 hex digest is compared in lower case."""
+    if "api_key" in entry and "api_key_sha256" in entry:
+        # The digest was used and api_key ignored: a key written there was refused at every request, the file said
+        # to be fine. The plain key is not repeated here: the message goes to logs.
+        raise ConfigError(f"{where} ({entry.get('name')!r}): both api_key and api_key_sha256; give one (api_key_sha256 "
+                          "alone keeps no usable key in the file)")
+    if "api_key" not in entry and "api_key_sha256" not in entry:
+        raise ConfigError(f"{where}: needs api_key or api_key_sha256")
     if "api_key_sha256" in entry:
         digest = str(entry["api_key_sha256"]).strip().lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -115,7 +122,9 @@ class TenantDirectory:
                 out[digest] = tenant
             except ConfigError:  # already says where: wrapped again below, it said so twice
                 raise
-            except (KeyError, ValueError) as e:
+            except KeyError as e:  # told as the bare key: "tenant #1: 'name'"
+                raise ConfigError(f"{where}: missing {e.args[0]}") from None
+            except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
         return cls(out)
 

@@ -85,3 +85,29 @@ def test_a_gateway_given_a_tenants_file_it_cannot_use_says_why_in_one_line_and_e
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr and str(path) in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_an_entry_with_both_a_key_and_a_digest_is_refused_naming_it(tmp_path, same):
+    """api_key and api_key_sha256 in one entry: the digest was used and api_key silently ignored, so the key written
+    there (a rotation's new key, say) was refused at every request while the file was said to be fine. One of the
+    two is what README and SECURITY.md document; both, even of the same key, leaves a plain key in a file meant to
+    hold none."""
+    from gateway.tenants import key_digest
+    digest = key_digest("new" if same else "old")
+    path = _write(tmp_path, 'name = "ops"\napi_key = "o"\ntiers = ["P3"]\n',
+                  ENTRY + f'api_key = "new"\napi_key_sha256 = "{digest}"\n')
+    with pytest.raises(ConfigError) as e:
+        TenantDirectory.from_file(path)
+    msg = str(e.value)
+    assert "tenant #2" in msg and "'chat'" in msg and "api_key" in msg and "api_key_sha256" in msg, msg
+    assert "new" not in msg.replace(str(path), "")  # the plain key is not echoed into logs
+
+
+@pytest.mark.parametrize("drop, said", [("api_key", "api_key or api_key_sha256"), ("name", "missing name"),
+                                        ("tiers", "missing tiers")])
+def test_an_entry_without_a_required_key_says_which(tmp_path, drop, said):
+    """Each was told as the bare KeyError: "tenant #1: 'api_key'"."""
+    body = "".join(line + "\n" for line in (ENTRY + 'api_key = "k"\n').splitlines() if not line.startswith(drop + " "))
+    with pytest.raises(ConfigError, match=f"tenant #1: .*{said}"):
+        TenantDirectory.from_file(_write(tmp_path, body))
