@@ -13,12 +13,16 @@ import os
 import signal
 import time
 
+import pytest
+
 from common.errors import Forbidden, Overloaded, QuotaExceeded, ServingError, Unauthorized
 from common.ports import free_port
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster, wait_states
 from tests.test_metrics import scrape, total
+
+pytestmark = pytest.mark.faults  # kills a gateway and a worker (kill -9)
 
 FINAL = {"done", "failed", "expired", "cancelled", "dead"}
 CODES = {QuotaExceeded: "quota_exceeded", Overloaded: "overloaded", Unauthorized: "unauthorized",
