@@ -328,7 +328,13 @@ def test_a_large_file_is_read_a_line_at_a_time_not_held_whole(spans, tmp_path):
 
     path, _ = spans
     big = tmp_path / "big.jsonl"
-    filler = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "x" * 400}]}]}]}) + "\n"
+    # Another job's span, as up.py writes them: ids of another trace, and words. Not one 400-character run of id
+    # characters: every substring of such a run is looked up as a possible id (~1,600 a line), and under
+    # tracemalloc that took minutes here while the reading and its memory are the same.
+    other = {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174", "name": "worker.step",
+             "startTimeUnixNano": "1700000000000000000", "endTimeUnixNano": "1700000000018000000",
+             "attributes": [{"key": "note", "value": {"stringValue": "a step of another job " * 8}}]}
+    filler = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [other]}]}]}) + "\n"
     with big.open("w") as out:
         out.write(filler * 40_000)  # about 18 MB ahead of the request's lines, and as much after
         out.write(path.read_text())
