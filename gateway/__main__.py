@@ -98,4 +98,4 @@ def _also(first, then):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    process.exit_now(main())

@@ -73,4 +73,4 @@ def build(config: WorkerConfig):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    process.exit_now(main())
