@@ -85,54 +85,62 @@ def _submit(sock, key: str, idem: str, request_id: str, **fields):
     return P.decode(sock.recv())
 
 
+@pytest.fixture(scope="module")
+def raw_cluster(tmp_path_factory, tiny_model_dir):
+    """One gateway, no worker: the raw-client tests below each use keys of their own (uuid4), and jobs that stay
+    queued; a cluster each cost ~4 s of start and stop."""
+    with DurableCluster(tmp_path_factory.mktemp("raw"), tiny_model_dir, gateways=1, workers=0) as c:
+        yield c
+
+
 @pytest.mark.parametrize("first,then", [
     ({"temperature": 0.0}, {"temperature": 0}),
     ({"top_p": 1}, {"top_p": 1.0}),
     ({"temperature": 1, "top_p": 0.5}, {"temperature": 1.0, "top_p": 0.5}),
 ])
-def test_a_raw_client_retrying_with_an_int_for_a_float_is_the_same_request(tmp_path, tiny_model_dir, first, then):
+def test_a_raw_client_retrying_with_an_int_for_a_float_is_the_same_request(raw_cluster, first, then):
     """temperature and top_p were packed into the fingerprint as sent: a raw ZeroMQ client (the SDK converts to
     float) that sent 0.0 and retried with 0 was told its key was used for another request."""
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0) as c:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        try:
-            sock.connect(c.endpoint())
-            idem = uuid.uuid4().hex
-            a = _submit(sock, c.key("lab-co"), idem, "r1", **first)
-            assert isinstance(a, P.SubmitReply) and not a.duplicate, a
-            b = _submit(sock, c.key("lab-co"), idem, "r2", **then)
-            assert isinstance(b, P.SubmitReply), b
-            assert b.job_id == a.job_id and b.duplicate
-            c3 = _submit(sock, c.key("lab-co"), idem, "r3", **(then | {"temperature": 0.5}))
-            assert isinstance(c3, P.ErrorReply) and c3.field == "idempotency_key", c3
-        finally:
-            sock.close(linger=0)
+    c = raw_cluster
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(c.endpoint())
+        idem = uuid.uuid4().hex
+        a = _submit(sock, c.key("lab-co"), idem, "r1", **first)
+        assert isinstance(a, P.SubmitReply) and not a.duplicate, a
+        b = _submit(sock, c.key("lab-co"), idem, "r2", **then)
+        assert isinstance(b, P.SubmitReply), b
+        assert b.job_id == a.job_id and b.duplicate
+        c3 = _submit(sock, c.key("lab-co"), idem, "r3", **(then | {"temperature": 0.5}))
+        assert isinstance(c3, P.ErrorReply) and c3.field == "idempotency_key", c3
+    finally:
+        sock.close(linger=0)
 
 
-def test_a_retry_sending_minus_zero_is_the_same_request(tmp_path, tiny_model_dir):
+def test_a_retry_sending_minus_zero_is_the_same_request(raw_cluster):
     """-0.0 == 0.0, but msgpack packs them apart: a client of its own (not P.encode, which leaves a field equal to its
     default out) whose encoder wrote -0.0 on a retry was refused, its key used for another request."""
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0) as c:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        try:
-            sock.connect(c.endpoint())
-            idem = uuid.uuid4().hex
-            a = _submit(sock, c.key("lab-co"), idem, "r1", temperature=0.5)
-            assert isinstance(a, P.SubmitReply) and not a.duplicate, a
-            b = _submit(sock, c.key("lab-co"), idem, "r2", temperature=0.0)  # another request: refused
-            assert isinstance(b, P.ErrorReply) and b.field == "idempotency_key", b
-            idem = uuid.uuid4().hex
-            a = _submit(sock, c.key("lab-co"), idem, "r3", temperature=0.0, top_p=0.5)
-            assert isinstance(a, P.SubmitReply) and not a.duplicate, a
-            body = {"api_key": c.key("lab-co"), "max_tokens": 4, "prompt_token_ids": [5, 6, 7], "temperature": -0.0,
-                    "top_p": 0.5, "tier": "P3", "idempotency_key": idem, "request_id": "r4"}
-            sock.send(msgpack.packb({"v": P.SCHEMA_VERSION, "k": "SubmitRequest", "b": body}, use_bin_type=True))
-            assert sock.poll(30_000), "no answer from the gateway"
-            b = P.decode(sock.recv())
-            assert isinstance(b, P.SubmitReply), b
-            assert b.job_id == a.job_id and b.duplicate
-        finally:
-            sock.close(linger=0)
+    c = raw_cluster
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(c.endpoint())
+        idem = uuid.uuid4().hex
+        a = _submit(sock, c.key("lab-co"), idem, "r1", temperature=0.5)
+        assert isinstance(a, P.SubmitReply) and not a.duplicate, a
+        b = _submit(sock, c.key("lab-co"), idem, "r2", temperature=0.0)  # another request: refused
+        assert isinstance(b, P.ErrorReply) and b.field == "idempotency_key", b
+        idem = uuid.uuid4().hex
+        a = _submit(sock, c.key("lab-co"), idem, "r3", temperature=0.0, top_p=0.5)
+        assert isinstance(a, P.SubmitReply) and not a.duplicate, a
+        body = {"api_key": c.key("lab-co"), "max_tokens": 4, "prompt_token_ids": [5, 6, 7], "temperature": -0.0,
+                "top_p": 0.5, "tier": "P3", "idempotency_key": idem, "request_id": "r4"}
+        sock.send(msgpack.packb({"v": P.SCHEMA_VERSION, "k": "SubmitRequest", "b": body}, use_bin_type=True))
+        assert sock.poll(30_000), "no answer from the gateway"
+        b = P.decode(sock.recv())
+        assert isinstance(b, P.SubmitReply), b
+        assert b.job_id == a.job_id and b.duplicate
+    finally:
+        sock.close(linger=0)
 
 
 def test_the_fingerprint_of_what_the_sdk_sends_is_unchanged():
