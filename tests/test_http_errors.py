@@ -17,7 +17,9 @@ MAX_BODY = 4096
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    with local_cluster(tmp_path_factory.mktemp("http-errors"), tiny_model_dir, workers=1, max_running=4) as c:
+    # No front door of up.py's: the tests use broken_door's.
+    with local_cluster(tmp_path_factory.mktemp("http-errors"), tiny_model_dir, workers=1, max_running=4,
+                       http=False) as c:
         yield c
 
 

@@ -21,8 +21,9 @@ from tests.test_http import front_door, key, sse
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
+    # No front door of up.py's: each test starts the door it needs (front_door).
     with local_cluster(tmp_path_factory.mktemp("http-faults"), tiny_model_dir, workers=1, gateways=2,
-                       max_running=4) as c:
+                       max_running=4, http=False) as c:
         yield c
 
 
