@@ -115,7 +115,9 @@ class GivingWay:
         return self.blocks.usage().utilisation, _per_tier(self.running), _per_tier(self.waiting)
 
     def _make_room_for_waiting(self) -> None:
-        """Phase 0: preempt for waiting requests that outrank running ones and cannot start."""
+        """Phase 0: preempt for waiting requests that outrank running ones and cannot start.
+
+        The blocks each waiting request is to start on are promised to it (``_promised``) until phase 2 starts it."""
         slots = self.config.max_num_seqs - len(self.running)
         low_slots = self._low_slots_free()  # the P0 slot reserve is not theirs
         spare = 0  # blocks already promised to earlier waiting requests in this pass
@@ -136,6 +138,7 @@ class GivingWay:
                 slots -= 1
                 low_slots -= not urgent
                 spare += missing
+                self._promised.append((w, missing))
                 tokens_left -= w.num_uncomputed_tokens
                 continue
             if not any(self.preemption.config.may_preempt(w.tier, r.tier) for r in self.running):
@@ -169,6 +172,7 @@ class GivingWay:
             slots -= 1
             low_slots -= not urgent
             spare += missing
+            self._promised.append((w, missing))
             tokens_left -= w.num_uncomputed_tokens
 
     def _budget_short(self, w: Request, tokens_left: int) -> int:

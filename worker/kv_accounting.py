@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from common.tiers import Tier
 from worker.preemption import PreemptMode
-from worker.request import Request
+from worker.request import Request, RequestStatus
 from worker.scheduler_types import BlockCopy
 
 
@@ -25,12 +25,26 @@ class KvAccounting:
         """Free blocks ``req`` may take: less the P0 reserve, and within the low-tier share."""
         pc = self.preemption.config
         free = self.blocks.num_free
-        if req.tier is not Tier.P0:
-            free -= pc.p0_reserve_blocks
+        if req.tier is not Tier.P0:  # (nothing preempts a P0, so nothing is promised away from one)
+            to_p0, to_others = self._promised_away(req)
+            free -= max(pc.p0_reserve_blocks, to_p0) + to_others  # a P0 starts on the reserve first
         if req.tier in (Tier.P2, Tier.P3) and pc.low_tier_kv_share < 1.0:
             cap = int(pc.low_tier_kv_share * self.blocks.num_blocks)
             free = min(free, cap - self._blocks_held(lambda r: r.tier in (Tier.P2, Tier.P3)))
         return free
+
+    def _promised_away(self, req: Request) -> tuple[int, int]:
+        """Free blocks phase 0 promised to waiting requests that may preempt running ``req`` now, (to P0s, to the
+        rest): without this, ``req`` growing in phase 1 took the blocks a victim had just given up, the urgent
+        request did not start, and the next step preempted again for it. ``req`` takes blocks from work behind it,
+        or gives way, instead."""
+        if req.status is not RequestStatus.RUNNING or not self._promised:
+            return 0, 0
+        if self.preemption.guard(req, self.step_index) is not None:
+            return 0, 0
+        pc, key = self.preemption.config, self.policy.key(req)
+        to = [(w.tier, n) for w, n in self._promised if self.policy.key(w) < key and pc.may_preempt(w.tier, req.tier)]
+        return sum(n for t, n in to if t is Tier.P0), sum(n for t, n in to if t is not Tier.P0)
 
     def _blocks_held(self, which: Callable[[Request], bool]) -> int:
         held = [r for r in self.running if which(r)]

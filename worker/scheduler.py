@@ -66,6 +66,8 @@ class Scheduler(GivingWay, KvAccounting):
         self._new_decisions: list[PreemptionDecision] = []
         self._preempted: list[Request] = []
         self._swapped_out: list[Request] = []
+        # Waiting requests phase 0 let in, and the blocks each is to start on: kept from lower work until phase 2.
+        self._promised: list[tuple[Request, int]] = []
 
     @property
     def num_recompute_preemptions(self) -> int:
@@ -126,6 +128,7 @@ class Scheduler(GivingWay, KvAccounting):
         self.step_index += 1
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        self._promised = []
         if self.policy.preempts:
             self._make_room_for_waiting()
         urgent_only = self._isolate_p0_prefill()
@@ -149,6 +152,7 @@ class Scheduler(GivingWay, KvAccounting):
             if i < len(self.running) and self.running[i] is req:  # else it gave way itself
                 i += 1
 
+        self._promised = []  # phase 2 starts them now, in policy order
         while self.waiting and budget > 0 and self._has_slot(self.waiting[0]):
             req = self.waiting[0]
             if urgent_only and (req.tier is not Tier.P0 or req.started):
