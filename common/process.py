@@ -68,7 +68,7 @@ def exit_now(status: int) -> NoReturn:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    os._exit(status)
+    os._exit(status if isinstance(status, int) else 0 if status is None else 1)  # as sys.exit reads it
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
