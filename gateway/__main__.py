@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def build(config: GatewayConfig):
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     from common.redis_keys import KeySpace
     from gateway.redis_queue import RedisQueue
@@ -70,9 +72,11 @@ def build(config: GatewayConfig):
     from gateway.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(config.tenants_file)
-    # Bounded waits: while Redis is unreachable the gateway keeps answering ("unavailable") and retries.
+    # Bounded waits: while Redis is unreachable the gateway keeps answering ("unavailable") and retries. No
+    # client-side retries: redis-py 6+ retries a timed-out command itself (with back-off: ~26 s against a frozen
+    # Redis, not 2), standing the loop still that long, and the reply deadlines assume the socket timeout.
     client = redis_client(config.redis_url, config.redis_password_file, socket_timeout=2.0,
-                          socket_connect_timeout=1.0)
+                          socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
     try:
         client.ping()
     except redis.RedisError as e:

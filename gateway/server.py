@@ -135,11 +135,16 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             self.estimator.dump.close()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        poller = zmq.Poller()
+        poller, clients_only = zmq.Poller(), zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.worker_sock, zmq.POLLIN)
+        clients_only.register(self.clients, zmq.POLLIN)
         while not should_stop():
-            events = dict(poller.poll(timeout=10))
+            # While Redis is known down, worker frames wait in their socket (see _drain): not polled, not spun on.
+            # The background work runs only after they were read: after a Redis freeze, the reports waiting there
+            # extend the leases before a maintenance pass may take them for expired.
+            redis_down = self.clock() < self._redis_retry_at
+            events = dict((clients_only if redis_down else poller).poll(timeout=10))
             if self.worker_sock in events:
                 self._drain(self.worker_sock, self._worker_handlers)
             if self.clients in events:
@@ -149,7 +154,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
                 self._last_keepalive = now
                 # Also while Redis is down: a client must not fail over from a gateway waiting out a blip.
                 self.send_keepalives(now, redis_up=now >= self._redis_retry_at)
-            if now < max(self._redis_retry_at, self._background_retry_at):
+            if redis_down or now < max(self._redis_retry_at, self._background_retry_at):
                 continue
             try:
                 self._background(now)
@@ -205,6 +210,13 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     def _drain(self, sock: zmq.Socket, handlers: dict) -> None:
         started = time.monotonic()
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
+            if sock is self.worker_sock and self.clock() < self._redis_retry_at:
+                # Redis is known down: most worker frames need it (a report extends leases, a completion is
+                # stored), and each would stand the loop still for Redis's socket timeout, one after another
+                # (reports come every 0.5 s per worker): no client heard even 'unavailable', no stream a keepalive.
+                # They wait in the socket, as the background work waits, and are read once the back-off is over
+                # (a completion is also sent again until confirmed).
+                return
             if sock is self.clients and self._dirty and time.monotonic() - started >= CLIENT_DRAIN_BUDGET_S:
                 return  # a slot may be free: dispatch first (the rest wait in the socket, and the loop comes back)
             try:
