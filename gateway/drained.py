@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgpack
 import redis
@@ -27,8 +28,10 @@ MAX_ENTRIES = 1024  # entries read back at most (a worker id is up to 200 charac
 class SharedDrained:
     """``entries``: worker id -> (its tier limits, until when it counts on this gateway's clock)."""
 
-    def __init__(self, client: redis.Redis, keys: KeySpace, ttl_s: float) -> None:
-        self.client, self.keys = client, keys
+    def __init__(self, client: redis.Redis, keys: KeySpace, ttl_s: float,
+                 failed: Callable[[Exception], None] = lambda e: None) -> None:
+        # ``failed``: told of a Redis error this memory goes on without (the gateway's back-off starts with it).
+        self.client, self.keys, self.failed = client, keys, failed
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.entries: dict[str, tuple[dict[str, int], float]] = {}
         self._noted: OrderedDict[str, float] = OrderedDict()
@@ -48,6 +51,7 @@ class SharedDrained:
                                                       args=[worker_id, msgpack.packb(limits), self.ttl_ms, ""])
         except redis.RedisError as e:
             log.warning("worker %s drains; the cluster's memory of it is not written (Redis: %s)", worker_id, e)
+            self.failed(e)
 
     def back(self, worker_id: str) -> None:
         """``worker_id`` serves again (a hello or report that does not say it drains): no one is to wait for it."""
@@ -59,6 +63,7 @@ class SharedDrained:
             self.client.hdel(self.keys.drained_workers, worker_id)
         except redis.RedisError as e:
             log.warning("worker %s is back; the cluster's memory of its drain stays (Redis: %s)", worker_id, e)
+            self.failed(e)
 
     def refresh(self, now: float) -> None:
         """Read the cluster's memory again if REFRESH_S has passed (a Redis that does not answer keeps the last)."""
@@ -72,6 +77,7 @@ class SharedDrained:
             raw, (secs, micros) = pipe.execute()
         except redis.RedisError as e:
             log.warning("the cluster's memory of drained workers is unreadable (%s); the copy read last decides", e)
+            self.failed(e)
             return
         server_ms = secs * 1000 + micros // 1000
         entries = {}

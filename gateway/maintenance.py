@@ -111,11 +111,15 @@ class Maintenance:
     def _dead_letter_span(self, one, cause: str) -> None:
         """The lost last attempt's count and span (GatewaySpans.dead_lettered): its trace context is in the stored
         job."""
+        rec = None  # counted all the same if this gateway held it (the tier it held)
         try:
+            if self._redis_down():  # a read before timed out: this one would too, each after the other
+                raise redis.ConnectionError("in back-off")
             rec = self.queue.get(one.job_id)
         except redis.RedisError as e:
             log.warning("job %s dead-lettered; its span is lost (Redis: %s)", one.job_id, e)
-            rec = None  # counted all the same if this gateway held it (the tier it held)
+            if not self._redis_down():
+                self._redis_failed(e)
         metrics.ended(one.job_id, rec.tier_granted.value if rec is not None else None, "dead", self.clock())
         if rec is not None and rec.finished_at_ms is not None:  # None: already trimmed from the dead letters
             self.spans.dead_lettered(rec, one.attempt, one.worker, cause, rec.finished_at_ms * 1_000_000)

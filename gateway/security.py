@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 import redis
 import zmq
@@ -65,7 +65,8 @@ def secure_sockets(gw, config) -> Authenticator | None:
             curve_server(gw.worker_sock, config.curve_secret_key_file, WORKERS_DOMAIN)
             # A binding outlives whatever its worker may hold: leases, and its registration on every gateway.
             ttl_s = 2 * max(config.lease_s, config.worker_timeout_s)
-            gw.worker_keys = WorkerKeys(shared=SharedWorkerKeys(gw.queue.client, gw.queue.keys, ttl_s))
+            gw.worker_keys = WorkerKeys(shared=SharedWorkerKeys(gw.queue.client, gw.queue.keys, ttl_s),
+                                        redis_down=gw._redis_down, redis_failed=gw._redis_failed)
         if config.client_curve:
             curve_server(gw.clients, config.curve_secret_key_file, CLIENTS_DOMAIN)
     except KeyFileError as e:
@@ -154,9 +155,14 @@ class WorkerKeys:
     a hello is also held to the cluster's binding (SharedWorkerKeys); if Redis does not answer, to this
     gateway's memory alone."""
 
-    def __init__(self, memory: int = WORKER_KEY_MEMORY, shared: SharedWorkerKeys | None = None) -> None:
+    def __init__(self, memory: int = WORKER_KEY_MEMORY, shared: SharedWorkerKeys | None = None,
+                 redis_down: Callable[[], bool] = lambda: False,
+                 redis_failed: Callable[[Exception], None] = lambda e: None) -> None:
         self.memory = memory
         self.shared = shared
+        # The gateway's back-off: while it lasts the binding is not asked for (each ask would wait out the socket
+        # timeout before the handler's own Redis call did again), and an ask that fails starts it.
+        self.redis_down, self.redis_failed = redis_down, redis_failed
         self.keys: OrderedDict[str, str] = OrderedDict()
 
     def claim(self, worker_id: str, key: str | None, registered: Container[str]) -> str | None:
@@ -188,13 +194,14 @@ class WorkerKeys:
     def _shared_claim(self, worker_id: str, key: str | None):
         """The cluster's answer to ``claim``: None (bound to ``key``), the key it is bound to, or _UNKNOWN (no
         shared binding here, no key to bind, or Redis did not answer)."""
-        if self.shared is None or key is None:
+        if self.shared is None or key is None or self.redis_down():
             return _UNKNOWN
         try:
             return self.shared.claim(worker_id, key)
         except redis.RedisError as e:
             log.warning("worker %s: the cluster's key binding is unreadable (%s); this gateway's memory decides",
                         worker_id, e)
+            self.redis_failed(e)
             return _UNKNOWN
 
     def matches(self, worker_id: str, key: str | None) -> bool:

@@ -99,7 +99,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         # The cluster's memory of drained workers (worker_link._track_drain): as long as this gateway's own, and
         # the worker's timeout, since it counts from the worker's last draining report.
         self.drained_memory = SharedDrained(queue.client, queue.keys,
-                                            self.workers.drained_memory_s + self.workers.timeout_s)
+                                            self.workers.drained_memory_s + self.workers.timeout_s, self._redis_failed)
         self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds
         self._stale_seen = new_stale_memory()
         self._strays_checked: dict[str, float] = {}  # worker id -> load_at of its report stop_strays checked
@@ -188,6 +188,12 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._redis_backoff_s = min(2.0, max(0.1, self._redis_backoff_s * 2))
         self._redis_retry_at = self.clock() + self._redis_backoff_s
         self._dirty = True
+
+    def _redis_down(self) -> bool:
+        """Redis did not answer lately and the back-off is not over: a site that tries Redis and goes on without it
+        (keepalives, the shared memories of drained workers and worker keys) skips it, rather than wait out the
+        socket timeout again, one try after another, while no client hears even 'unavailable'."""
+        return self.clock() < self._redis_retry_at
 
     def _redis_full(self, e: Exception) -> None:
         """Redis is reachable but at its maxmemory (noeviction) and refused a write. Reads, streams and cancels

@@ -60,7 +60,10 @@ class Streaming:
                 if not redis_up:
                     raise redis.ConnectionError("in back-off")
                 rec = self.queue.get(job_id)
-            except redis.RedisError:
+            except redis.RedisError as e:
+                if redis_up:  # the back-off starts now: the streams due after this one wait out no timeout of their own
+                    redis_up = False
+                    self._redis_failed(e)
                 # Still a sign of life: the client must not fail over from a gateway that waits out a Redis blip.
                 self._send(self.clients, peer, P.StatusReply(job_id, "unknown", "", 0, None,
                                                              "queue store unreachable"))

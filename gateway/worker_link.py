@@ -72,6 +72,10 @@ class WorkerLink:
             self.worker_keys.refresh(msg.worker_id, self.frame_key)
         self._track_drain(msg.worker_id)
         self._dirty = True
+        if self._redis_down():
+            # A read above timed out (and started the back-off): the leases wait for a later report, rather than the
+            # loop for a second timeout in a row (4 s in which no client heard even 'unavailable').
+            return
         w = self.workers.workers[msg.worker_id]
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
         # another gateway or that was cancelled or requeued, would hold credit here forever.
@@ -89,13 +93,14 @@ class WorkerLink:
         (their hellos and reports are what admission and dispatch go by)."""
         memory = self.drained_memory
         now = self.clock()
-        if now >= self._redis_retry_at:  # else Redis is known to be down: the copy read last decides meanwhile
+        if not self._redis_down():  # else Redis is known to be down: the copy read last decides meanwhile
             w = self.workers.workers[worker_id]
             if w.draining:
                 memory.note(worker_id, w.hello.tier_max_tokens, now)
             else:
                 memory.back(worker_id)
-            memory.refresh(now)
+            if not self._redis_down():  # a write that timed out started the back-off: no second timeout in a row
+                memory.refresh(now)
         self.workers.shared_drained = memory.alive(now)
 
     def _holds_lease(self, ident: bytes, job_id: str, attempt: int) -> bool:
@@ -278,6 +283,7 @@ class WorkerLink:
                 granted = self.queue.granted_tiers([job_id])[0]
             except redis.RedisError as e:  # stored already: the count must not cost the ack and the stream's end
                 log.warning("job %s ended %s uncounted (Redis: %s)", job_id, state, e)
+                self._redis_failed(e)
                 return
             tier = granted.value if granted is not None else None
         metrics.ended(job_id, tier, state, self.clock())
