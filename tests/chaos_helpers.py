@@ -1,4 +1,5 @@
-"""A seeded, randomized workload and fault schedule for tests/test_chaos.py, with the books each keeps.
+"""A seeded, randomized workload and fault schedule for tests/test_chaos.py; the books each keeps are
+tests/chaos_books.py's (tests/test_long_pauses.py's streaming clients are ClientThreads too).
 
 Clients (sync threads, and coroutines sharing one AsyncGatewayClient) submit jobs of every tier their tenant may
 use, with random sizes up to the tier's limits, and then wait for the result, stream it whole, stream a few chunks
@@ -18,31 +19,33 @@ import threading
 import time
 from contextlib import contextmanager
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from gateway.sdk import (AsyncGatewayClient, GatewayClient, JobCancelled, JobExpired, JobFailed, Overloaded,
-                         QuotaExceeded, ServingError)
+from common.ports import free_port
+from gateway.sdk import AsyncGatewayClient, GatewayClient, Overloaded, QuotaExceeded, ServingError
+from tests.chaos_books import Books, outcome, scrape, summed
 from tests.durable_cluster import DurableCluster
 
 TENANT_TIERS = {"chat-co": ["P0", "P1", "P2", "P3"], "api-co": ["P1", "P2", "P3"], "batch-co": ["P2", "P3"],
                 "lab-co": ["P3"]}
-TERMINAL = {"done", "failed", "expired", "cancelled", "dead"}
 ACTIONS = ["result", "stream", "abandon", "cancel", "again"]
 ACTION_WEIGHTS = [35, 20, 15, 15, 15]
 
 
-def scrape(url: str) -> dict[str, float]:
-    """{sample name + sorted labels: value} of one /metrics page."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        for s in family.samples:
-            out[s.name + repr(sorted(s.labels.items()))] = s.value
-    return out
+def metrics_env(names: list[str]) -> tuple[dict[str, dict], dict[str, str]]:
+    """A metrics port for each gateway (gw-N) and worker (wk-N) named: (process_env for DurableCluster,
+    name -> /metrics URL)."""
+    binds = {n: f"127.0.0.1:{free_port()}" for n in names}
+    var = {n: "TS_GATEWAY_METRICS_BIND" if n.startswith("gw-") else "TS_WORKER_METRICS_BIND" for n in names}
+    return {n: {var[n]: b} for n, b in binds.items()}, {n: f"http://{b}/metrics" for n, b in binds.items()}
 
 
-def summed(page: dict[str, float], name: str) -> float:
-    return sum(v for k, v in page.items() if k.startswith(name + "["))
+def limits_of(c: DurableCluster) -> tuple[dict[str, dict[str, int]], int]:
+    """Each tenant's token limit per tier, and the largest max_tokens, as gw-0 tells them."""
+    out, most = {}, 0
+    for tenant in TENANT_TIERS:
+        with GatewayClient(c.endpoint("gw-0"), c.key(tenant), timeout_s=10) as cl:
+            info = cl.info(limits=True)
+        out[tenant], most = dict(info.tier_token_limits), info.max_tokens_limit
+    return out, most
 
 
 class SubmitGate:
@@ -111,49 +114,16 @@ def submit_args(spec: dict) -> dict:
 REFUSED = (QuotaExceeded, Overloaded)
 
 
-class Books:
-    """What the clients saw, shared by every client thread."""
+class ClientThread(threading.Thread):
+    """Jobs one after another (``one``, the subclass's) until ``stop``, through one blocking GatewayClient per tenant
+    over ``self.eps`` (the subclass's order); what it raises is kept in ``crashed`` for the test thread to report."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.jobs: dict[str, dict] = {}  # job id -> record
-        self.refused: list[str] = []
-        self.problems: list[str] = []
-
-    def add(self, rec: dict) -> None:
-        with self.lock:
-            if rec["id"] in self.jobs:
-                self.problems.append(f"two submissions under different keys got job {rec['id']}")
-            self.jobs[rec["id"]] = rec
-
-    def problem(self, msg: str) -> None:
-        with self.lock:
-            self.problems.append(msg)
-
-
-@contextmanager
-def outcome(rec: dict):
-    """Around a wait for a job's result, sync or async: what it gave goes in the record, the result the caller hands
-    to ``got`` (its tokens and finish reason) or the error's kind."""
-    try:
-        yield lambda res: rec.update(result=list(res.token_ids), finish_reason=res.finish_reason)
-    except JobCancelled:
-        rec["error"] = "cancelled"
-    except JobExpired:
-        rec["error"] = "expired"
-    except JobFailed as e:
-        rec["error"] = f"failed: {e}"
-
-
-class SyncClient(threading.Thread):
-    def __init__(self, cluster: DurableCluster, books: Books, gate: SubmitGate, stop: threading.Event, seed: int,
-                 limits: dict, max_tokens_limit: int, name: str) -> None:
+    def __init__(self, cluster: DurableCluster, books: Books, stop: threading.Event, seed: int, name: str,
+                 gate: SubmitGate | None = None) -> None:
         super().__init__(daemon=True, name=name)
-        self.c, self.books, self.gate, self.stop, self.rng = cluster, books, gate, stop, random.Random(seed)
-        self.limits, self.max_tokens_limit = limits, max_tokens_limit
-        eps = [cluster.endpoint(g) for g in sorted(cluster.gateways)]
-        first = self.rng.randrange(len(eps))
-        self.eps = eps[first:] + eps[:first]
+        self.c, self.books, self.stop, self.rng = cluster, books, stop, random.Random(seed)
+        self.gate = gate if gate is not None else SubmitGate()  # one never paused holds nothing back
+        self.eps: list[str] = []
         self.clients: dict[str, GatewayClient] = {}
         self.crashed: BaseException | None = None
 
@@ -190,6 +160,19 @@ class SyncClient(threading.Thread):
         finally:
             for cl in self.clients.values():
                 cl.close()
+
+    def one(self, key: str) -> None:
+        raise NotImplementedError
+
+
+class SyncClient(ClientThread):
+    def __init__(self, cluster: DurableCluster, books: Books, gate: SubmitGate, stop: threading.Event, seed: int,
+                 limits: dict, max_tokens_limit: int, name: str) -> None:
+        super().__init__(cluster, books, stop, seed, name, gate)
+        self.limits, self.max_tokens_limit = limits, max_tokens_limit
+        eps = [cluster.endpoint(g) for g in sorted(cluster.gateways)]
+        first = self.rng.randrange(len(eps))
+        self.eps = eps[first:] + eps[:first]
 
     def one(self, key: str) -> None:
         spec = job_spec(self.rng, self.limits, self.max_tokens_limit)
