@@ -9,17 +9,13 @@ one, made slower (as under a deep queue) by a wrapper that calls through."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 import zmq
 
 from common import protocol as P
-from common.redis_server import RedisServer
-from gateway.__main__ import build
-from gateway.config import GatewayConfig
 from gateway.server import CLIENT_DRAIN_BUDGET_S
-from scripts.up import write_tenants
+from tests.gateway_helpers import built_gateway
 
 FRAMES = 40
 HANDLER_S = 0.004  # what one admission costs under a deep queue (scripts/bench_backlog.py: 4-17 ms)
@@ -27,17 +23,8 @@ HANDLER_S = 0.004  # what one admission costs under a deep queue (scripts/bench_
 
 @pytest.fixture
 def gateway(tmp_path):
-    tenants = write_tenants(tmp_path / "tenants.toml")
-    with RedisServer() as redis_server:
-        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
-                               redis_url=redis_server.url, tenants_file=str(tmp_path / "tenants.toml"),
-                               key_prefix=f"loop-{uuid.uuid4().hex[:8]}", insecure_workers=True)
-        gw = build(config)
-        gw.bind()
-        try:
-            yield gw, tenants
-        finally:
-            gw.close()
+    with built_gateway(tmp_path, "loop") as (gw, tenants, _):
+        yield gw, tenants
 
 
 def _burst(gw, api_key: str) -> zmq.Socket:

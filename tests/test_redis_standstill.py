@@ -9,18 +9,13 @@ import signal
 import threading
 import time
 
-import uuid
-
 import pytest
 import zmq
 
 from common import protocol as P
-from common.redis_server import RedisServer
 from common.sockets import make_socket
-from gateway.__main__ import build
-from gateway.config import GatewayConfig
-from scripts.up import write_tenants
 from tests.durable_cluster import DurableCluster
+from tests.gateway_helpers import built_gateway
 from tests.test_durability import Adversary
 
 pytestmark = pytest.mark.faults
@@ -98,26 +93,17 @@ def test_keepalives_wait_out_a_frozen_redis_once_not_once_a_stream(tmp_path):
     """Each keepalive due read its job's record, stream after stream, and caught the error itself: with Redis frozen,
     four silent streams stood the loop still 8 s in a row, and the back-off was never started (so the background work
     waited out Redis once more after). The gateway is built as `python -m gateway` builds it, on a real redis-server."""
-    write_tenants(tmp_path / "tenants.toml")
-    with RedisServer() as server:
-        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
-                               redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
-                               key_prefix=f"still-{uuid.uuid4().hex[:8]}", insecure_workers=True)
-        gw = build(config)
-        gw.bind()
+    with built_gateway(tmp_path, "still") as (gw, _, server):
+        now = gw.clock()
+        for i in range(4):
+            gw.keepalives.watch((b"gone-client", f"r{i}"), f"job-{i}", now)
+        os.kill(server.pid, signal.SIGSTOP)
         try:
-            now = gw.clock()
-            for i in range(4):
-                gw.keepalives.watch((b"gone-client", f"r{i}"), f"job-{i}", now)
-            os.kill(server.pid, signal.SIGSTOP)
-            try:
-                started = time.monotonic()
-                gw.send_keepalives(now + 2 * config.keepalive_interval_s, redis_up=True)
-                took = time.monotonic() - started
-                in_backoff = gw.clock() < gw._redis_retry_at
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
+            started = time.monotonic()
+            gw.send_keepalives(now + 2 * gw.config.keepalive_interval_s, redis_up=True)
+            took = time.monotonic() - started
+            in_backoff = gw.clock() < gw._redis_retry_at
         finally:
-            gw.close()
+            os.kill(server.pid, signal.SIGCONT)
     assert took < LONGEST_ANSWER_S, f"four keepalives stood the loop still {took:.2f} s"
     assert in_backoff, "a Redis that did not answer a keepalive's read started no back-off"
