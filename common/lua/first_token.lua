@@ -4,8 +4,13 @@
 -- another took the job's stream over) is observed once. A job whose hash is gone is not recreated.
 -- With the claim, when the first token came (first_token_ms, Redis ms; the earliest any gateway tells, claim won or
 -- not): the gateway storing the result may have heard only a later attempt's first token (the one that heard the
--- first froze, and another ran the job on), and complete.lua stores the TTFT to the earliest. A finished job's
--- record is not changed: its stored TTFT was measured to the first token it keeps.
+-- first froze, and another ran the job on), and complete.lua stores the TTFT to the earliest. A stored result's
+-- record (done, failed) is not changed: its stored TTFT was measured to the first token it keeps.
+-- A claim wins only where the job's record holds a first token after it (first_token_ms, or a result's
+-- ttft_s >= 0), so the count and the books agree. The claim comes with a token-log flush, up to one flush after the
+-- token, and the job may have ended meanwhile: a job cancelled, expired or dead-lettered since takes the first token
+-- into its record (it has no result: nothing a client reads changes); a claim on a result stored without a first
+-- token (neither its storing gateway nor its worker had one) loses and writes nothing.
 --
 -- KEYS[1]  job hash
 -- ARGV[1]  the claiming gateway's id
@@ -20,14 +25,19 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then
     return 0
 end
-local fields = redis.call('HMGET', KEYS[1], 'state', 'enqueued_at_ms', 'first_token_ms')
-local after, enq = tonumber(ARGV[3] or ''), tonumber(fields[2])
-if after and enq and (fields[1] == 'queued' or fields[1] == 'dispatched') then
+local fields = redis.call('HMGET', KEYS[1], 'state', 'enqueued_at_ms', 'first_token_ms', 'ttft_s')
+local state, after, enq = fields[1], tonumber(ARGV[3] or ''), tonumber(fields[2])
+local first = tonumber(fields[3])
+if after and enq and state ~= 'done' and state ~= 'failed' then
     local at = enq + math.max(0, math.floor(after + 0.5))
-    local old = tonumber(fields[3])
-    if old == nil or at < old then
+    if first == nil or at < first then
         redis.call('HSET', KEYS[1], 'first_token_ms', at)
+        first = at
     end
+end
+-- A job still running may yet store a TTFT (the worker's, complete.lua): the claim counts its first token now.
+if state ~= 'queued' and state ~= 'dispatched' and first == nil and (tonumber(fields[4]) or -1) < 0 then
+    return 0
 end
 local tag = ARGV[2] or ''
 if redis.call('HSETNX', KEYS[1], 'ttft_observed_by', ARGV[1]) == 1 then
