@@ -1,11 +1,11 @@
 """The worker process: jobs in from gateways over ZeroMQ, the engine in between, tokens out.
 
-One loop: read every waiting frame (dispatches, cancels), run one engine step, send each
+One loop: read every waiting frame (dispatches, cancels: worker/intake.py), run one engine step, send each
 job's new tokens to the gateway that dispatched it. Load reports (which extend leases) go out
-from a separate thread (worker/heartbeat.py), so a long step never loses a lease. A frame that
+from a separate thread (worker/heartbeat.py, worker/reporting.py), so a long step never loses a lease. A frame that
 cannot be decoded is counted and dropped. JobFinished carries every output token, and is kept,
 its job still reported as held, until a gateway confirms it: sent again to every gateway every
-second meanwhile (worker/completions.py), also when it could not be sent at all (a full queue).
+second meanwhile (worker/completions.py, worker/redelivery.py), also when it could not be sent at all (a full queue).
 """
 
 from __future__ import annotations
@@ -15,39 +15,29 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import zmq
 
 from common import protocol as P
-from common.errors import InvalidRequest
 from common.sockets import make_socket
-from worker import load_report, metrics
+from worker import metrics
 from worker.completions import Unconfirmed
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
 from worker.drain import Drain, Draining
+from worker.intake import Intake, RunningJob
 from worker.linger import Linger, offers_room
-from worker.request import SamplingParams
-from worker.routes import SILENT_RECONNECT_S, GatewayRoutes
+from worker.redelivery import Redelivery
+from worker.reporting import HELLO_EVERY_S, Reporting
+from worker.routes import GatewayRoutes
 from worker.service_config import WorkerConfig
+
+__all__ = ["HELLO_EVERY_S", "RunningJob", "WorkerService"]  # RunningJob, HELLO_EVERY_S: kept importable from here
 
 log = logging.getLogger("worker")
 
-HELLO_EVERY_S = 5.0  # re-announce, so a restarted gateway learns about this worker
-
-
-@dataclass
-class RunningJob:
-    job_id: str
-    attempt: int
-    reply: zmq.Socket  # the gateway that streams this job
-    started: float
-    tokens: list[int] = field(default_factory=list)  # every output token so far (the next index is its length)
-    first_token: float | None = None
-
-
-class WorkerService(Draining):
+class WorkerService(Intake, Reporting, Redelivery, Draining):
     def __init__(self, config: WorkerConfig, engine, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.engine = engine
@@ -106,17 +96,6 @@ class WorkerService(Draining):
             self.counters["send_dropped"] += 1  # gateway gone or slow; leases will sort it out
             return False
 
-    def _hello(self, sockets: list[zmq.Socket] | None = None) -> None:
-        e = self.engine
-        hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
-                              e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
-                              e.config.max_num_batched_tokens, resumes=True, draining=self.drain.active)
-        for s in self.sockets if sockets is None else sockets:
-            self._send(s, hello)
-        # And the latest report at once: a gateway gives a worker it knows from a hello alone no credit (a hello
-        # names its slots, not which are free), so one that restarted would otherwise wait for the next heartbeat.
-        self._beat(sockets)
-
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()
         for s in self.sockets:
@@ -156,164 +135,10 @@ class WorkerService(Draining):
             else:
                 self._publish()
 
-    def _publish(self) -> tuple[bool, P.WorkerLoad | None]:
-        """Refresh the snapshot the heartbeat thread sends; send it now if jobs came or went. Returns whether it
-        went now, and the report sent before it (a refresh in between may never have gone out)."""
-        now = self.clock()
-        if self._beat_pending or now - self._snapshot_at >= self.config.heartbeat_interval_s / 2:
-            self._refresh_snapshot(now)
-        if not self._beat_pending:
-            return False, self._sent
-        self._beat_pending = False
-        with self._lock:
-            before = self._sent
-            self._beat()
-        return True, before
-
-    def _drain(self, sock: zmq.Socket) -> None:
-        for _ in range(1000):
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = P.decode(frame)
-            except P.ProtocolError as e:
-                self.counters["malformed"] += 1
-                log.warning("dropped a malformed frame: %s", e)
-                continue
-            if isinstance(msg, P.DispatchJob):
-                self._dispatch(sock, msg)
-            elif isinstance(msg, P.CancelJob):
-                self._cancel(msg.job_id, msg.attempt)
-            elif isinstance(msg, P.JobFinishedAck):
-                self.unconfirmed.confirmed(msg.job_id, msg.attempt)
-                self.unconfirmed_releases.confirmed(msg.job_id, msg.attempt)
-            elif isinstance(msg, P.GatewayWelcome):
-                pass  # nothing to learn: a job's tokens go back on the socket its dispatch came in on
-            elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
-                # The gateway restarted, or forgot this worker: what was sent to it meanwhile is lost.
-                self._hello([sock])
-                self._replay_tokens(sock, [job for job in self.jobs.values() if job.reply is sock])
-            elif isinstance(msg, P.ErrorReply):
-                self.counters["gateway_errors"] += 1
-                log.warning("gateway says: %s %s", msg.code, msg.message)
-            else:
-                self.counters["unexpected"] += 1
-
-    def _dispatch(self, sock: zmq.Socket, msg: P.DispatchJob) -> None:
-        if msg.attempt < 1:
-            # Attempts count from 1 (claim.lua): a buggy gateway's frame. Taken for a stale copy, it got no answer
-            # and the job waited out its lease in silence; answered as an invalid job is, and nothing here touched.
-            self.counters["invalid_dispatches"] += 1
-            self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0,
-                                             f"invalid dispatch: attempt must be >= 1, got {msg.attempt}", []))
-            return
-        newest = max([a for j, a in self.unconfirmed.attempts() if j == msg.job_id]
-                     + ([self.jobs[msg.job_id].attempt] if msg.job_id in self.jobs else []), default=0)
-        if msg.attempt <= newest:
-            # A copy of a frame, or an older attempt's delayed past a newer one (on another gateway's connection):
-            # run, it would start the current attempt over, or replace it with one whose frames are all stale.
-            self.counters["duplicate_dispatches" if msg.attempt == newest else "stale_dispatches"] += 1
-            log.warning("dropped a dispatch of job %s attempt %d: attempt %d is here", msg.job_id, msg.attempt,
-                        newest)
-            return
-        if msg.job_id in self.jobs:  # re-dispatched here after its lease expired: start over
-            self.engine.abort(msg.job_id)
-            del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever
-            self.rates.forget(msg.job_id)  # and its timing, which holds the aborted request, kept for good
-        params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
-                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
-        self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
-        if self.drain.active:  # sent before the gateway read the report offering nothing
-            self._release({msg.job_id: msg.attempt}, "draining: not started")
-            return
-        try:
-            self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
-                                    trace_context=msg.trace_context, output_token_ids=msg.resume_token_ids)
-        except InvalidRequest as e:
-            # A gateway validates what it sends against this worker's hello: a refusal here is a buggy or
-            # mismatched gateway, which went unseen (no log line, no count) while its jobs failed.
-            self.counters["invalid_dispatches"] += 1
-            log.warning("refused a dispatch of job %s attempt %d: %s", msg.job_id, msg.attempt, e)
-            self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
-            return
-        # Resumed: its output so far (as the engine kept it) is the start of what it streams and returns.
-        resumed = list(self.engine.get_request(msg.job_id).output_token_ids)
-        if resumed:
-            log.info("job %s attempt %d resumes after %d tokens", msg.job_id, msg.attempt, len(resumed))
-        # Its tokens go back on the socket the dispatch came in on (reply_to names that gateway). Looked up by the id
-        # gateways welcomed this worker with, a welcome naming another gateway's id (a buggy one, or two started with
-        # one id) took its tokens.
-        self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, sock, self.clock(), resumed)
-        self.rates.added(msg.job_id)
-        self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
-
-    def _cancel(self, job_id: str, attempt: int | None) -> None:
-        job = self.jobs.get(job_id)
-        if job is not None and attempt is not None and job.attempt > attempt:
-            self.counters["stale_cancels"] += 1  # meant for an earlier attempt; this one is current
-            return
-        if self.engine.abort(job_id):
-            self.jobs.pop(job_id, None)
-            self.rates.forget(job_id)
-            self._beat_soon()  # its slot is free: a gateway counts it busy, and the job held, until a report
-
     def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
         # Kept either way: one the gateway's full queue refused is due again at once, and goes to every gateway
         # (before, it was retried on that gateway's socket alone, which never drains if the gateway is gone).
         self.unconfirmed.sent(msg, self.clock(), delivered=self._send(sock, msg))
-
-    def _reroute(self, gone: zmq.Socket) -> None:
-        """The connection to a gateway was lost: its jobs' tokens go to a connected one, every token so far first
-        (worker/routes.py)."""
-        other = self.routes.other_than(gone)
-        moved = [job for job in self.jobs.values() if job.reply is gone] if other is not None else []
-        for job in moved:
-            job.reply = other
-        self._replay_tokens(other, moved)
-        if moved:
-            self.counters["rerouted"] += len(moved)
-            log.warning("lost the connection to a gateway: %d jobs now stream through another", len(moved))
-
-    def _reconnect_silent(self) -> None:
-        """A gateway that answers no hello may hold this worker's identity on a dead pipe (worker/routes.py)."""
-        for sock in self.routes.silent(dict(zip(self.sockets, self.config.gateways)), self.clock()):
-            log.warning("gateway %s answered nothing for %.0f s: connecting to it anew",
-                        self.config.gateways[self.sockets.index(sock)], SILENT_RECONNECT_S)
-            self._hello([sock])
-            self._replay_tokens(sock, [job for job in self.jobs.values() if job.reply is sock])
-
-    def _replay_tokens(self, sock: zmq.Socket, jobs: list[RunningJob]) -> None:
-        """Every token so far of ``jobs``, through ``sock``: a gateway that dropped their token frames (it restarted)
-        or that takes over their streams has a gap that would hold every client of the job until its completion
-        filled it. The gateway takes the tokens it has already seen as seen (a frame counts from the first index it
-        lacks)."""
-        for job in jobs:
-            if job.tokens:
-                self._send(sock, P.JobTokens(job.job_id, job.attempt, 0, list(job.tokens)))
-
-    def _resend_unconfirmed(self) -> None:
-        now = self.clock()
-        due = self.unconfirmed.due(now)
-        releases = self.unconfirmed_releases.due(now)
-        if not due and not releases:
-            return
-        # To every gateway: the one that dispatched it may be restarting, or gone for good, and any gateway can
-        # store a completion (the lease in Redis says whose it is); the others take their copy as stale. A hello
-        # first: a gateway restarted since drops the frames of a worker it has not heard one from.
-        self._hello()
-        now = self.clock()
-        for msg, first_sent in due:
-            late = msg if msg.prefill_start_age_s is None else replace(
-                msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_sent))
-            for sock in self.sockets:
-                self._send(sock, late)
-            self.unconfirmed.sent(msg, now)
-        for msg, _ in releases:
-            for sock in self.sockets:
-                self._send(sock, msg)
-            self.unconfirmed_releases.sent(msg, now)
 
     def _step(self) -> None:
         self.rates.before_step()
@@ -363,22 +188,3 @@ class WorkerService(Draining):
                      r.params.max_tokens, r.num_preemptions)
         log.info("jobs=%d kv=%s stats=%s counters=%s", len(self.jobs), self.engine.kv_usage(), s.stats,
                  dict(self.counters))
-
-    def _beat_soon(self) -> None:
-        """Send a fresh load report after this loop iteration rather than at the next heartbeat."""
-        self._beat_pending = True
-
-    def _beat(self, sockets: list[zmq.Socket] | None = None) -> None:
-        if self._snapshot is not None:
-            report = replace(self._snapshot, age_s=max(0.0, self.clock() - self._snapshot_at))
-            # A list, not any(generator): every gateway gets it.
-            if any([self._send(s, report) for s in (self.sockets if sockets is None else sockets)]):
-                self._sent = self._snapshot
-
-    def _refresh_snapshot(self, now: float) -> None:
-        """The load report the heartbeat thread sends until the next refresh (built here: engine state
-        is only read on the step loop's thread)."""
-        self._snapshot_at = now
-        held = list(dict.fromkeys([*self.jobs, *self.unconfirmed.job_ids()]))
-        self._snapshot = load_report.build(self.config.worker_id, self.engine, self.rates, held,
-                                           offer=not self.drain.active)

@@ -1,0 +1,125 @@
+"""What comes in from the gateways: every frame on a socket read and acted on (dispatches, cancels, confirmations,
+a gateway's errors), on the step loop's thread and under the service's socket lock.
+
+A dispatch becomes a ``RunningJob``: the attempt the worker runs, which gateway streams it, and every token it has
+sent so far (replayed to a gateway that lost them: worker/redelivery.py). A frame that cannot be decoded is counted
+and dropped; a dispatch that cannot run is answered with a failed completion, never left to its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+
+from common import protocol as P
+from common.errors import InvalidRequest
+from worker.request import SamplingParams
+
+log = logging.getLogger("worker")
+
+
+@dataclass
+class RunningJob:
+    job_id: str
+    attempt: int
+    reply: zmq.Socket  # the gateway that streams this job
+    started: float
+    tokens: list[int] = field(default_factory=list)  # every output token so far (the next index is its length)
+    first_token: float | None = None
+
+
+class Intake:
+    """The worker service's inbound side (a mixin of worker.service.WorkerService): needs its ``jobs``, ``engine``,
+    ``rates``, ``linger``, ``drain``, ``unconfirmed``, ``unconfirmed_releases``, ``counters``, ``clock``,
+    ``_finish``, ``_hello``, ``_replay_tokens``, ``_release`` and ``_beat_soon``."""
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        for _ in range(1000):
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as e:
+                self.counters["malformed"] += 1
+                log.warning("dropped a malformed frame: %s", e)
+                continue
+            if isinstance(msg, P.DispatchJob):
+                self._dispatch(sock, msg)
+            elif isinstance(msg, P.CancelJob):
+                self._cancel(msg.job_id, msg.attempt)
+            elif isinstance(msg, P.JobFinishedAck):
+                self.unconfirmed.confirmed(msg.job_id, msg.attempt)
+                self.unconfirmed_releases.confirmed(msg.job_id, msg.attempt)
+            elif isinstance(msg, P.GatewayWelcome):
+                pass  # nothing to learn: a job's tokens go back on the socket its dispatch came in on
+            elif isinstance(msg, P.ErrorReply) and msg.code == P.HELLO_FIRST:
+                # The gateway restarted, or forgot this worker: what was sent to it meanwhile is lost.
+                self._hello([sock])
+                self._replay_tokens(sock, [job for job in self.jobs.values() if job.reply is sock])
+            elif isinstance(msg, P.ErrorReply):
+                self.counters["gateway_errors"] += 1
+                log.warning("gateway says: %s %s", msg.code, msg.message)
+            else:
+                self.counters["unexpected"] += 1
+
+    def _dispatch(self, sock: zmq.Socket, msg: P.DispatchJob) -> None:
+        if msg.attempt < 1:
+            # Attempts count from 1 (claim.lua): a buggy gateway's frame. Taken for a stale copy, it got no answer
+            # and the job waited out its lease in silence; answered as an invalid job is, and nothing here touched.
+            self.counters["invalid_dispatches"] += 1
+            self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0,
+                                             f"invalid dispatch: attempt must be >= 1, got {msg.attempt}", []))
+            return
+        newest = max([a for j, a in self.unconfirmed.attempts() if j == msg.job_id]
+                     + ([self.jobs[msg.job_id].attempt] if msg.job_id in self.jobs else []), default=0)
+        if msg.attempt <= newest:
+            # A copy of a frame, or an older attempt's delayed past a newer one (on another gateway's connection):
+            # run, it would start the current attempt over, or replace it with one whose frames are all stale.
+            self.counters["duplicate_dispatches" if msg.attempt == newest else "stale_dispatches"] += 1
+            log.warning("dropped a dispatch of job %s attempt %d: attempt %d is here", msg.job_id, msg.attempt,
+                        newest)
+            return
+        if msg.job_id in self.jobs:  # re-dispatched here after its lease expired: start over
+            self.engine.abort(msg.job_id)
+            del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever
+            self.rates.forget(msg.job_id)  # and its timing, which holds the aborted request, kept for good
+        params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
+                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
+        self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
+        if self.drain.active:  # sent before the gateway read the report offering nothing
+            self._release({msg.job_id: msg.attempt}, "draining: not started")
+            return
+        try:
+            self.engine.add_request(msg.job_id, msg.prompt_token_ids, params, tier=msg.tier, tenant=msg.tenant,
+                                    trace_context=msg.trace_context, output_token_ids=msg.resume_token_ids)
+        except InvalidRequest as e:
+            # A gateway validates what it sends against this worker's hello: a refusal here is a buggy or
+            # mismatched gateway, which went unseen (no log line, no count) while its jobs failed.
+            self.counters["invalid_dispatches"] += 1
+            log.warning("refused a dispatch of job %s attempt %d: %s", msg.job_id, msg.attempt, e)
+            self._finish(sock, P.JobFinished(msg.job_id, msg.attempt, "failed", None, 0, None, 0.0, 0, str(e), []))
+            return
+        # Resumed: its output so far (as the engine kept it) is the start of what it streams and returns.
+        resumed = list(self.engine.get_request(msg.job_id).output_token_ids)
+        if resumed:
+            log.info("job %s attempt %d resumes after %d tokens", msg.job_id, msg.attempt, len(resumed))
+        # Its tokens go back on the socket the dispatch came in on (reply_to names that gateway). Looked up by the id
+        # gateways welcomed this worker with, a welcome naming another gateway's id (a buggy one, or two started with
+        # one id) took its tokens.
+        self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, sock, self.clock(), resumed)
+        self.rates.added(msg.job_id)
+        self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
+
+    def _cancel(self, job_id: str, attempt: int | None) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None and attempt is not None and job.attempt > attempt:
+            self.counters["stale_cancels"] += 1  # meant for an earlier attempt; this one is current
+            return
+        if self.engine.abort(job_id):
+            self.jobs.pop(job_id, None)
+            self.rates.forget(job_id)
+            self._beat_soon()  # its slot is free: a gateway counts it busy, and the job held, until a report
