@@ -33,7 +33,7 @@ class GatewayConfig:
     # Key prefix (a hash tag is added so all keys share one Redis Cluster slot).
     key_prefix: str = "ts"
     # TOML file with [[tenant]] entries: name, api_key (or api_key_sha256), tiers, p0_rate_per_s, p0_burst,
-    # on_quota_exhausted ("refuse" or "downgrade").
+    # on_quota_exhausted ("refuse" or "downgrade"). At least one entry; a file of none is refused at start.
     tenants_file: str = "tenants.toml"
     # Tokenizer (model directory or hub name) for text prompts and streamed text; "" accepts token ids only.
     tokenizer: str = ""

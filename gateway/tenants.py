@@ -52,8 +52,9 @@ def _digest(entry: dict, where: str) -> str:
             raise ConfigError(f"{where}: api_key_sha256 must be 64 hexadecimal digits")
         return digest
     key = entry["api_key"]
-    if not isinstance(key, str) or not key:
-        raise ConfigError(f"{where}: api_key must be a non-empty string")
+    if not isinstance(key, str) or not key.strip():
+        # A blank key loaded: a tenant whose key is a space, which nobody meant to hand out.
+        raise ConfigError(f"{where}: api_key must be a non-empty string (not only white space)")
     return key_digest(key)
 
 
@@ -89,10 +90,11 @@ class TenantDirectory:
                 raise ConfigError(f"{where}: tiers must be a list of tiers, such as [\"P1\", \"P2\"]")
             try:
                 name = t["name"]
-                if not isinstance(name, str) or not name:
+                if not isinstance(name, str) or not name.strip():
                     # Jobs are owned by the name as Redis holds it, a string: 5 and "5" were two tenants here and
                     # one there, each seeing and cancelling the other's jobs.
-                    raise ConfigError(f"{where}: name must be a non-empty string")
+                    # A blank one is a tenant that logs, traces and `explain` cannot tell from another.
+                    raise ConfigError(f"{where}: name must be a non-empty string (not only white space)")
                 digest = _digest(t, where)
                 mode = t.get("on_quota_exhausted", "refuse")
                 if mode not in ("refuse", "downgrade"):
@@ -126,6 +128,10 @@ class TenantDirectory:
                 raise ConfigError(f"{where}: missing {e.args[0]}") from None
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
+        if not out:
+            # Loaded as zero tenants it refused every client ("unknown API key") with nothing said at start.
+            raise ConfigError(f"{path}: holds no tenant; add a [[tenant]] entry (name, api_key or api_key_sha256, "
+                              "tiers)")
         return cls(out)
 
     def lookup(self, api_key: object) -> Tenant | None:

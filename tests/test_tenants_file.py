@@ -111,3 +111,38 @@ def test_an_entry_without_a_required_key_says_which(tmp_path, drop, said):
     body = "".join(line + "\n" for line in (ENTRY + 'api_key = "k"\n').splitlines() if not line.startswith(drop + " "))
     with pytest.raises(ConfigError, match=f"tenant #1: .*{said}"):
         TenantDirectory.from_file(_write(tmp_path, body))
+
+
+@pytest.mark.parametrize("body", ["", "# tenants: none yet\n", "tenant = []\n"])
+def test_a_tenants_file_of_no_tenant_is_refused_naming_it(tmp_path, body):
+    """It loaded zero tenants silently: every client was told "unknown API key" and the operator saw nothing."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match="no tenant") as e:
+        TenantDirectory.from_file(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [("name", '""'), ("name", '"   "'), ("name", '"\\t"'), ("api_key", '""'),
+                                          ("api_key", '"  "'), ("api_key", '"\\n"')])
+def test_an_entry_whose_name_or_key_is_blank_is_refused_naming_it(tmp_path, field, value):
+    """A blank name is a tenant nobody can tell from another in logs and Redis keys; a blank key a tenant whose
+    key is a space. Both loaded."""
+    entry = {"name": '"chat"', "api_key": '"k"'} | {field: value}
+    body = "".join(line + "\n" for line in ENTRY.splitlines() if not line.startswith("name "))
+    path = _write(tmp_path, 'name = "ops"\napi_key = "o"\ntiers = ["P3"]\n',
+                  body + f'name = {entry["name"]}\napi_key = {entry["api_key"]}\n')
+    with pytest.raises(ConfigError, match=f"tenant #2: {field} must be a non-empty string") as e:
+        TenantDirectory.from_file(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_gateway_given_a_tenants_file_of_no_tenant_says_so_and_exits_2(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("# every tenant removed\n")
+    done = subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(path), "--insecure-workers",
+                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert str(path) in done.stderr and "no tenant" in done.stderr, done.stderr
