@@ -116,8 +116,10 @@ class Draining:
         self._refresh_snapshot(now)
         with self._lock:
             for msg in released:
-                for sock in self.sockets:  # any gateway can requeue it; the others take their copy as stale
-                    self._send(sock, msg)
+                # Any gateway can requeue it; the others take their copy as stale. A list, not any() over a
+                # generator: every socket is offered it, not only those before the first that takes it.
+                took = [self._send(sock, msg) for sock in self.sockets]
                 # Kept until a gateway confirms it: one that restarted meanwhile drops it, and the job would wait
-                # out its lease (worker/completions.py sends it again after a hello).
-                self.unconfirmed_releases.sent(msg, now)
+                # out its lease (worker/completions.py sends it again after a hello). Refused by every socket (full
+                # queues), it is due again at once, not after the resend interval.
+                self.unconfirmed_releases.sent(msg, now, delivered=any(took))
