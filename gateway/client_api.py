@@ -170,11 +170,18 @@ class ClientApi:
     def _cancelled_at_ns(self, job_id: str) -> int:
         """When cancel.lua cancelled the job, on Redis's clock as its wait's start is: ended on this gateway's wall
         clock, a gateway behind Redis's told a job that waited seconds that it waited none. Its own clock if Redis
-        does not say (the cancel is done: a span is no reason to answer it as failed)."""
+        does not say (the cancel is done: a span is no reason to answer it as failed). Not asked in the gateway's
+        Redis back-off, and a failure starts one: each try waits out the socket timeout while no client is answered,
+        and the next client frame, tried on Redis again, waited out another."""
+        if self._redis_down():
+            return time.time_ns()
         try:
             at = self.queue.client.hget(self.queue.keys.job(job_id), "finished_at_ms")
             return int(at) * 1_000_000 if at else time.time_ns()
-        except (redis.RedisError, ValueError):
+        except redis.RedisError as e:
+            self._redis_failed(e)
+            return time.time_ns()
+        except ValueError:
             return time.time_ns()
 
     def on_status(self, ident: bytes, req: P.StatusRequest) -> None:
