@@ -57,7 +57,9 @@ class GivingWay:
 
     def _discard(self, req: Request) -> None:
         self.stats.wasted_tokens += req.num_computed_tokens
-        req.discarded_tokens += req.num_computed_tokens
+        # Positions below it had their K/V computed before (a re-prefill cut short by a second discard left the
+        # rest below the earlier mark): each computed again is counted then (``_computed_again``).
+        req.discarded_tokens = max(req.discarded_tokens, req.num_computed_tokens)
         req.recomputed_total += req.num_computed_tokens
         req.num_recomputes += 1
         req.num_computed_tokens = 0
@@ -72,12 +74,19 @@ class GivingWay:
                 req.suspended_total_s += gap
                 self.stats.suspended_s += gap
                 req.suspended_since = None
-            self.stats.recomputed_tokens += req.discarded_tokens
-            req.discarded_tokens = 0
         req.preempt_mode = None
         req.started = True
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self.policy.key)
+
+    def _computed_again(self, req: Request, start: int, n: int) -> None:
+        """A chunk of ``req`` computed positions start..start+n: those a recompute preemption discarded count as
+        prefilled again. Counted here, not when it resumed: one cancelled in its re-prefill (or whose step failed)
+        counted tokens never prefilled again."""
+        if start < req.discarded_tokens:
+            self.stats.recomputed_tokens += min(start + n, req.discarded_tokens) - start
+            if start + n >= req.discarded_tokens:
+                req.discarded_tokens = 0  # all computed again
 
     def _decide(self, beneficiary: Request, trigger: Trigger, victim: Request | None,
                 mode: PreemptMode | None, declined: DeclineReason | None = None,

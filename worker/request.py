@@ -104,7 +104,8 @@ class Request:
     # the one after them.
     added_output_tokens: int = 0
     num_preemptions: int = 0
-    # KV tokens thrown away by a recompute preemption, to be computed again on resume.
+    # Positions whose KV a recompute preemption threw away and the re-prefill has not yet computed again up to
+    # (0 once it has): each computed again counts in SchedulerStats.recomputed_tokens.
     discarded_tokens: int = 0
     # Over its life: recompute preemptions, and the tokens they threw away (the sunk cost of choosing it).
     num_recomputes: int = 0

@@ -255,6 +255,7 @@ class Scheduler(GivingWay, KvAccounting):
         for chunk in output.chunks:
             req = chunk.request
             req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self._computed_again(req, chunk.start, chunk.num_tokens)
             if not chunk.sample:
                 continue
             token = sampled[req.request_id]

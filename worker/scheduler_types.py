@@ -56,7 +56,7 @@ class SchedulerStats:
     # (victim tier, mode) -> events; a keep-suspended request that later gives up its blocks counts again.
     preemptions: Counter = field(default_factory=Counter)
     wasted_tokens: int = 0  # computed KV discarded by recompute preemptions
-    recomputed_tokens: int = 0  # tokens prefilled again after a recompute preemption
+    recomputed_tokens: int = 0  # tokens prefilled again after a recompute preemption, counted as computed
     bytes_swapped: int = 0  # both directions
     suspended_s: float = 0.0  # summed over resumed requests
     demotions: int = 0  # keep-suspended requests that later had to give up their blocks too
