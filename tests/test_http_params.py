@@ -26,11 +26,13 @@ def cluster(tiny_model_dir, tmp_path_factory):
 def test_stream_options_without_a_stream_is_refused(cluster, path):
     """stream_options in a request that is not streamed was ignored: a client asking for the usage chunk got a whole
     answer and no word that its option did nothing. OpenAI and vLLM answer 400 naming stream_options; an empty one
-    (or null) asks for nothing and is served, as vLLM serves it."""
+    (or null) asks for nothing and is served, as vLLM serves it. One whose only option is null was served: vLLM
+    refuses any stream_options that holds something, a null included."""
     base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
     before = snapshot(cluster)
     for stream in ({}, {"stream": False}, {"stream": None}):
-        for options in ({"include_usage": True}, {"include_usage": False}, {"continuous_usage_stats": False}):
+        for options in ({"include_usage": True}, {"include_usage": False}, {"continuous_usage_stats": False},
+                        {"include_usage": None}, {"continuous_usage_stats": None}):
             err = assert_error(post(cluster, path, {**base, "max_tokens": 1, **stream, "stream_options": options}),
                                400, "invalid_request_error", "stream_options")
             assert "stream" in err["message"], err

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
 from common.tiers import ALL_TIERS
 
@@ -128,6 +128,16 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # Whether it held anything as sent, a null included (which _null_is_the_default drops before the fields are
+    # read): vLLM refuses such options without a stream, and {"include_usage": null} was served.
+    _given: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_given(cls, data: Any, handler: Callable[[Any], StreamOptions]) -> StreamOptions:
+        options = handler(data)  # a wrap validator defined here sees the body before _Body's before-validator
+        options._given = bool(data)
+        return options
 
 
 class TextPart(BaseModel):
@@ -182,8 +192,7 @@ class _Sampling(_Body):
         """(param, message) for the first field asking for what this server cannot do; None: none does."""
         # Options of a stream that is not one (as OpenAI and vLLM refuse them): ignored, the client that asked for
         # the usage chunk got a whole answer and no word that its option did nothing. {} asks for nothing.
-        if not self.stream and self.stream_options is not None and (
-                self.stream_options.model_fields_set or self.stream_options.model_extra):
+        if not self.stream and self.stream_options is not None and self.stream_options._given:
             return "stream_options", "stream_options is only allowed when stream is true"
         if self.stream_options is not None and (
                 found := first_unhonoured(self.stream_options.model_extra, STREAM_OPTIONS, "stream_options.")):
