@@ -57,8 +57,8 @@ class GivingWay:
 
     def _discard(self, req: Request) -> None:
         self.stats.wasted_tokens += req.num_computed_tokens
-        # Positions below it had their K/V computed before (a re-prefill cut short by a second discard left the
-        # rest below the earlier mark): each computed again is counted then (``_computed_again``).
+        # A mark, not a sum: every position below it was computed before, and counts when computed again
+        # (``_computed_again``). A second discard in the middle of a re-prefill keeps the first's higher mark.
         req.discarded_tokens = max(req.discarded_tokens, req.num_computed_tokens)
         req.recomputed_total += req.num_computed_tokens
         req.num_recomputes += 1
