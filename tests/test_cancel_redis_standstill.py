@@ -13,14 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 
 import pytest
 
-from common.redis_server import RedisServer
-from gateway.__main__ import build
-from gateway.config import GatewayConfig
-from scripts.up import write_tenants
+from tests.gateway_helpers import built_gateway
 
 pytestmark = pytest.mark.faults
 REDIS_TIMEOUT_S = 2.0  # the gateway's Redis socket timeout (gateway/__main__.build)
@@ -28,17 +24,8 @@ REDIS_TIMEOUT_S = 2.0  # the gateway's Redis socket timeout (gateway/__main__.bu
 
 @pytest.fixture
 def gateway(tmp_path):
-    write_tenants(tmp_path / "tenants.toml")
-    with RedisServer() as server:
-        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
-                               redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
-                               key_prefix=f"cancel-{uuid.uuid4().hex[:8]}", insecure_workers=True)
-        gw = build(config)
-        gw.bind()
-        try:
-            yield gw, server
-        finally:
-            gw.close()
+    with built_gateway(tmp_path, "cancel") as (gw, _, server):
+        yield gw, server
 
 
 def test_the_time_is_redis_s_while_it_answers(gateway):
