@@ -30,7 +30,8 @@ Importing this package does not import torch, transformers or redis.
 from common.errors import (Forbidden, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
                            QuotaExceeded, ServingError, Unauthorized, Unavailable)
 from gateway.sdk._async import AsyncGatewayClient, AsyncJob
-from gateway.sdk._common import SDK_TRACER, Chunk, JobResult, JobStatus
+from gateway.sdk._common import SDK_TRACER
+from gateway.sdk._results import Chunk, JobResult, JobStatus
 from gateway.sdk._sync import GatewayClient, Job
 
 __all__ = ["AsyncGatewayClient", "AsyncJob", "Chunk", "Forbidden", "GatewayClient", "InvalidRequest", "Job",

@@ -16,12 +16,14 @@ from opentelemetry import trace
 from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
-from gateway.sdk._common import (RETRYABLE, SDK_TRACER, Chunk, JobBase, JobResult, JobStatus, RetryBudget, StreamState,
-                                 auto_idempotency_key, client_settings, endpoint_list, FrameSizes, failed_at,
-                                 frame_bytes, job_request, new_request_id, on_submit_reply, raise_for,
-                                 refused_as_unknown, sized_submit_request, submit_span, to_result, to_status,
-                                 wait_limit,
-                                 with_request_id, without_defaulted)
+from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
+from gateway.sdk._frames import FrameSizes, frame_bytes
+from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
+                                   sized_submit_request, wait_limit, with_request_id)
+from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
+                                  without_defaulted)
+from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
+from gateway.sdk._stream_state import StreamState
 
 log = logging.getLogger("gateway.sdk")
 

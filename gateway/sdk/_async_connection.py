@@ -1,0 +1,116 @@
+"""The asyncio client's connection to one gateway: one DEALER socket that carries every call and stream of the
+client, and one reader task that hands each incoming frame to the inbox (a queue) registered under the frame's
+request id. A frame nobody waits for (the answer to a call that gave up) is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as P
+from common.errors import ServingError
+from common.sockets import curve_client, make_socket
+
+log = logging.getLogger("gateway.sdk")
+CLOSED = object()  # put in every inbox of a connection the client closes: its waiters end rather than time out
+
+
+async def _next(inbox: asyncio.Queue, timeout_s: float):
+    """The next frame in ``inbox``, or None after ``timeout_s``."""
+    try:
+        return inbox.get_nowait()  # wait_for(…, 0) would time out even with a frame waiting
+    except asyncio.QueueEmpty:
+        pass
+    try:
+        return await asyncio.wait_for(inbox.get(), timeout_s)
+    except TimeoutError:
+        return None
+
+
+class _Connection:
+    """One socket to one gateway, and the task that routes what it receives."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, server_public_key: str | bytes | None = None) -> None:
+        self.endpoint = endpoint
+        self.sock = make_socket(ctx, zmq.DEALER)
+        if server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
+            curve_client(self.sock, server_public_key)
+        self.sock.connect(endpoint)
+        self.inboxes: dict[str, asyncio.Queue] = {}
+        self.dropped = 0  # frames for no waiting request (late answers) or unreadable
+        self.loop = asyncio.get_running_loop()  # its reader runs there, and ends with it
+        self._reader = self.loop.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as e:
+                self.dropped += 1
+                log.warning("gateway %s sent an unreadable frame: %s", self.endpoint, e)
+                continue
+            if msg.request_id is None and isinstance(msg, P.ErrorReply):
+                # The gateway could not read one of our frames far enough to find its request id. An unknown
+                # API key (refused before the rest is decoded) concerns every call here, which all share the
+                # key: each gets the answer rather than waiting out its timeout. Any other such error belongs
+                # to one call that cannot be told apart: handed to all, it failed every stream beside it.
+                if msg.code == "unauthorized":
+                    for waiting in list(self.inboxes.values()):
+                        waiting.put_nowait(msg)
+                else:
+                    self.dropped += 1
+                    log.warning("gateway %s refused a frame it could not attribute: %s", self.endpoint, msg.message)
+                continue
+            inbox = self.inboxes.get(msg.request_id)
+            if inbox is None:
+                self.dropped += 1
+                continue
+            inbox.put_nowait(msg)
+
+    async def send(self, msg) -> None:
+        try:
+            await self.sock.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            # No pipe to queue on (a gateway that refused our handshake) or a full one: never block the caller;
+            # the wait for the answer times out and the call retries or fails over like on a silent gateway.
+            self.dropped += 1
+
+    def send_nowait(self, msg) -> None:
+        """As send, from code that may not await: a stream's ``finally`` while its task is being cancelled."""
+        try:
+            self.sock.send(P.encode(msg), zmq.NOBLOCK).add_done_callback(_retrieved)
+        except Exception:  # noqa: BLE001 - its socket or loop already closed: nobody is left to tell
+            self.dropped += 1
+
+    def close(self) -> None:
+        if not self.loop.is_closed():
+            self._reader.cancel()
+            # Its waiters heard nothing more: each took the gateway for dead after timeout_s, failed the client over
+            # and opened a connection again, behind the back of the caller that had closed it.
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self.loop:
+                self._wake()
+            else:
+                self.loop.call_soon_threadsafe(self._wake)
+        self.sock.close(linger=0)
+
+    def _wake(self) -> None:
+        for inbox in list(self.inboxes.values()):
+            inbox.put_nowait(CLOSED)
+
+
+def _check_open(frame) -> None:
+    if frame is CLOSED:
+        raise ServingError("the client was closed while this call waited for its answer")
+
+
+def _retrieved(sent: asyncio.Future) -> None:
+    if not sent.cancelled():
+        sent.exception()  # a full or missing pipe: the unsubscription is lost, which costs only its keepalives

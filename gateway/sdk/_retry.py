@@ -1,0 +1,48 @@
+"""Retries: which failures another attempt may cure, and how long a call waits before it."""
+
+from __future__ import annotations
+
+import random
+
+from common.errors import Unavailable
+
+# Failures that another attempt (on the next gateway) may cure; every other error is final.
+RETRYABLE = (TimeoutError, Unavailable)
+
+
+def failed_at(endpoint: str, why: Exception) -> str:
+    """``why`` a call to ``endpoint`` failed, naming the gateway once."""
+    return str(why) if endpoint in str(why) else f"gateway {endpoint}: {why}"
+
+
+class RetryBudget:
+    """Whether a failed attempt may be retried, and after what pause.
+
+    A silent gateway (TimeoutError): up to ``retries`` times in a row, at once, on the next gateway. An
+    unavailable cluster (its Redis unreachable): retried after the pause the gateway asks for (else 0.1 s
+    doubling to 2 s, with jitter) until the pauses add up to ``budget_s``, so a Redis blip is waited out.
+    """
+
+    def __init__(self, retries: int, budget_s: float) -> None:
+        self.retries, self.budget_s = retries, budget_s
+        self.reset()
+
+    def reset(self) -> None:
+        """The gateway answered: count from zero again."""
+        self.silent = self.unavailable = 0
+        self.waited_s = 0.0
+
+    def pause_s(self, error: Exception) -> float:
+        """The pause before the next attempt; re-raises ``error`` when the budget is spent."""
+        if isinstance(error, TimeoutError):
+            self.silent += 1
+            if self.silent > self.retries:
+                raise error
+            return 0.0
+        self.unavailable += 1
+        pause = getattr(error, "retry_after_s", None) or min(2.0, 0.1 * 2 ** (self.unavailable - 1)) * \
+            random.uniform(0.5, 1.0)
+        if self.waited_s + pause > self.budget_s:
+            raise error
+        self.waited_s += pause
+        return pause
