@@ -17,8 +17,12 @@ process accepts the TCP connection through its kernel, and never greets).
 A gateway that hung longer than that timeout never heard this worker again once it went on: ZeroMQ's ROUTER still
 held the old connection's pipe under the worker's identity when the new connection said who it was, and drops a
 peer with a duplicate identity without a word (the worker saw the handshake succeed). A gateway answers every hello
-(sent every few seconds) with a welcome, so a socket that has heard nothing for SILENT_RECONNECT_S is connected
-anew: the new connection finds the identity free.
+(sent every few seconds) with a welcome, so a socket that has heard nothing for SILENT_RECONNECT_S since its
+connection dropped is connected anew: the new connection finds the identity free. Only since a drop: a gateway
+waiting out a frozen Redis reads no worker frame (they wait in its socket) and so answers no hello, but its I/O
+thread answers the heartbeats and the connection stays; connected anew, the old pipe, full of unread frames, held
+the identity until the gateway read them, the new connection was dropped as a duplicate, and everything the worker
+sent went into nothing for another SILENT_RECONNECT_S after Redis came back (the gateway timed the worker out).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class GatewayRoutes:
         self.monitors = {sock.get_monitor_socket(events): sock for sock in sockets}
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
         self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
+        self._dropped: set[zmq.Socket] = set()  # connections dropped since ``silent`` last looked
+        self._silent_since: dict[zmq.Socket, float] = {}  # ``heard`` when the connection last dropped
         self.reconnects = 0
 
     def register(self, poller: zmq.Poller) -> None:
@@ -61,6 +67,7 @@ class GatewayRoutes:
                 self.up.append(sock)
             elif event in _DOWN:
                 went_down = True
+                self._dropped.add(sock)
                 if sock in self.up:
                     self.up.remove(sock)
         return [sock] if went_down and sock not in self.up else []
@@ -70,15 +77,20 @@ class GatewayRoutes:
         return next((s for s in self.up if s is not sock), None)
 
     def silent(self, endpoints: dict[zmq.Socket, str], now: float) -> list[zmq.Socket]:
-        """Connect anew every socket that has heard nothing for SILENT_RECONNECT_S; those reconnected. What was
-        queued for that gateway is dropped: completions and hand-backs are sent again, and tokens replayed."""
+        """Connect anew every socket that has heard nothing for SILENT_RECONNECT_S, its connection having dropped
+        meanwhile; those reconnected. What was queued for that gateway is dropped: completions and hand-backs are
+        sent again, and tokens replayed."""
         out = []
         for sock, endpoint in endpoints.items():
-            if now - self.heard.setdefault(sock, now) < SILENT_RECONNECT_S:
-                continue
+            heard = self.heard.setdefault(sock, now)
+            if sock in self._dropped:
+                self._dropped.discard(sock)
+                self._silent_since[sock] = heard
+            if now - heard < SILENT_RECONNECT_S or self._silent_since.get(sock) != heard:
+                continue  # heard lately, or since its connection last dropped: no stale pipe can hold its identity
             sock.disconnect(endpoint)
             sock.connect(endpoint)
-            self.heard[sock] = now
+            self.heard[sock] = self._silent_since[sock] = now  # the gateway may still hold the old pipe: again later
             self.reconnects += 1
             out.append(sock)
         return out
