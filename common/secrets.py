@@ -21,21 +21,26 @@ _warned: set[tuple[str, int]] = set()  # (path, mode): said once a process, thou
 
 def check_writers(path: str | os.PathLike, what: str) -> None:
     """Warn (once per path and mode) when someone other than its owner may write ``path``, or replace it through
-    its directory. Not said where nobody else can: a read-only mount (as Kubernetes and Compose mount secrets), a
-    directory others cannot enter (scripts/up.py's 0700 secrets folder), a group that is its owner's alone (the user
-    private groups of umask 002 systems)."""
+    its directory (or, named through a link, the directory the file is in). Not said where nobody else can: a
+    read-only mount (as Kubernetes and Compose mount secrets), a directory others cannot enter (scripts/up.py's 0700
+    secrets folder), a group that is its owner's alone (the user private groups of umask 002 systems)."""
     path = os.fspath(path)
+    # The directory of the name given, and of the file it names through any links (/etc/tiered/tenants.toml ->
+    # /srv/shared/tenants.toml): whoever may write either may put another file there.
+    folders = dict.fromkeys(os.path.dirname(p) for p in (os.path.abspath(path), os.path.realpath(path)))
     try:
-        st, parent = os.stat(path), os.stat(os.path.dirname(os.path.abspath(path)))
+        st, parents = os.stat(path), [(folder, os.stat(folder)) for folder in folders]
         if os.statvfs(path).f_flag & os.ST_RDONLY:
             return
     except OSError:
         return  # the reader says why it cannot read it
-    if who := _writers(st, parent):
+    if who := next((w for _, parent in parents if (w := _writers(st, parent))), ""):
         _say(path, st.st_mode, f"{what} {path} is writable by {who}")
-    elif not parent.st_mode & stat.S_ISVTX and (who := _writers(parent, None)):
-        folder = os.path.dirname(os.path.abspath(path))
-        _say(folder, parent.st_mode, f"directory {folder} (of {what} {path}) is writable by {who}")
+        return
+    for folder, parent in parents:
+        if not parent.st_mode & stat.S_ISVTX and (who := _writers(parent, None)):
+            _say(folder, parent.st_mode, f"directory {folder} (of {what} {path}) is writable by {who}")
+            return
 
 
 def _writers(st: os.stat_result, parent: os.stat_result | None) -> str:

@@ -108,3 +108,28 @@ def test_a_file_in_a_directory_others_cannot_enter_is_read_without_a_word(files,
         os.chmod(path, 0o666)
         read()
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("which", ["password", "tenants", "key pair"])
+def test_a_file_named_through_a_link_is_judged_where_it_lives(files, caplog, tmp_path, which):
+    """A secret named through a symbolic link (/etc/tiered/tenants.toml -> /srv/shared/tenants.toml) is replaced by
+    whoever may write the directory it lives in: only the link's own directory was looked at, and a file in a
+    directory everybody may write was read without a word."""
+    path, read = files[which]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    real = shared / path.name
+    os.replace(path, real)
+    os.chmod(real, 0o600)
+    path.symlink_to(real)
+    caplog.set_level(logging.WARNING)
+    read()
+    assert _warnings(caplog) == []  # the file and both directories are their owner's alone
+    os.chmod(shared, 0o777)
+    read()
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"directory {shared} " in said[0] and "0777" in said[0], said
+    os.chmod(shared, 0o1777)  # sticky: only the file's owner may rename it
+    caplog.clear()
+    read()
+    assert _warnings(caplog) == []
