@@ -72,8 +72,9 @@ def load(cls: type[T], path: str | Path | None = None, env_prefix: str = "",
     values: dict[str, Any] = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            # TOML is UTF-8 whatever the locale; a file in another encoding is named, not a traceback.
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read configuration {path}: {e}") from None
         unknown = set(data) - set(fields)
         if unknown:

@@ -71,8 +71,9 @@ class TenantDirectory:
     def from_file(cls, path: str | Path) -> TenantDirectory:
         check_writers(path, "tenants file")  # whoever may write it adds a tenant, with a key of their own
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            # TOML is UTF-8 whatever the locale; a file in another encoding is named, not a traceback.
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read tenants file {path}: {e}") from None
         out: dict[str, Tenant] = {}
         named: dict[str, tuple[str, Tenant]] = {}  # name -> (its first entry, its record)

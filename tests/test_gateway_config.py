@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from common import settings
 from common.settings import ConfigError
 from gateway.config import GatewayConfig
 from tests.cluster_helpers import ROOT
@@ -63,3 +64,11 @@ def test_the_http_door_refuses_a_value_it_could_not_serve_with(key, value):
     with pytest.raises(ConfigError, match=key):
         HttpConfig(**{key: value})
     HttpConfig()
+
+
+def test_a_config_file_not_in_utf8_is_refused_naming_it(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text('key_prefix = "é"\n', encoding="latin-1")
+    with pytest.raises(ConfigError, match="cannot read configuration") as e:
+        settings.load(GatewayConfig, path)
+    assert str(path) in str(e.value)

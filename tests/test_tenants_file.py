@@ -146,3 +146,14 @@ def test_a_gateway_given_a_tenants_file_of_no_tenant_says_so_and_exits_2(tmp_pat
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert str(path) in done.stderr and "no tenant" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("encoding", ["latin-1", "utf-16"])
+def test_a_tenants_file_not_in_utf8_is_refused_naming_it(tmp_path, encoding):
+    """TOML is UTF-8. A file saved in another encoding (a Windows editor's UTF-16, a latin-1 tenant name) was a
+    UnicodeDecodeError traceback that named no file; under a non-UTF-8 locale a latin-1 name loaded as other text."""
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenant]]\nname = "café"\napi_key = "k"\ntiers = ["P3"]\n', encoding=encoding)
+    with pytest.raises(ConfigError, match="cannot read tenants file") as e:
+        TenantDirectory.from_file(path)
+    assert str(path) in str(e.value)
