@@ -31,6 +31,7 @@ from gateway.drained import SharedDrained
 from gateway.dispatch import Dispatcher
 from gateway.keepalive import Keepalives
 from gateway.maintenance import Maintenance
+from gateway.outage import KeptFrames, OutageFrames
 from gateway.redis_queue import RedisQueue, out_of_memory
 from gateway.spans import GatewaySpans
 from gateway.streaming import Streaming
@@ -55,7 +56,7 @@ REDIS_FULL_RETRY_S = 0.5
 CLIENT_DRAIN_BUDGET_S = 0.01
 
 
-class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
+class Gateway(ClientApi, WorkerLink, OutageFrames, Streaming, Dispatcher, Maintenance):
     """The poll loop and the sockets; the handlers live in the mixins, one module per concern."""
 
     def __init__(self, config: GatewayConfig, queue: RedisQueue, tenants: TenantDirectory,
@@ -108,6 +109,7 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         self._last_tokens_io = 0.0
         self._redis_backoff_s = 0.0  # > 0 while Redis is unreachable: wait this long between tries
         self._redis_retry_at = 0.0
+        self.kept = KeptFrames()  # worker frames that need Redis, kept during its back-off (outage.py)
         self._background_retry_at = 0.0  # a full Redis refused the background work's writes: wait until then
         self._redis_full_logged_at = float("-inf")  # when a full Redis was last logged (client_api)
         self.ctx = zmq.Context.instance()
@@ -140,11 +142,13 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
         poller.register(self.worker_sock, zmq.POLLIN)
         clients_only.register(self.clients, zmq.POLLIN)
         while not should_stop():
-            # While Redis is known down, worker frames wait in their socket (see _drain): not polled, not spun on.
-            # The background work runs only after they were read: after a Redis freeze, the reports waiting there
-            # extend the leases before a maintenance pass may take them for expired.
+            # The frames kept during a back-off go first, and the background work only after them: after a Redis
+            # freeze, the reports kept extend the leases before a maintenance pass may take them for expired.
+            if self.kept and not self._redis_down():
+                self.replay_kept()
             redis_down = self.clock() < self._redis_retry_at
-            events = dict((clients_only if redis_down else poller).poll(timeout=10))
+            # With no room left to keep worker frames, they wait in their socket (see _drain): not polled, not spun on.
+            events = dict((clients_only if redis_down and self.kept.full() else poller).poll(timeout=10))
             if self.worker_sock in events:
                 self._drain(self.worker_sock, self._worker_handlers)
             if self.clients in events:
@@ -216,12 +220,12 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
     def _drain(self, sock: zmq.Socket, handlers: dict) -> None:
         started = time.monotonic()
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
-            if sock is self.worker_sock and self.clock() < self._redis_retry_at:
+            if sock is self.worker_sock and self.holding_back() and self.kept.full():
                 # Redis is known down: most worker frames need it (a report extends leases, a completion is
                 # stored), and each would stand the loop still for Redis's socket timeout, one after another
                 # (reports come every 0.5 s per worker): no client heard even 'unavailable', no stream a keepalive.
-                # They wait in the socket, as the background work waits, and are read once the back-off is over
-                # (a completion is also sent again until confirmed).
+                # They are kept aside for the end of the back-off (outage.py); with no room left to keep them, they
+                # wait in the socket, behind the kept ones (a completion is also sent again until confirmed).
                 return
             if sock is self.clients and self._dirty and time.monotonic() - started >= CLIENT_DRAIN_BUDGET_S:
                 return  # a slot may be free: dispatch first (the rest wait in the socket, and the loop comes back)
@@ -262,17 +266,24 @@ class Gateway(ClientApi, WorkerLink, Streaming, Dispatcher, Maintenance):
             if sock is self.clients and self.clock() < self._redis_retry_at:
                 self._refuse(to, msg, self._unavailable())
                 continue
-            try:
-                handler(to, msg)
-            except redis.RedisError as e:
-                self._redis_failed(e)
-                if sock is self.clients:
-                    self._refuse(to, msg, P.ErrorReply("overloaded", "the queue store (Redis) is full; retry later")
-                                 if out_of_memory(e) else self._unavailable())
-            except Exception:  # a handler bug must not take the gateway down with it
-                self.counters["handler_errors"] += 1
-                log.exception("handler for %s failed", type(msg).__name__)
-                self._send(sock, to, P.ErrorReply("internal", "internal error"))
+            if sock is self.worker_sock and self.holding_back() and not self.needs_no_redis(ident, msg):
+                self.keep_aside(ident, msg, len(frame))
+                continue
+            self._handle(sock, to, msg, handler)
+
+    def _handle(self, sock: zmq.Socket, to: bytes | Peer, msg, handler: Callable) -> None:
+        """``handler(to, msg)``: a Redis error starts the back-off (and refuses a client), a bug is logged."""
+        try:
+            handler(to, msg)
+        except redis.RedisError as e:
+            self._redis_failed(e)
+            if sock is self.clients:
+                self._refuse(to, msg, P.ErrorReply("overloaded", "the queue store (Redis) is full; retry later")
+                             if out_of_memory(e) else self._unavailable())
+        except Exception:  # a handler bug must not take the gateway down with it
+            self.counters["handler_errors"] += 1
+            log.exception("handler for %s failed", type(msg).__name__)
+            self._send(sock, to, P.ErrorReply("internal", "internal error"))
 
     def _send(self, sock: zmq.Socket, to: bytes | Peer, msg) -> None:
         ident = to

@@ -1,0 +1,148 @@
+"""Worker frames while Redis is unreachable (the gateway's back-off): the ones that need no Redis are handled at once,
+the others kept aside, in order, and replayed when the back-off ends, before the background work.
+
+Left in the socket for the whole outage, as they were, every frame waited, and with them the tokens of the jobs
+whose lease this gateway holds: their clients' streams stood still (keepalives only) while the worker went on
+generating, though forwarding those tokens needs no Redis (the lease is known here, the token log is flushed from
+memory once Redis is back). Handled at once: JobTokens of a job whose lease this gateway holds, from the registered
+worker that holds it; hellos of workers whose key needs no cluster binding read. Kept aside: everything else
+(completions, hand-backs, tokens whose lease is unknown here, hellos to bind), each copy once (a worker sends a
+completion again until it is confirmed: a second kept copy would only be found stale), and of each worker's load
+reports only its latest (it lists every job the worker holds, so it extends as many leases as all the earlier ones).
+A frame is replayed with the CURVE key it came with: a handler judges its sender by that key (security.py).
+Bounded (KEPT_FRAMES, KEPT_BYTES): beyond, frames wait in the socket as before, behind the kept ones.
+
+A mixin of gateway.server.Gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import NamedTuple
+
+from common import protocol as P
+
+log = logging.getLogger("gateway")
+# Enough for every completion and hand-back of a large cluster's outage of minutes (a worker resends each, but a
+# copy is kept once), and for the tokens of jobs whose lease is unknown here; the bytes bound the completions'
+# token lists (up to max_tokens_limit each).
+KEPT_FRAMES = 4096
+KEPT_BYTES = 32 * 1024 * 1024
+
+
+class Kept(NamedTuple):
+    ident: bytes  # the worker socket's routing id of the sender
+    msg: object  # the decoded frame
+    key: str | None  # the CURVE key it came with (gateway.frame_key), None without CURVE
+    size: int  # its encoded size, for the bound
+
+
+class KeptFrames:
+    """Worker frames kept aside in arrival order, one per key (_key_of), within a count and a size."""
+
+    def __init__(self, max_frames: int = KEPT_FRAMES, max_bytes: int = KEPT_BYTES) -> None:
+        if max_frames < 1 or max_bytes < 1:
+            raise ValueError(f"max_frames and max_bytes must be >= 1, got {max_frames} and {max_bytes}")
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self._frames: OrderedDict[Hashable, Kept] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def full(self) -> bool:
+        return len(self._frames) >= self.max_frames or self.bytes >= self.max_bytes
+
+    def keep(self, frame: Kept) -> bool:
+        """Keep ``frame``; False if a copy of it is kept already (nothing changes, unless it is a newer load report
+        or hello, which takes the older one's place)."""
+        key = _key_of(frame.ident, frame.msg)
+        old = self._frames.get(key)
+        if old is not None and not isinstance(frame.msg, (P.WorkerLoad, P.WorkerHello)):
+            return False
+        if old is not None:
+            self.bytes -= old.size
+        self._frames[key] = frame
+        self.bytes += frame.size
+        if isinstance(frame.msg, P.WorkerLoad):
+            # The latest report goes where it came: replayed after the frames that came before it, as it was sent.
+            # A newer hello stays in its predecessor's place, ahead of the frames whose sender it registers.
+            self._frames.move_to_end(key)
+        return old is None
+
+    def put_back(self, frame: Kept) -> None:
+        """``frame``, the one taken last, goes back in front: its handler found Redis down again."""
+        key = _key_of(frame.ident, frame.msg)
+        if key not in self._frames:
+            self._frames[key] = frame
+            self._frames.move_to_end(key, last=False)
+            self.bytes += frame.size
+
+    def take(self) -> Kept | None:
+        if not self._frames:
+            return None
+        _, frame = self._frames.popitem(last=False)
+        self.bytes -= frame.size
+        return frame
+
+
+def _key_of(ident: bytes, msg) -> Hashable:
+    """Copies of one frame share a key: a worker's load reports and hellos one each, a job attempt's completion or
+    hand-back one, a token batch one per index and length."""
+    if isinstance(msg, (P.WorkerLoad, P.WorkerHello)):
+        return type(msg).__name__, ident
+    if isinstance(msg, P.JobTokens):
+        return "JobTokens", ident, msg.job_id, msg.attempt, msg.index, len(msg.token_ids)
+    return type(msg).__name__, ident, msg.job_id, msg.attempt
+
+
+class OutageFrames:
+    """The worker-socket side of the back-off: what to handle at once, what to keep aside, and the replay."""
+
+    def holding_back(self) -> bool:
+        """Worker frames go by ``needs_no_redis`` now: Redis is known down, or frames kept during the back-off wait
+        for their replay (a frame handled before them would overtake them, a job's tokens their predecessors)."""
+        return self._redis_down() or bool(self.kept)
+
+    def needs_no_redis(self, ident: bytes, msg) -> bool:
+        """True if handling ``msg`` (from ``ident``, with ``self.frame_key``) reads and writes no Redis."""
+        if isinstance(msg, P.JobTokens):
+            # Fenced by the lease this gateway holds (worker_link._holds_lease reads Redis only when it is unknown).
+            worker = ident.decode(errors="replace")
+            return self._registered(ident) and self.leases.get(msg.job_id) == (worker, msg.attempt)
+        if isinstance(msg, P.WorkerHello):
+            # A key that the cluster binds (security.WorkerKeys.shared) is bound when Redis answers; a worker heard
+            # here with its key already says hello again as before (its binding here decides meanwhile).
+            keys = self.worker_keys
+            return keys is None or keys.shared is None or self._registered(ident)
+        return False
+
+    def keep_aside(self, ident: bytes, msg, size: int) -> None:
+        if self.kept.keep(Kept(ident, msg, self.frame_key, size)):
+            self.counters["kept_in_outage"] += 1
+
+    def replay_kept(self) -> None:
+        """Hand the kept frames to their handlers, oldest first, until none is left or Redis fails again (the rest
+        wait for the next end of the back-off)."""
+        replayed = 0
+        while not self._redis_down() and (frame := self.kept.take()) is not None:
+            self.frame_key = frame.key
+            self._handle(self.worker_sock, frame.ident, frame.msg, self._worker_handlers[type(frame.msg)])
+            if self._redis_down() and isinstance(frame.msg, (P.JobTokens, P.WorkerLoad)):
+                # Redis failed under it: tokens were not taken (their lease is read first), a report extended no
+                # lease. Both are waited for (a completion failed so is kept by its handler, worker_link._unstored).
+                self.kept.put_back(frame)
+                break
+            replayed += 1
+        if replayed:
+            log.info("replayed %d worker frame(s) kept while Redis was unreachable (%d still kept)", replayed,
+                     len(self.kept))
+
+    def _registered(self, ident: bytes) -> bool:
+        """security.from_registered_worker without its side effects (a drop counted, a hello asked)."""
+        worker_id = ident.decode(errors="replace")
+        w = self.workers.workers.get(worker_id)
+        return w is not None and w.identity == ident and (
+            self.worker_keys is None or self.worker_keys.matches(worker_id, self.frame_key))

@@ -1,0 +1,130 @@
+"""The worker frames a gateway keeps aside while Redis is unreachable (gateway/outage.py): one copy of each, each
+worker's latest load report, within a count and a size; beyond, frames wait in the socket and come after the kept
+ones. The pure container first, then a gateway built as `python -m gateway` builds it, on a real redis-server."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+import zmq
+
+from common import protocol as P
+from common.redis_server import RedisServer
+from common.sockets import make_socket
+from gateway.__main__ import build
+from gateway.config import GatewayConfig
+from gateway.outage import Kept, KeptFrames
+from scripts.up import write_tenants
+from tests.cluster_helpers import wait_for
+
+
+def _load(worker: str, free: int) -> P.WorkerLoad:
+    return P.WorkerLoad(worker, free, 1024, {}, {}, [], 0.0)
+
+
+def _finished(job: str, attempt: int = 1) -> P.JobFinished:
+    return P.JobFinished(job, attempt, "done", "length", 1, 0.0, 0.0, 0, token_ids=[1])
+
+
+def test_each_frame_is_kept_once_and_a_workers_latest_report_alone():
+    kept = KeptFrames()
+    assert kept.keep(Kept(b"wk-a", _finished("j1"), "key-a", 10))
+    assert not kept.keep(Kept(b"wk-a", _finished("j1"), "key-a", 10))  # a copy sent again
+    assert kept.keep(Kept(b"wk-a", _finished("j1", attempt=2), "key-a", 10))
+    assert kept.keep(Kept(b"wk-a", _load("wk-a", 0), "key-a", 5))
+    assert kept.keep(Kept(b"wk-b", P.JobTokens("j2", 1, 0, [4, 5]), "key-b", 7))
+    assert not kept.keep(Kept(b"wk-a", _load("wk-a", 1), "key-a", 6))  # replaces the older report, at the end
+    assert (len(kept), kept.bytes) == (4, 10 + 10 + 7 + 6)
+    out = [kept.take() for _ in range(4)]
+    assert [(f.ident, f.msg, f.key) for f in out] == [
+        (b"wk-a", _finished("j1"), "key-a"), (b"wk-a", _finished("j1", attempt=2), "key-a"),
+        (b"wk-b", P.JobTokens("j2", 1, 0, [4, 5]), "key-b"), (b"wk-a", _load("wk-a", 1), "key-a")]
+    assert (kept.take(), len(kept), kept.bytes) == (None, 0, 0)
+
+
+def test_a_newer_hello_keeps_its_predecessors_place_ahead_of_the_frames_it_registers():
+    kept = KeptFrames()
+    first, second = (P.WorkerHello("wk-a", "m", 512, 2048, slots, 1024) for slots in (1, 2))
+    kept.keep(Kept(b"wk-a", first, None, 3))
+    kept.keep(Kept(b"wk-a", _finished("j1"), None, 3))
+    kept.keep(Kept(b"wk-a", second, None, 4))
+    assert [kept.take().msg for _ in range(2)] == [second, _finished("j1")]
+
+
+def test_the_bound_counts_frames_and_bytes():
+    by_count, by_bytes = KeptFrames(max_frames=2), KeptFrames(max_bytes=100)
+    by_count.keep(Kept(b"w", _finished("a"), None, 1))
+    assert not by_count.full()
+    by_count.keep(Kept(b"w", _finished("b"), None, 1))
+    assert by_count.full()
+    by_bytes.keep(Kept(b"w", _finished("a"), None, 99))
+    assert not by_bytes.full()
+    by_bytes.keep(Kept(b"w", _finished("b"), None, 1))
+    assert by_bytes.full()
+    by_bytes.take()
+    assert not by_bytes.full()
+
+
+@pytest.mark.parametrize("frames, size", [(0, 1), (1, 0), (-1, 5)])
+def test_a_bound_below_one_is_refused(frames, size):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        KeptFrames(max_frames=frames, max_bytes=size)
+
+
+def test_past_the_bound_frames_wait_in_the_socket_and_come_after_the_kept_ones(tmp_path):
+    write_tenants(tmp_path / "tenants.toml")
+    with RedisServer() as server:
+        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
+                               redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
+                               key_prefix=f"kept-{uuid.uuid4().hex[:8]}", insecure_workers=True)
+        gw = build(config)
+        gw.bind()
+        gw.kept = KeptFrames(max_frames=3)
+        worker = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
+        worker.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            worker.send(P.encode(P.WorkerHello("wk-a", "m", 512, 2048, 1, 1024)))
+            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" in gw.workers.workers)[1], 10,
+                     "the worker's hello")
+            assert isinstance(P.decode(worker.recv()), P.GatewayWelcome)
+            gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
+            gw._redis_retry_at = gw.clock() + 600  # it lasts the test, whatever the machine's pace
+            jobs = [f"job-{i}" for i in range(5)]
+            for job in jobs:
+                worker.send(P.encode(_finished(job)))
+            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), gw.kept.full())[1], 10,
+                     "three completions kept")
+            assert worker.poll(0) == 0, "a completion was answered while Redis was down"
+            assert gw.worker_sock.poll(1000), "the frames past the bound are not waiting in the socket"
+            gw._drain(gw.worker_sock, gw._worker_handlers)
+            assert len(gw.kept) == 3  # full: nothing more was read
+
+            gw._redis_retry_at = gw.clock()  # the back-off is over
+            gw.replay_kept()
+            assert len(gw.kept) == 0
+            deadline = time.monotonic() + 10
+            while gw.worker_sock.poll(100) and time.monotonic() < deadline:
+                gw._drain(gw.worker_sock, gw._worker_handlers)
+            acks = []
+            while len(acks) < len(jobs) and worker.poll(5000):
+                acks.append(P.decode(worker.recv()))
+            # None of the jobs exists: each completion is stale, and confirmed, once, in the order it was sent.
+            assert acks == [P.JobFinishedAck(job, 1) for job in jobs]
+            assert gw.counters["stale_frames"] == len(jobs)
+            assert gw.counters["kept_in_outage"] == 3
+        finally:
+            worker.close(linger=0)
+            gw.close()
+
+
+def test_a_frame_put_back_goes_first():
+    kept = KeptFrames()
+    kept.keep(Kept(b"w", P.JobTokens("j", 1, 0, [1]), None, 2))
+    kept.keep(Kept(b"w", P.JobTokens("j", 1, 1, [2]), None, 2))
+    first = kept.take()
+    kept.put_back(first)
+    assert (len(kept), kept.bytes) == (2, 4)
+    assert [kept.take().msg.index for _ in range(2)] == [0, 1]
