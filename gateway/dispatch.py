@@ -60,9 +60,11 @@ class Dispatcher:
                     resume_token_ids=list(stream.tokens) if resume else []))
                 self.leases[rec.id] = (wid, rec.attempt)
                 waited_s = (rec.dispatched_at_ms - rec.enqueued_at_ms) / 1e3 if rec.dispatched_at_ms else None
-                # An earlier attempt's first token was observed where it arrived (non-resuming workers: assumed).
+                # A token held here was observed where it arrived. None held (a worker that cannot resume, or an
+                # earlier attempt that produced none): this attempt's first token is claimed, and the claim loses
+                # if an earlier one was observed (first_token.lua), so it is counted once either way.
                 metrics.holding(rec.id, rec.tier_granted.value, None if waited_s is None else now - waited_s,
-                                bool(stream.tokens) or (rec.attempt > 1 and not resume))
+                                bool(stream.tokens))
                 stream.tenant = rec.tenant
                 stream.touched = now
                 w.pending.add(rec.id)

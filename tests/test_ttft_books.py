@@ -7,10 +7,14 @@ a stored result's figures stay as stored, and a claim on a result that holds no 
 
 from __future__ import annotations
 
+import time
+
+from common import protocol as P
 from common.ports import free_port
 from common.redis_keys import run_pipelined
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
+from tests.test_durability import Adversary
 from tests.test_metrics import scrape, total
 from tests.test_token_log_stale_writer import T0, queue_and_log
 
@@ -82,3 +86,53 @@ def test_a_job_cancelled_on_its_first_token_counts_it_once_and_its_record_holds_
         assert counted() == len(cancelled)
     held = sum(1 for r in records if r.get("first_token_ms") or float(r.get("ttft_s", b"-1")) >= 0)
     assert held == len(cancelled), [sorted(r) for r in records]
+
+
+def test_a_redispatch_to_a_worker_that_does_not_resume_counts_the_first_token_its_records_hold(tmp_path,
+                                                                                                 tiny_model_dir):
+    """A worker whose hello does not say ``resumes`` (an older one: tests/test_durability.Adversary speaks for it)
+    runs a re-dispatched job again from its prompt. The gateway took the lost attempt's first token as counted
+    already: where that attempt had produced none (handed back before its first token), the stored result held a
+    TTFT that ts_time_to_first_token_seconds never counted. Where it had produced one, that one is still counted
+    once."""
+    bind = f"127.0.0.1:{free_port()}"
+    url = f"http://{bind}/metrics"
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0,
+                        process_env={"gw-0": {"TS_GATEWAY_METRICS_BIND": bind}}) as c:
+        old = Adversary(c.gateways["gw-0"][1], "wk-old", slots=1)
+        try:
+            old.load([], free=1)
+            with c.client("lab-co", timeout_s=30.0) as client:
+                wait_for(lambda: client.info().workers == ["wk-old"], 30, "the gateway to know the worker")
+                start = total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3")
+                jobs = []
+                for first_attempt_tokens in ([], [7]):
+                    job = client.submit(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True, tier="P3", seed=1)
+                    d = old.recv(P.DispatchJob, beat=[])
+                    assert (d.job_id, d.attempt) == (job.id, 1)
+                    if first_attempt_tokens:
+                        old.send(P.JobTokens(job.id, 1, 0, first_attempt_tokens, 0.0, 0.0))
+                        wait_for(lambda: "ttft_observed_by" in c.job(job.id), 30, "attempt 1's first token claimed")
+                    old.send(P.JobReleased(job.id, 1))  # handed back: the gateway requeues it at once
+                    d = old.recv(P.DispatchJob, beat=[])
+                    assert (d.job_id, d.attempt, d.resume_token_ids) == (job.id, 2, [])
+                    old.send(P.JobTokens(job.id, 2, 0, [7], 0.0, 0.0))
+                    old.send(P.JobFinished(job.id, 2, "done", "length", 2, 0.01, 0.1, 0, None, [7, 8], 0.0, 0.0))
+                    old.recv(P.JobFinishedAck, beat=[])
+                    assert job.result(timeout=30).token_ids == [7, 8]
+                    jobs.append(job.id)
+
+                def counted() -> float:
+                    return total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3") - start
+
+                records = [c.job(j) for j in jobs]
+                held = sum(1 for r in records if r.get("first_token_ms") or float(r.get("ttft_s", b"-1")) >= 0)
+                assert held == len(jobs), [sorted(r) for r in records]
+                # The claims go with the completions, observed before each result was sent: a count short of the
+                # books does not catch up, so it is read once it has had time to, then checked exactly.
+                deadline = time.monotonic() + 10
+                while counted() < held and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert counted() == held, (counted(), held)
+        finally:
+            old.close()
