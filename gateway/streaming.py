@@ -154,9 +154,10 @@ class Streaming:
 
     def _finish_stream(self, job_id: str, state: str, finish_reason: str | None, reason: str | None,
                        run_s: float = 0.0, preemptions: int = 0, stored: Stored | None = None,
-                       ttft_s: float | None = None) -> None:
+                       ttft_s: float | None = None, ttft_recorded: bool = False) -> None:
         """``stored``, ``ttft_s``: the figures of a result this gateway stored (complete.lua), which the final
-        message repeats: a later read of the result reports those."""
+        message repeats: a later read of the result reports those. ``ttft_recorded``: ``ttft_s`` is the one the
+        record of a job ended without a result holds (recorded_ttft_s), which a later read reports too."""
         s = self.streams.streams.pop(job_id, None)
         enq = self.enqueued_at.pop(job_id, None)
         queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
@@ -169,6 +170,8 @@ class Streaming:
         ttft = s.first_token_at - admitted if (s.first_token_at is not None and admitted is not None) else None
         if stored is not None:
             total, queued_s, ttft = stored.total_s, stored.queued_s, ttft_s
+        elif ttft_recorded:
+            ttft = ttft_s
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
                          queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
                          total_s=total, preemptions=preemptions,
@@ -187,10 +190,19 @@ class Streaming:
                                                          self.streams.text(tokens[from_index:], tokens[:from_index])))
         total = max(0, (rec.finished_at_ms or rec.enqueued_at_ms) - rec.enqueued_at_ms) / 1000
         run_s = float(res.get("run_s", 0))
-        ttft = float(res.get("ttft_s", -1))
+        # A result's TTFT as stored (-1: none measured); a job ended without one, its record's first token.
+        ttft = float(res["ttft_s"]) if "ttft_s" in res else recorded_ttft_s(rec.enqueued_at_ms,
+                                                                             res.get("first_token_ms"))
+        ttft = None if ttft is None or ttft < 0 else ttft
         queued_s = float(res["queued_s"]) if "queued_s" in res else max(0.0, total - run_s)
         finish = res.get("finish_reason", b"").decode() or None
         self._send(self.clients, ident, P.JobDone(
             rec.id, str(rec.state.value if hasattr(rec.state, "value") else rec.state), finish, tokens,
-            self.streams.text(tokens, []), queued_s=queued_s, ttft_s=ttft if ttft >= 0 else None,
+            self.streams.text(tokens, []), queued_s=queued_s, ttft_s=ttft,
             total_s=total, preemptions=int(res.get("preemptions", 0)), reason=rec.reason or None))
+
+
+def recorded_ttft_s(enqueued_at_ms: int, first_token_ms: bytes | int | None) -> float | None:
+    """The time to first token the record of a job ended without a result (cancelled, expired, dead) holds: its
+    first token (first_token_ms: first_token.lua) after its admission; None if it holds none."""
+    return None if first_token_ms is None else max(0, int(first_token_ms) - enqueued_at_ms) / 1000

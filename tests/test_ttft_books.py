@@ -2,7 +2,8 @@
 result's ttft_s >= 0): the claim that observes it (first_token.lua) goes with the token-log flush, up to one flush
 after the token came, and by then the job may have ended. A job cancelled (expired, dead-lettered) between its first
 token and that flush had the token counted while its record held none: its claim won on the ended job but recorded
-nothing. Such a record now takes the first token with the claim (no client reads it: a cancelled job has no result);
+nothing. Such a record now takes the first token with the claim (a cancelled job has no result: its first token is
+the TTFT its final message and later reads tell, tests/test_cancelled_figures.py);
 a stored result's figures stay as stored, and a claim on a result that holds no first token loses."""
 
 from __future__ import annotations
@@ -53,37 +54,44 @@ def test_a_claim_on_a_result_stored_without_a_first_token_loses_and_changes_noth
 
 
 def test_a_job_cancelled_on_its_first_token_counts_it_once_and_its_record_holds_it(tmp_path, tiny_model_dir):
-    """A real gateway whose token-log flush comes every FLUSH_S: a job is cancelled as its first token reaches the
-    client, before the flush claims that token; the flush after the cancel claims it. The count must match the
-    records, exactly."""
-    bind = f"127.0.0.1:{free_port()}"
-    url = f"http://{bind}/metrics"
+    """Real gateways whose token-log flush comes every FLUSH_S: a job is cancelled through the gateway that does not
+    hold it as its first token reaches a client of the one that does, before that one's flush claims the token (the
+    gateway holding a job claims a pending first token with the cancel itself: tests/test_cancelled_figures.py); the
+    flush after the cancel claims it. The count must match the records, exactly."""
+    binds = {gw: f"127.0.0.1:{free_port()}" for gw in ("gw-0", "gw-1")}
     env = {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": str(FLUSH_S)}
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, gateway_env=env,
-                        process_env={"gw-0": {"TS_GATEWAY_METRICS_BIND": bind}}) as c:
-        start = total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3")
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, gateway_env=env,
+                        process_env={gw: {"TS_GATEWAY_METRICS_BIND": b} for gw, b in binds.items()}) as c:
+        def firsts() -> float:
+            return sum(total(scrape(f"http://{b}/metrics"), "ts_time_to_first_token_seconds_count", tier="P3")
+                       for b in binds.values())
+
+        start = firsts()
         cancelled = []
-        with c.client("lab-co", timeout_s=60.0) as client:
+        clients = {gw: c.client("lab-co", gw, timeout_s=60.0) for gw in binds}
+        try:
             # A flush may fall between the first token and the cancel (a few ms of FLUSH_S): then that job is not
             # the case under test, and the next one is.
             for seed in range(4):
-                job = client.submit(prompt_token_ids=[9, 10], max_tokens=2000, ignore_eos=True, tier="P3", seed=seed)
-                next(iter(job.stream(timeout=60)))
-                assert job.cancel()
+                job = clients["gw-0"].submit(prompt_token_ids=[9, 10], max_tokens=2000, ignore_eos=True, tier="P3",
+                                             seed=seed)
+                holder = wait_for(lambda: c.job(job.id).get("gateway"), 60, "the job's dispatch").decode()
+                next(iter(clients[holder].job(job.id).stream(timeout=60)))
+                assert clients["gw-1" if holder == "gw-0" else "gw-0"].cancel(job.id)
                 cancelled.append(job.id)
                 if "ttft_observed_by" not in c.job(job.id):
                     break
             else:
                 raise AssertionError("every cancel came after its first token's claim: the case was not set up")
+        finally:
+            for client in clients.values():
+                client.close()
         assert c.job(cancelled[-1])["state"] == b"cancelled"
-        # Each job's first token reached its client, so the gateway saw it: the flush after the cancel claims the
+        # Each job's first token reached its client, so its holder saw it: the flush after the cancel claims the
         # last one's. Counted once each, no more.
-        def counted() -> float:
-            return total(scrape(url), "ts_time_to_first_token_seconds_count", tier="P3") - start
-
-        wait_for(lambda: counted() >= len(cancelled), 3 * FLUSH_S, "every first token counted")
+        wait_for(lambda: firsts() - start >= len(cancelled), 3 * FLUSH_S, "every first token counted")
         records = [c.job(j) for j in cancelled]
-        assert counted() == len(cancelled)
+        assert firsts() - start == len(cancelled)
     held = sum(1 for r in records if r.get("first_token_ms") or float(r.get("ttft_s", b"-1")) >= 0)
     assert held == len(cancelled), [sorted(r) for r in records]
 

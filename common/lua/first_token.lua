@@ -9,8 +9,9 @@
 -- A claim wins only where the job's record holds a first token after it (first_token_ms, or a result's
 -- ttft_s >= 0), so the count and the books agree. The claim comes with a token-log flush, up to one flush after the
 -- token, and the job may have ended meanwhile: a job cancelled, expired or dead-lettered since takes the first token
--- into its record (it has no result: nothing a client reads changes); a claim on a result stored without a first
--- token (neither its storing gateway nor its worker had one) loses and writes nothing.
+-- into its record (it has no result: its final message and later reads tell this first token as its TTFT,
+-- gateway/streaming.recorded_ttft_s); a claim on a result stored without a first token (neither its storing gateway
+-- nor its worker had one) loses and writes nothing.
 --
 -- KEYS[1]  job hash
 -- ARGV[1]  the claiming gateway's id
