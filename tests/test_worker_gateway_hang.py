@@ -53,7 +53,7 @@ def test_a_gateway_that_hung_past_the_heartbeat_timeout_hears_its_worker_again(t
 
 def test_a_worker_keeps_its_connection_to_a_gateway_waiting_out_a_frozen_redis(tmp_path, bench_model_dir):
     """A gateway whose Redis stands still longer than the worker's silence limit reads no worker frame meanwhile
-    (they wait in its socket, gateway/server.py) and so answers no hello, but its connection never drops: ZeroMQ's
+    (they wait in its socket, gateway/frames.py) and so answers no hello, but its connection never drops: ZeroMQ's
     heartbeats are answered by its I/O thread. Connecting anew to it is what strands the worker: the old pipe, full
     of unread frames, holds the worker's identity until the gateway reads them, so the new connection is refused as
     a duplicate and everything the worker sends goes into nothing until its next silence limit (15 s more): the
