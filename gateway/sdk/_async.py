@@ -86,6 +86,7 @@ class AsyncGatewayClient:
             # A child process (os.fork): the parent's connections (their loop, libzmq's threads) are not its own,
             # and a call on them blocked for ever. Left alone, not closed: pyzmq would not close them here anyway.
             self._pid, self._ctx, self._conns = os.getpid(), zmq.asyncio.Context.instance(), {}
+            self._frames = FrameSizes()  # no connection of this process watched the gateways until now
         loop = asyncio.get_running_loop()
         made_on = next((c.loop for c in self._conns.values()), loop)
         if made_on is not loop:
@@ -106,15 +107,15 @@ class AsyncGatewayClient:
             log.warning("%s; trying %s", failed_at(from_endpoint, why),
                         "it again" if self.endpoint == from_endpoint else self.endpoint)
 
-    async def _fits(self, msg, size: int | None) -> None:
-        """Ask the gateway whether it takes a frame as large as ``msg``'s (``size``; None: measure it), unless it
-        has said so already: its limit may be below the protocol's, and it drops the connection that brings a
-        larger frame (every stream on it stalls, and the call itself fails after every retry as if the gateway
-        were dead)."""
-        if not FrameSizes.concerns(msg):
-            return
-        size = frame_bytes(msg) if size is None else size
-        while (ask := self._frames.question(self.endpoint, msg, size)) is not None:
+    async def _fits(self, msg, size: int, closes: int) -> None:
+        """As GatewayClient._fits: ask the current gateway, before every attempt, unless it said it takes the size
+        since its connection last dropped."""
+        while True:
+            conn = self._conn(closes)
+            if conn.watch.dropped():
+                self._frames.forget(conn.endpoint)
+            if (ask := self._frames.question(conn.endpoint, msg, size)) is None:
+                return
             answer = None
             try:
                 await self._call(ask)
@@ -123,13 +124,16 @@ class AsyncGatewayClient:
             self._frames.answered(self.endpoint, msg, size, ask, answer)
 
     async def _call(self, msg, size: int | None = None):
-        await self._fits(msg, size)
+        if FrameSizes.concerns(msg) and size is None:
+            size = frame_bytes(msg)
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
         sent: list[tuple[_Connection, str]] = []
         budget = RetryBudget(self.retries, self.timeout_s)
         closes = self._closes
         try:
             while True:
+                if size is not None:
+                    await self._fits(msg, size, closes)
                 conn, rid = self._conn(closes), new_request_id()
                 conn.inboxes[rid] = inbox
                 sent.append((conn, rid))
@@ -245,6 +249,7 @@ class AsyncGatewayClient:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+        self._frames = FrameSizes()  # unwatched from now on: a gateway may restart unseen
 
     async def __aenter__(self) -> AsyncGatewayClient:
         return self

@@ -13,6 +13,7 @@ import zmq.asyncio
 from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
+from gateway.sdk._drops import DropWatch
 
 log = logging.getLogger("gateway.sdk")
 CLOSED = object()  # put in every inbox of a connection the client closes: its waiters end rather than time out
@@ -38,6 +39,7 @@ class _Connection:
         self.sock = make_socket(ctx, zmq.DEALER)
         if server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
             curve_client(self.sock, server_public_key)
+        self.watch = DropWatch(self.sock)  # a drop voids what the gateway said of frame sizes
         self.sock.connect(endpoint)
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.dropped = 0  # frames for no waiting request (late answers) or unreadable
@@ -99,6 +101,7 @@ class _Connection:
                 self._wake()
             else:
                 self.loop.call_soon_threadsafe(self._wake)
+        self.watch.close()
         self.sock.close(linger=0)
 
     def _wake(self) -> None:

@@ -52,6 +52,12 @@ class FrameSizes:
         self.taken: dict[str, int] = {}
         self.refused: dict[str, int] = {}
 
+    def forget(self, endpoint: str) -> None:
+        """What the gateway at ``endpoint`` said holds no longer: its connection dropped, and the gateway that
+        answers there now may be another (restarted with another client_max_message_bytes)."""
+        self.taken.pop(endpoint, None)
+        self.refused.pop(endpoint, None)
+
     @staticmethod
     def concerns(msg) -> bool:
         """Is ``msg`` of a kind asked about (those that carry a caller's arbitrary prompt or job id)?"""

@@ -17,13 +17,15 @@ from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
-from gateway.sdk._frames import FrameSizes, frame_bytes
+from gateway.sdk._drops import DropWatch
+from gateway.sdk._frames import UNASKED_BYTES, FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
                                   without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
 from gateway.sdk._stream_state import StreamState
+from gateway.sdk._sync_sockets import DROPPED, ThreadSockets, closed_under, reply_to
 
 log = logging.getLogger("gateway.sdk")
 
@@ -53,26 +55,6 @@ class Job(JobBase):
 
     def cancel(self) -> bool:
         return self._client.cancel(self.id)
-
-
-def _closed_under(sock: zmq.Socket, use, job_id: str):
-    """``use()`` of a stream's ``sock``; ServingError, as the async client says it, if another thread closed the
-    client (and with it this socket) meanwhile, not the ZMQError of a socket gone from under the call."""
-    try:
-        return use()
-    except zmq.ZMQError:
-        if not sock.closed:
-            raise
-        raise ServingError(f"the client was closed while this stream of job {job_id} waited") from None
-
-
-class _ThreadSockets(dict):
-    """One thread's call sockets, closed when the thread ends and its threading.local lets go of them: a server
-    that starts a thread per request must not keep a connection per thread it ever ran."""
-
-    def __del__(self) -> None:
-        for sock in self.values():
-            sock.close(linger=0)
 
 
 class GatewayClient:
@@ -113,6 +95,7 @@ class GatewayClient:
         self._pid = os.getpid()
         self._ctx = zmq.Context.instance()  # pyzmq's instance is per process
         self._local = threading.local()
+        self._frames = FrameSizes()  # no socket of this process watched the gateways until now
         self._open = weakref.WeakSet()
         self._open_lock = threading.Lock()  # held by a parent's thread at the fork, it would never be let go
 
@@ -122,7 +105,7 @@ class GatewayClient:
         self._after_fork()
         socks = getattr(self._local, "socks", None)
         if socks is None:
-            socks = self._local.socks = _ThreadSockets()
+            socks = self._local.socks = ThreadSockets()
         return socks
 
     @property
@@ -130,10 +113,19 @@ class GatewayClient:
         """The gateway calls go to now."""
         return self.endpoints[self._current]
 
-    def _new_socket(self, endpoint: str, closes: int) -> zmq.Socket:
-        """A socket to ``endpoint`` for a call or stream that began after ``closes`` close() calls."""
+    def _call_socket(self, closes: int) -> zmq.Socket:
+        """This thread's socket to the current gateway, for a call that began after ``closes`` close() calls."""
+        socks, endpoint = self._socks, self.endpoint
+        if endpoint not in socks:
+            socks[endpoint] = self._new_socket(endpoint, closes, socks.watches)
+        return socks[endpoint]
+
+    def _new_socket(self, endpoint: str, closes: int, watches: dict[str, DropWatch] | None = None) -> zmq.Socket:
+        """A socket to ``endpoint`` for a call or stream that began after ``closes`` close() calls; watched for
+        drops (into ``watches``) if given."""
         self._after_fork()
         sock = make_socket(self._ctx, zmq.DEALER)
+        watch = None if watches is None else DropWatch(sock)
         # A gateway that refused our handshake (say, CURVE without its key) leaves no pipe to queue on: a send
         # would block for ever. Bounded, it fails like a silent gateway.
         sock.setsockopt(zmq.SNDTIMEO, max(1, math.ceil(1000 * self.timeout_s)))
@@ -143,7 +135,12 @@ class GatewayClient:
         with self._open_lock:
             if closes == self._closes:
                 self._open.add(sock)
+                if watch is not None:
+                    self._open.add(watch.events)
+                    watches[endpoint] = watch
                 return sock
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
         raise ServingError("the client was closed while this call waited to try again")
 
@@ -152,38 +149,49 @@ class GatewayClient:
         self._current = (self._current + 1) % len(self.endpoints)
         log.warning("%s; trying %s", failed_at(old, why), "it again" if self.endpoint == old else self.endpoint)
 
-    def _fits(self, msg, size: int | None) -> None:
-        """Ask the gateway whether it takes a frame as large as ``msg``'s (``size``; None: measure it), unless it
-        has said so already: its limit may be below the protocol's, and it drops the connection that brings a
-        larger frame (every stream on it stalls, and the call itself fails after every retry as if the gateway
-        were dead)."""
-        if not FrameSizes.concerns(msg):
-            return
-        size = frame_bytes(msg) if size is None else size
-        while (ask := self._frames.question(self.endpoint, msg, size)) is not None:
+    def _fits(self, msg, size: int) -> None:
+        """Ask the current gateway whether it takes a frame as large as ``msg``'s (``size``), unless it has said so
+        since its connection last dropped: its limit may be below the protocol's (a restarted gateway's below what
+        it said before), and it drops the connection that brings a larger frame (every stream on it stalls, and
+        the call itself fails after every retry as if the gateway were dead). Asked before every attempt, on the
+        gateway it goes to: a call failed over asks the next gateway too."""
+        while True:
+            watch = self._socks.watches.get(self.endpoint)
+            if watch is not None and watch.dropped():  # this thread's connection: others watch their own
+                self._frames.forget(self.endpoint)
+            if (ask := self._frames.question(self.endpoint, msg, size)) is None:
+                return
             answer = None
             try:
-                self._call(ask)
+                self._call(ask)  # a call of its own: it may fail over, and the answer is the gateway's it ends on
             except ServingError as e:
                 answer = e
             self._frames.answered(self.endpoint, msg, size, ask, answer)
 
     def _call(self, msg, size: int | None = None):
-        self._fits(msg, size)
+        if FrameSizes.concerns(msg) and size is None:
+            size = frame_bytes(msg)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
         budget = RetryBudget(self.retries, self.timeout_s)
         closes = self._closes
         while True:
-            if self.endpoint not in self._socks:
-                self._socks[self.endpoint] = self._new_socket(self.endpoint, closes)
+            if size is not None:
+                self._fits(msg, size)
+            sock = self._call_socket(closes)
+            # A frame over UNASKED_BYTES may be over the limit of a gateway that restarted unseen: the connection
+            # it drops is watched for, and the call retries (asking first) rather than wait out its timeout.
+            watch = self._socks.watches.get(self.endpoint) if size is not None and size > UNASKED_BYTES else None
             request_ids.add(rid := new_request_id())
             try:
-                self._socks[self.endpoint].send(P.encode(with_request_id(msg, rid)))
+                sock.send(P.encode(with_request_id(msg, rid)))
             except zmq.Again:  # no pipe to the gateway: as silent as one that never answers
                 reply, silence = None, "took no request"
             else:
-                reply, silence = self._reply_to(request_ids), "did not answer"
+                reply, silence = reply_to(self._socks, request_ids, self.timeout_s, watch), "did not answer"
             try:
+                if reply is DROPPED:
+                    self._frames.forget(self.endpoint)
+                    raise TimeoutError(f"gateway {self.endpoint} dropped the connection that took this request")
                 if reply is None:
                     raise TimeoutError(f"gateway {self.endpoint} {silence} within {self.timeout_s}s")
                 raise_for(reply)
@@ -191,31 +199,6 @@ class GatewayClient:
             except RETRYABLE as e:
                 time.sleep(budget.pause_s(e))
                 self._fail_over(e)
-
-    def _reply_to(self, request_ids: set[str]):
-        """The first frame answering one of ``request_ids`` within timeout_s, on any gateway's socket; None
-        if none came. Frames answering calls that gave up earlier are dropped."""
-        poller = zmq.Poller()
-        for sock in self._socks.values():
-            poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + self.timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                ready = poller.poll(math.ceil(1000 * left))
-            except zmq.ZMQError:
-                if not any(sock.closed for sock in self._socks.values()):
-                    raise
-                raise ServingError("the client was closed while this call waited for its answer") from None
-            for sock, _ in ready:
-                while True:
-                    try:
-                        msg = P.decode(sock.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    # No request id: a protocol error about a frame the gateway could not read, i.e. this one.
-                    if msg.request_id in request_ids or msg.request_id is None:
-                        return msg
-        return None
 
     def _stream(self, job: Job, from_index: int, *, chunk_timeout: float | None = None,
                 deadline: float | None = None) -> Iterator[Chunk]:
@@ -235,9 +218,9 @@ class GatewayClient:
                         time.sleep(pause)
                         self._fail_over(TimeoutError("no stream request taken"))
                         continue
-                if _closed_under(sock, lambda: sock.poll(math.ceil(1000 * st.wait_s())), job.id):
+                if closed_under(sock, lambda: sock.poll(math.ceil(1000 * st.wait_s())), job.id):
                     try:
-                        chunk = st.on_frame(P.decode(_closed_under(sock, sock.recv, job.id)))
+                        chunk = st.on_frame(P.decode(closed_under(sock, sock.recv, job.id)))
                     except RETRYABLE as e:
                         pause = st.on_failure(e)
                         sock.close(linger=0)
@@ -306,6 +289,7 @@ class GatewayClient:
         with self._open_lock:
             socks, self._open = list(self._open), weakref.WeakSet()
             self._closes += 1
+            self._frames = FrameSizes()  # unwatched from now on: a gateway may restart unseen
         for sock in socks:
             sock.close(linger=0)
         self._local = threading.local()

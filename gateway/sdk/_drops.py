@@ -1,0 +1,50 @@
+"""Whether a gateway's connection dropped since last asked: its gateway may have restarted (with a smaller frame
+limit than it said before), or dropped a frame over its limit. ZeroMQ reconnects out of sight; only its socket
+monitor tells."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import zmq
+
+
+class DropWatch:
+    """The disconnections of one socket, read without blocking, from blocking and asyncio code alike (the events
+    come over a blocking PAIR socket on the same libzmq context, so an asyncio client reads them at once too, not
+    when its loop gets round to a reader task). libzmq drops events nobody reads rather than block: a socket left
+    idle through many reconnects costs a bounded queue."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        address = f"inproc://ts-sdk-drops-{uuid.uuid4().hex}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        self._sock = sock
+        self._events = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.connect(address)
+
+    @property
+    def events(self) -> zmq.Socket:
+        """The socket the events arrive on (to poll beside the watched one)."""
+        return self._events
+
+    def dropped(self) -> bool:
+        """Has the connection dropped since the last call? (Reads every event waiting.)"""
+        seen = False
+        while True:
+            try:
+                frames = self._events.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return seen
+            event, = struct.unpack_from("=H", frames[0])
+            seen = seen or event == zmq.EVENT_DISCONNECTED
+
+    def close(self) -> None:
+        """Stop watching (before or after the watched socket is closed)."""
+        if not self._sock.closed:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._events.close(linger=0)

@@ -1,0 +1,77 @@
+"""The blocking client's sockets: one thread's call sockets, the wait for a call's answer on them, and a stream's
+socket closed from under it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import zmq
+
+from common import protocol as P
+from common.errors import ServingError
+from gateway.sdk._drops import DropWatch
+
+DROPPED = object()  # reply_to: the connection that took the request dropped before an answer came
+
+
+def closed_under(sock: zmq.Socket, use, job_id: str):
+    """``use()`` of a stream's ``sock``; ServingError, as the async client says it, if another thread closed the
+    client (and with it this socket) meanwhile, not the ZMQError of a socket gone from under the call."""
+    try:
+        return use()
+    except zmq.ZMQError:
+        if not sock.closed:
+            raise
+        raise ServingError(f"the client was closed while this stream of job {job_id} waited") from None
+
+
+class ThreadSockets(dict):
+    """One thread's call sockets, closed when the thread ends and its threading.local lets go of them: a server
+    that starts a thread per request must not keep a connection per thread it ever ran. Each has a DropWatch
+    (``watches``, by gateway): a dropped connection voids what its gateway said of frame sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watches: dict[str, DropWatch] = {}
+
+    def __del__(self) -> None:
+        for watch in self.watches.values():
+            watch.close()
+        for sock in self.values():
+            sock.close(linger=0)
+
+
+def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: float, watch: DropWatch | None = None):
+    """The first frame answering one of ``request_ids`` within timeout_s, on any gateway's socket; None
+    if none came; DROPPED if ``watch``'s connection dropped first. Frames answering calls that gave up
+    earlier are dropped."""
+    poller = zmq.Poller()
+    for sock in socks.values():
+        poller.register(sock, zmq.POLLIN)
+    if watch is not None:
+        poller.register(watch.events, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            ready = poller.poll(math.ceil(1000 * left))
+        except zmq.ZMQError:
+            if not any(sock.closed for sock in [*socks.values(), *([watch.events] if watch else [])]):
+                raise
+            raise ServingError("the client was closed while this call waited for its answer") from None
+        dropped = False
+        for sock, _ in ready:
+            if watch is not None and sock is watch.events:
+                dropped = watch.dropped()  # an answer beside it (read in this loop) is still an answer
+                continue
+            while True:
+                try:
+                    msg = P.decode(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                # No request id: a protocol error about a frame the gateway could not read, i.e. this one.
+                if msg.request_id in request_ids or msg.request_id is None:
+                    return msg
+        if dropped:
+            return DROPPED
+    return None
