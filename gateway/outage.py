@@ -10,7 +10,9 @@ worker that holds it; hellos of workers whose key needs no cluster binding read.
 completion again until it is confirmed: a second kept copy would only be found stale), and of each worker's load
 reports only its latest (it lists every job the worker holds, so it extends as many leases as all the earlier ones).
 A frame is replayed with the CURVE key it came with: a handler judges its sender by that key (security.py).
-Bounded (KEPT_FRAMES, KEPT_BYTES): beyond, frames wait in the socket as before, behind the kept ones.
+Bounded (KEPT_FRAMES, KEPT_BYTES): beyond, frames wait in the socket as before, behind the kept ones. A frame is kept
+encoded (as on the wire; decoded when taken), so the bytes bound is what the kept frames hold: decoded, a completion's
+token list took 13 times its size on the wire (Python ints and the list's pointers), 444 MB under the 32 MiB bound.
 
 A mixin of gateway.server.Gateway.
 """
@@ -39,6 +41,15 @@ class Kept(NamedTuple):
     size: int  # its encoded size, for the bound
 
 
+class _Held(NamedTuple):
+    """A kept frame as it is held: encoded."""
+
+    ident: bytes
+    frame: bytes  # P.encode of the message, decoded again when taken
+    key: str | None
+    size: int
+
+
 class KeptFrames:
     """Worker frames kept aside in arrival order, one per key (_key_of), within a count and a size."""
 
@@ -46,7 +57,7 @@ class KeptFrames:
         if max_frames < 1 or max_bytes < 1:
             raise ValueError(f"max_frames and max_bytes must be >= 1, got {max_frames} and {max_bytes}")
         self.max_frames, self.max_bytes = max_frames, max_bytes
-        self._frames: OrderedDict[Hashable, Kept] = OrderedDict()
+        self._frames: OrderedDict[Hashable, _Held] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -64,7 +75,7 @@ class KeptFrames:
             return False
         if old is not None:
             self.bytes -= old.size
-        self._frames[key] = frame
+        self._frames[key] = _held(frame)
         self.bytes += frame.size
         if isinstance(frame.msg, P.WorkerLoad):
             # The latest report goes where it came: replayed after the frames that came before it, as it was sent.
@@ -76,16 +87,20 @@ class KeptFrames:
         """``frame``, the one taken last, goes back in front: its handler found Redis down again."""
         key = _key_of(frame.ident, frame.msg)
         if key not in self._frames:
-            self._frames[key] = frame
+            self._frames[key] = _held(frame)
             self._frames.move_to_end(key, last=False)
             self.bytes += frame.size
 
     def take(self) -> Kept | None:
         if not self._frames:
             return None
-        _, frame = self._frames.popitem(last=False)
-        self.bytes -= frame.size
-        return frame
+        _, held = self._frames.popitem(last=False)
+        self.bytes -= held.size
+        return Kept(held.ident, P.decode(held.frame), held.key, held.size)
+
+
+def _held(frame: Kept) -> _Held:
+    return _Held(frame.ident, P.encode(frame.msg), frame.key, frame.size)
 
 
 def _key_of(ident: bytes, msg) -> Hashable:

@@ -4,7 +4,9 @@ ones. The pure container first, then a gateway built as `python -m gateway` buil
 
 from __future__ import annotations
 
+import random
 import time
+import tracemalloc
 import uuid
 
 import pytest
@@ -128,3 +130,27 @@ def test_a_frame_put_back_goes_first():
     kept.put_back(first)
     assert (len(kept), kept.bytes) == (2, 4)
     assert [kept.take().msg.index for _ in range(2)] == [0, 1]
+
+
+def test_the_bytes_bound_bounds_the_memory_the_kept_frames_hold():
+    """The bound counts the frames' encoded size, and that is what they hold: decoded, a completion's token list
+    (4096 ids of 3 bytes each on the wire) held 13 times as much, 444 MB under the 32 MiB bound."""
+    rng = random.Random(7)
+    kept = KeptFrames(max_bytes=4 * 1024 * 1024)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        n = 0
+        while not kept.full():
+            frame = P.encode(P.JobFinished(f"job-{n}", 1, "done", "length", 4096, 0.0, 0.0, 0,
+                                           token_ids=[rng.randrange(1000, 32000) for _ in range(4096)]))
+            kept.keep(Kept(b"wk-a", P.decode(frame), None, len(frame)))
+            n += 1
+        held = tracemalloc.get_traced_memory()[0] - base
+        assert held < 1.5 * kept.bytes, f"{n} kept frames of {kept.bytes} bytes hold {held} bytes"
+        taken = [kept.take() for _ in range(n)]
+        assert [f.msg.job_id for f in taken] == [f"job-{i}" for i in range(n)]
+        assert all(len(f.msg.token_ids) == 4096 for f in taken)
+        assert (kept.take(), len(kept), kept.bytes) == (None, 0, 0)
+    finally:
+        tracemalloc.stop()
