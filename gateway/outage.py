@@ -134,6 +134,11 @@ class OutageFrames:
             return keys is None or keys.shared is None or self._registered(ident)
         return False
 
+    def answers_without_redis(self, msg) -> bool:
+        """True if the client frame ``msg`` is answered from memory alone, so not refused in the back-off: a stream
+        this gateway has (streaming.live_stream), whose tokens go on meanwhile, or the end of a subscription."""
+        return isinstance(msg, P.StreamRequest) and (msg.unsubscribe or self.live_stream(msg) is not None)
+
     def keep_aside(self, ident: bytes, msg, size: int) -> None:
         if self.kept.keep(Kept(ident, msg, self.frame_key, size)):
             self.counters["kept_in_outage"] += 1

@@ -33,10 +33,8 @@ class Streaming:
                 s.subscribers.pop(ident, None)
             self.keepalives.forget(ident, req.job_id)
             return
-        live = self.streams.streams.get(req.job_id)
-        tenant = self.tenants.lookup(req.api_key)
-        if live is not None and tenant is not None and live.tenant == tenant.name:
-            # A job this gateway already streams: no Redis read needed.
+        live = self.live_stream(req)
+        if live is not None:
             live.subscribers[ident] = max(0, req.from_index)
             self.keepalives.watch(ident, req.job_id, self.clock())
             self._flush(req.job_id)
@@ -52,6 +50,13 @@ class Streaming:
         s.subscribers[ident] = max(0, req.from_index)
         self.keepalives.watch(ident, req.job_id, self.clock())
         self._flush(req.job_id)
+
+    def live_stream(self, req: P.StreamRequest) -> JobStream | None:
+        """The stream of ``req``'s job this gateway already has, if it is the asking tenant's: served from memory, with
+        no Redis read (also in a Redis back-off: outage.py)."""
+        live = self.streams.streams.get(req.job_id)
+        tenant = self.tenants.lookup(req.api_key)
+        return live if live is not None and tenant is not None and live.tenant == tenant.name else None
 
     def send_keepalives(self, now: float, redis_up: bool = True) -> None:
         """A StatusReply to every stream silent for keepalive_interval_s; a job found ended is served from Redis."""

@@ -47,6 +47,7 @@ class Watcher:
         self.sock.send(P.encode(P.StreamRequest(api_key, job_id, request_id="watch")))
         self.chunks: list[tuple[float, P.TokenChunk]] = []
         self.dones: list[P.JobDone] = []
+        self.errors: list[P.ErrorReply] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -60,6 +61,8 @@ class Watcher:
                 self.chunks.append((time.monotonic(), msg))
             elif isinstance(msg, P.JobDone):
                 self.dones.append(msg)
+            elif isinstance(msg, P.ErrorReply):
+                self.errors.append(msg)
 
     def tokens(self) -> list[int]:
         out: list[int] = []
@@ -209,3 +212,50 @@ def test_frames_kept_during_the_backoff_are_replayed_with_the_key_they_came_with
             for s in socks:
                 s.close(linger=0)
             stop_process(proc, timeout=15)
+
+
+def test_a_stream_asked_for_while_redis_stands_still_is_served_from_the_tokens_held_here(tmp_path, tiny_model_dir):
+    """A client that asks for a job's stream during the back-off (its first StreamRequest after the submission, or a
+    second reader, or a re-subscription after its connection dropped) is served as the job's other subscribers are:
+    the gateway holds the job's tokens, and answering needs no Redis (streaming.on_stream reads none for a stream it
+    has). Refused 'unavailable', it heard none of the tokens streamed meanwhile to the others until Redis was back."""
+    with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, lease_s=60.0) as c:
+        worker = Adversary(c.gateways["gw-0"][1], "wk-adv", slots=1)
+        first = late = None
+        try:
+            worker.load([], free=1)
+            with c.client("lab-co") as lab:
+                job = lab.submit(prompt_token_ids=[1, 2], max_tokens=100, ignore_eos=True)
+            d = worker.recv(P.DispatchJob, beat=[])
+            first = Watcher(c.endpoint(), c.key("lab-co"), job.id)
+            tokens = [100 + i for i in range(12)]
+            worker.send(P.JobTokens(job.id, d.attempt, 0, tokens[:4], prefill_start_s=0.0))
+            worker.load([job.id], free=0)
+            wait_for(lambda: first.tokens() == tokens[:4], 30, "the tokens sent before the freeze")
+            redis_pid = c.procs["redis"].pid
+            os.kill(redis_pid, signal.SIGSTOP)
+            try:
+                in_backoff_for(c.endpoint(), c.key("lab-co"), 1.5)
+                for i in range(4, 8):
+                    worker.send(P.JobTokens(job.id, d.attempt, i, [tokens[i]]))
+                wait_for(lambda: first.tokens() == tokens[:8], 10, "the tokens sent in the freeze, to the first reader")
+                late = Watcher(c.endpoint(), c.key("lab-co"), job.id)
+                worker.send(P.JobTokens(job.id, d.attempt, 8, tokens[8:10]))
+                # Within the back-off (1.5 s or more from the probe): no Redis is asked, so none is waited for.
+                wait_for(lambda: late.tokens() == tokens[:10] or late.errors, 10, "the late reader's tokens")
+                assert late.errors == [], f"the late reader was refused: {late.errors}"
+                assert first.tokens() == tokens[:10]
+            finally:
+                os.kill(redis_pid, signal.SIGCONT)
+            worker.send(P.JobTokens(job.id, d.attempt, 10, tokens[10:]))
+            worker.send(P.JobFinished(job.id, d.attempt, "done", "length", len(tokens), 0.01, 1.0, 0,
+                                      token_ids=tokens))
+            wait_for(lambda: first.dones and late.dones, 60, "the job's end, to both readers")
+            for w in (first, late):
+                assert w.tokens() == tokens and [x.token_ids for x in w.dones] == [tokens]
+            assert (c.state(job.id), c.stored_tokens(job.id)) == ("done", tokens)
+        finally:
+            for w in (first, late):
+                if w is not None:
+                    w.close()
+            worker.close()
