@@ -150,15 +150,23 @@ class OutageFrames:
         while not self._redis_down() and (frame := self.kept.take()) is not None:
             self.frame_key = frame.key
             self._handle(self.worker_sock, frame.ident, frame.msg, self._worker_handlers[type(frame.msg)])
-            if self._redis_down() and isinstance(frame.msg, (P.JobTokens, P.WorkerLoad)):
+            if self._redis_down():
                 # Redis failed under it: tokens were not taken (their lease is read first), a report extended no
-                # lease. Both are waited for (a completion failed so is kept by its handler, worker_link._unstored).
-                self.kept.put_back(frame)
+                # lease, a completion or hand-back whose lease is unknown here was not even fenced (its lease is read
+                # first too; its worker may have given up resending it, worker/completions.give_up_s). Each waits for
+                # the next end of the back-off, but for a completion its handler kept (worker_link._unstored). One
+                # handled in full before Redis failed is replayed again as a copy: the handlers take copies.
+                if not self._unstored_here(frame.msg):
+                    self.kept.put_back(frame)
                 break
             replayed += 1
         if replayed:
             log.info("replayed %d worker frame(s) kept while Redis was unreachable (%d still kept)", replayed,
                      len(self.kept))
+
+    def _unstored_here(self, msg) -> bool:
+        return isinstance(msg, P.JobFinished) and any(
+            m.job_id == msg.job_id and m.attempt == msg.attempt for _, m in self._unstored)
 
     def _registered(self, ident: bytes) -> bool:
         """security.from_registered_worker without its side effects (a drop counted, a hello asked)."""

@@ -4,11 +4,14 @@ ones. The pure container first, then a gateway built as `python -m gateway` buil
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 import tracemalloc
 import uuid
 
+import msgpack
 import pytest
 import redis
 import zmq
@@ -16,6 +19,7 @@ import zmq
 from common import protocol as P
 from common.redis_server import RedisServer
 from common.sockets import make_socket
+from common.tiers import Tier
 from gateway.__main__ import build
 from gateway.config import GatewayConfig
 from gateway.outage import Kept, KeptFrames
@@ -154,3 +158,60 @@ def test_the_bytes_bound_bounds_the_memory_the_kept_frames_hold():
         assert (kept.take(), len(kept), kept.bytes) == (None, 0, 0)
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.faults
+def test_a_completion_whose_replay_finds_redis_down_again_is_kept_for_the_next(tmp_path):
+    """A completion of a job whose lease this gateway does not know (another gateway dispatched it, or this one
+    restarted) is fenced by a read of Redis before anything else. Replayed at the end of a back-off while Redis
+    still stood still, that read failed, and the frame was gone: neither put back nor kept as unstored (only a failed
+    store keeps one, worker_link._unstored). A worker that had given up resending it (give_up_s, 60 s: an outage
+    that long) left the job to wait out its lease and run again."""
+    write_tenants(tmp_path / "tenants.toml")
+    with RedisServer() as server:
+        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
+                               redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
+                               key_prefix=f"kept-{uuid.uuid4().hex[:8]}", insecure_workers=True)
+        gw = build(config)
+        gw.bind()
+        worker = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
+        worker.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            worker.send(P.encode(P.WorkerHello("wk-a", "m", 512, 2048, 1, 1024)))
+            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" in gw.workers.workers)[1], 10,
+                     "the worker's hello")
+            assert isinstance(P.decode(worker.recv()), P.GatewayWelcome)
+            gw.queue.admit(job_id="job-x", tenant="lab-co", tier_requested=Tier.P3, tier=Tier.P3,
+                           payload=msgpack.packb({"prompt_token_ids": [5, 6], "max_tokens": 2}),
+                           idempotency_key=None, quota=None, drain_rate_per_s={}, estimate_s=0.0)
+            # Dispatched by another gateway: its lease is unknown here.
+            (rec,) = gw.queue.claim(["job-x"], worker="wk-a", gateway="gw-other", lease_ms=600_000)
+            assert "job-x" not in gw.leases
+
+            gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
+            gw._redis_retry_at = gw.clock() + 600
+            worker.send(P.encode(P.JobFinished("job-x", rec.attempt, "done", "length", 2, 0.0, 0.1, 0,
+                                               token_ids=[7, 8])))
+            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), len(gw.kept) == 1)[1], 10,
+                     "the completion kept")
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                gw._redis_retry_at = gw.clock()  # the back-off is over, Redis is not back
+                gw.replay_kept()  # its lease read waits out the socket timeout and starts the back-off again
+                assert gw._redis_down()
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert len(gw.kept) + len(gw._unstored) == 1, "the completion is gone from the gateway"
+            assert worker.poll(0) == 0, "a completion was confirmed while Redis was down"
+
+            gw._redis_retry_at = gw.clock()  # Redis is back; the worker sends the completion no more
+            gw.replay_kept()
+            gw.retry_unstored()
+            assert worker.poll(10_000), "the completion was never confirmed"
+            assert P.decode(worker.recv()) == P.JobFinishedAck("job-x", rec.attempt)
+            stored = gw.queue.get("job-x")
+            assert stored.state == "done" and msgpack.unpackb(stored.result["token_ids"]) == [7, 8]
+            assert (len(gw.kept), gw.kept.bytes, gw._unstored) == (0, 0, [])
+        finally:
+            worker.close(linger=0)
+            gw.close()
