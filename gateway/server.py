@@ -29,7 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
 from gateway.drained import SharedDrained
 from gateway.dispatch import Dispatcher
-# Peer, CLIENT_DRAIN_BUDGET_S, _request_id_of and REDIS_FULL_RETRY_S were defined here, and are still imported from here.
+# Peer, CLIENT_DRAIN_BUDGET_S, _request_id_of and REDIS_FULL_RETRY_S were defined here; still importable from here.
 from gateway.frames import CLIENT_DRAIN_BUDGET_S, Frames, Peer, _request_id_of  # noqa: F401
 from gateway.keepalive import Keepalives
 from gateway.maintenance import Maintenance
