@@ -95,3 +95,37 @@ def test_a_call_paused_between_attempts_when_the_blocking_client_closes_ends_and
     assert took < 5, took
     assert not list(client._open), list(client._open)
     assert not isinstance(out[0], Unavailable)
+
+
+def test_a_large_call_paused_between_attempts_when_the_blocking_client_closes_ends_and_opens_nothing(cluster):
+    """As above, for a frame over the size a gateway is asked about first (gateway/sdk/_frames.py UNASKED_BYTES):
+    every attempt asks the gateway before its frame goes, and close() forgets what gateways said. The call woken
+    after close() asked again, on a socket opened after close() by that question's own call, and went on retrying
+    the question until its budget was spent: it ended with Unavailable seconds later and left that socket open."""
+    c = cluster
+    big = [300 + i % 200 for i in range(600)]  # ids over 127 take 3 bytes each: a frame of about 1.8 KiB
+    client = GatewayClient(c.endpoint(), c.key("lab-co"), timeout_s=10, retries=1)
+    client.submit(prompt_token_ids=big, max_tokens=2)  # asked, and taken, while Redis answers
+    c.kill("redis")
+    try:
+        out: list[BaseException] = []
+
+        def call():
+            try:
+                client.submit(prompt_token_ids=big[::-1], max_tokens=2)
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                out.append(e)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive(), out
+        closed_at = time.monotonic()
+        client.close()
+        t.join(20)
+        took = time.monotonic() - closed_at
+    finally:
+        c.restart("redis")
+    assert len(out) == 1 and type(out[0]) is ServingError and "closed" in str(out[0]), out
+    assert took < 5, took
+    assert not list(client._open), list(client._open)

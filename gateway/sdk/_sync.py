@@ -149,13 +149,16 @@ class GatewayClient:
         self._current = (self._current + 1) % len(self.endpoints)
         log.warning("%s; trying %s", failed_at(old, why), "it again" if self.endpoint == old else self.endpoint)
 
-    def _fits(self, msg, size: int) -> None:
+    def _fits(self, msg, size: int, closes: int) -> None:
         """Ask the current gateway whether it takes a frame as large as ``msg``'s (``size``), unless it has said so
         since its connection last dropped: its limit may be below the protocol's (a restarted gateway's below what
         it said before), and it drops the connection that brings a larger frame (every stream on it stalls, and
         the call itself fails after every retry as if the gateway were dead). Asked before every attempt, on the
-        gateway it goes to: a call failed over asks the next gateway too."""
+        gateway it goes to: a call failed over asks the next gateway too. For a call that began after ``closes``
+        close() calls: one came meanwhile (it forgot what gateways said), the call ends rather than ask again."""
         while True:
+            if closes != self._closes:
+                raise ServingError("the client was closed while this call waited to try again")
             watch = self._socks.watches.get(self.endpoint)
             if watch is not None and watch.dropped():  # this thread's connection: others watch their own
                 self._frames.forget(self.endpoint)
@@ -163,20 +166,23 @@ class GatewayClient:
                 return
             answer = None
             try:
-                self._call(ask)  # a call of its own: it may fail over, and the answer is the gateway's it ends on
+                # A call of its own: it may fail over, and the answer is the gateway's it ends on. Under the asking
+                # call's count of close() calls: one that comes meanwhile ends it, and opens no socket after close().
+                self._call(ask, closes=closes)
             except ServingError as e:
                 answer = e
             self._frames.answered(self.endpoint, msg, size, ask, answer)
 
-    def _call(self, msg, size: int | None = None):
+    def _call(self, msg, size: int | None = None, closes: int | None = None):
+        """``closes``: the close() calls counted when the call began (a question _fits asks is part of its call)."""
         if FrameSizes.concerns(msg) and size is None:
             size = frame_bytes(msg)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
         budget = RetryBudget(self.retries, self.timeout_s)
-        closes = self._closes
+        closes = self._closes if closes is None else closes
         while True:
             if size is not None:
-                self._fits(msg, size)
+                self._fits(msg, size, closes)
             sock = self._call_socket(closes)
             # A frame over UNASKED_BYTES may be over the limit of a gateway that restarted unseen: the connection
             # it drops is watched for, and the call retries (asking first) rather than wait out its timeout.
