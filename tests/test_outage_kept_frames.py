@@ -9,7 +9,6 @@ import random
 import signal
 import time
 import tracemalloc
-import uuid
 
 import msgpack
 import pytest
@@ -17,14 +16,11 @@ import redis
 import zmq
 
 from common import protocol as P
-from common.redis_server import RedisServer
 from common.sockets import make_socket
 from common.tiers import Tier
-from gateway.__main__ import build
-from gateway.config import GatewayConfig
 from gateway.outage import Kept, KeptFrames
-from scripts.up import write_tenants
 from tests.cluster_helpers import wait_for
+from tests.gateway_helpers import built_gateway
 
 
 def _load(worker: str, free: int) -> P.WorkerLoad:
@@ -80,22 +76,22 @@ def test_a_bound_below_one_is_refused(frames, size):
         KeptFrames(max_frames=frames, max_bytes=size)
 
 
+def welcomed_worker(gw) -> zmq.Socket:
+    """A worker socket (wk-a) that said hello to ``gw`` and was welcomed: registered, so its frames count."""
+    worker = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
+    worker.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    worker.send(P.encode(P.WorkerHello("wk-a", "m", 512, 2048, 1, 1024)))
+    wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" in gw.workers.workers)[1], 10,
+             "the worker's hello")
+    assert isinstance(P.decode(worker.recv()), P.GatewayWelcome)
+    return worker
+
+
 def test_past_the_bound_frames_wait_in_the_socket_and_come_after_the_kept_ones(tmp_path):
-    write_tenants(tmp_path / "tenants.toml")
-    with RedisServer() as server:
-        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
-                               redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
-                               key_prefix=f"kept-{uuid.uuid4().hex[:8]}", insecure_workers=True)
-        gw = build(config)
-        gw.bind()
+    with built_gateway(tmp_path, "kept") as (gw, _, _):
         gw.kept = KeptFrames(max_frames=3)
-        worker = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
-        worker.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        worker = welcomed_worker(gw)
         try:
-            worker.send(P.encode(P.WorkerHello("wk-a", "m", 512, 2048, 1, 1024)))
-            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" in gw.workers.workers)[1], 10,
-                     "the worker's hello")
-            assert isinstance(P.decode(worker.recv()), P.GatewayWelcome)
             gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
             gw._redis_retry_at = gw.clock() + 600  # it lasts the test, whatever the machine's pace
             jobs = [f"job-{i}" for i in range(5)]
@@ -123,7 +119,6 @@ def test_past_the_bound_frames_wait_in_the_socket_and_come_after_the_kept_ones(t
             assert gw.counters["kept_in_outage"] == 3
         finally:
             worker.close(linger=0)
-            gw.close()
 
 
 def test_a_frame_put_back_goes_first():
@@ -167,20 +162,9 @@ def test_a_completion_whose_replay_finds_redis_down_again_is_kept_for_the_next(t
     still stood still, that read failed, and the frame was gone: neither put back nor kept as unstored (only a failed
     store keeps one, worker_link._unstored). A worker that had given up resending it (give_up_s, 60 s: an outage
     that long) left the job to wait out its lease and run again."""
-    write_tenants(tmp_path / "tenants.toml")
-    with RedisServer() as server:
-        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
-                               redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
-                               key_prefix=f"kept-{uuid.uuid4().hex[:8]}", insecure_workers=True)
-        gw = build(config)
-        gw.bind()
-        worker = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
-        worker.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    with built_gateway(tmp_path, "kept") as (gw, _, server):
+        worker = welcomed_worker(gw)
         try:
-            worker.send(P.encode(P.WorkerHello("wk-a", "m", 512, 2048, 1, 1024)))
-            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" in gw.workers.workers)[1], 10,
-                     "the worker's hello")
-            assert isinstance(P.decode(worker.recv()), P.GatewayWelcome)
             gw.queue.admit(job_id="job-x", tenant="lab-co", tier_requested=Tier.P3, tier=Tier.P3,
                            payload=msgpack.packb({"prompt_token_ids": [5, 6], "max_tokens": 2}),
                            idempotency_key=None, quota=None, drain_rate_per_s={}, estimate_s=0.0)
@@ -214,4 +198,3 @@ def test_a_completion_whose_replay_finds_redis_down_again_is_kept_for_the_next(t
             assert (len(gw.kept), gw.kept.bytes, gw._unstored) == (0, 0, [])
         finally:
             worker.close(linger=0)
-            gw.close()

@@ -81,6 +81,19 @@ def calls(kind: str, c: DurableCluster, gateways: list[str]):
         client.close()
 
 
+def restart_smaller_and_refuse(c: DurableCluster, lab) -> None:
+    """gw-0 restarted with a SMALL limit; a frame under what the old gateway took, over what this one takes, is
+    refused by size at once (within one timeout_s), not met by silence."""
+    c.kill("gw-0")
+    c.process_env["gw-0"] = {"TS_GATEWAY_CLIENT_MAX_MESSAGE_BYTES": str(SMALL)}
+    c.restart("gw-0")
+    c.wait_workers("gw-0")
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest) as e:
+        lab.cancel("j" * 8_000)
+    assert str(SMALL) in str(e.value) and time.monotonic() - started < 3.0, e.value
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_gateway_restarted_with_a_smaller_frame_limit_refuses_by_size_not_by_silence(tmp_path, tiny_model_dir,
                                                                                        kind):
@@ -89,14 +102,7 @@ def test_a_gateway_restarted_with_a_smaller_frame_limit_refuses_by_size_not_by_s
             # Asked about (20 kB: over 16 KiB), taken by the gateway's 8 MiB default, then found to name no job.
             with pytest.raises(NotFound):
                 lab.cancel("j" * 20_000)
-            c.kill("gw-0")
-            c.process_env["gw-0"] = {"TS_GATEWAY_CLIENT_MAX_MESSAGE_BYTES": str(SMALL)}
-            c.restart("gw-0")
-            c.wait_workers("gw-0")
-            started = time.monotonic()
-            with pytest.raises(InvalidRequest) as e:
-                lab.cancel("j" * 8_000)  # under what the old gateway took, over what this one takes
-            assert str(SMALL) in str(e.value) and time.monotonic() - started < 3.0, e.value
+            restart_smaller_and_refuse(c, lab)
             # The connection (and whatever else it carries) survived the refusal.
             assert lab.tokens([1, 2])
 
@@ -157,12 +163,5 @@ def test_a_thread_new_to_a_restarted_gateway_is_refused_by_size_not_by_silence(t
             thread.start()
             thread.join(timeout=30)
             assert not thread.is_alive() and [type(e) for e in asked] == [NotFound], asked
-            c.kill("gw-0")
-            c.process_env["gw-0"] = {"TS_GATEWAY_CLIENT_MAX_MESSAGE_BYTES": str(SMALL)}
-            c.restart("gw-0")
-            c.wait_workers("gw-0")
-            started = time.monotonic()
-            with pytest.raises(InvalidRequest) as e:
-                lab.cancel("j" * 8_000)
-            assert str(SMALL) in str(e.value) and time.monotonic() - started < 3.0, e.value
+            restart_smaller_and_refuse(c, lab)
             assert lab.submit(prompt_token_ids=[1, 2], max_tokens=2).result(timeout=60).token_ids
