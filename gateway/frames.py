@@ -84,7 +84,7 @@ class Frames:
                         "protocol", f"request_id must be 1 to {P.MAX_REQUEST_ID_LEN} characters", field="request_id"))
                     continue
                 to = (ident, rid)
-            if sock is self.clients and self.clock() < self._redis_retry_at and not self.answers_without_redis(msg):
+            if sock is self.clients and self._redis_down() and not self.answers_without_redis(msg):
                 self._refuse(to, msg, self._unavailable())
                 continue
             if sock is self.worker_sock and self.holding_back() and not self.needs_no_redis(ident, msg):

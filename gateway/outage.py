@@ -25,6 +25,7 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from common import protocol as P
+from gateway import security
 
 log = logging.getLogger("gateway")
 # Enough for every completion and hand-back of a large cluster's outage of minutes (a worker resends each, but a
@@ -126,12 +127,12 @@ class OutageFrames:
         if isinstance(msg, P.JobTokens):
             # Fenced by the lease this gateway holds (worker_link._holds_lease reads Redis only when it is unknown).
             worker = ident.decode(errors="replace")
-            return self._registered(ident) and self.leases.get(msg.job_id) == (worker, msg.attempt)
+            return security.is_registered_worker(self, ident) and self.leases.get(msg.job_id) == (worker, msg.attempt)
         if isinstance(msg, P.WorkerHello):
             # A key that the cluster binds (security.WorkerKeys.shared) is bound when Redis answers; a worker heard
             # here with its key already says hello again as before (its binding here decides meanwhile).
             keys = self.worker_keys
-            return keys is None or keys.shared is None or self._registered(ident)
+            return keys is None or keys.shared is None or security.is_registered_worker(self, ident)
         return False
 
     def answers_without_redis(self, msg) -> bool:
@@ -156,21 +157,10 @@ class OutageFrames:
                 # first too; its worker may have given up resending it, worker/completions.give_up_s). Each waits for
                 # the next end of the back-off, but for a completion its handler kept (worker_link._unstored). One
                 # handled in full before Redis failed is replayed again as a copy: the handlers take copies.
-                if not self._unstored_here(frame.msg):
+                if not (isinstance(frame.msg, P.JobFinished) and self._unstored_copy(frame.msg)):
                     self.kept.put_back(frame)
                 break
             replayed += 1
         if replayed:
             log.info("replayed %d worker frame(s) kept while Redis was unreachable (%d still kept)", replayed,
                      len(self.kept))
-
-    def _unstored_here(self, msg) -> bool:
-        return isinstance(msg, P.JobFinished) and any(
-            m.job_id == msg.job_id and m.attempt == msg.attempt for _, m in self._unstored)
-
-    def _registered(self, ident: bytes) -> bool:
-        """security.from_registered_worker without its side effects (a drop counted, a hello asked)."""
-        worker_id = ident.decode(errors="replace")
-        w = self.workers.workers.get(worker_id)
-        return w is not None and w.identity == ident and (
-            self.worker_keys is None or self.worker_keys.matches(worker_id, self.frame_key))

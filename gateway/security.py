@@ -224,27 +224,25 @@ def recv_with_key(sock: zmq.Socket) -> tuple[list[bytes], str | None]:
         return parts, None
 
 
+def is_registered_worker(gw, ident: bytes) -> bool:
+    """True if ``ident`` is a worker that completed hello with the key it sends with now (gw.frame_key)."""
+    worker_id = ident.decode(errors="replace")
+    w = gw.workers.workers.get(worker_id)
+    return w is not None and w.identity == ident and (gw.worker_keys is None or
+                                                      gw.worker_keys.matches(worker_id, gw.frame_key))
+
+
 def from_registered_worker(gw, ident: bytes) -> bool:
     """True if ``ident`` is a worker that completed hello; anything else is dropped and counted, and the peer
     asked (at most once a second) to say hello: a worker this gateway forgot, by a restart or a worker timeout,
     would otherwise wait for its next periodic hello while its frames and its jobs' leases went unheard."""
-    worker_id = ident.decode(errors="replace")
-    w = gw.workers.workers.get(worker_id)
-    if w is not None and w.identity == ident and (gw.worker_keys is None or
-                                                  gw.worker_keys.matches(worker_id, gw.frame_key)):
+    if is_registered_worker(gw, ident):
         return True
     gw.counters["dropped_no_hello"] += 1
     if gw.counters["dropped_no_hello"] in (1, 10, 100, 1000) or gw.counters["dropped_no_hello"] % 10_000 == 0:
         log.warning("dropped %d frame(s) from worker-socket peers that never said hello",
                     gw.counters["dropped_no_hello"])
-    now = gw.clock()
-    if now - gw._hello_asked.get(ident, float("-inf")) >= HELLO_ASK_EVERY_S:
-        gw._hello_asked[ident] = now
-        gw._hello_asked.move_to_end(ident)
-        while len(gw._hello_asked) > HELLO_ASK_MEMORY:
-            gw._hello_asked.popitem(last=False)
-        gw._send(gw.worker_sock, ident, P.ErrorReply(P.HELLO_FIRST, "this gateway does not know you (it restarted, "
-                                                                  "or you timed out): say hello"))
+    gw._ask_hello(ident, "this gateway does not know you (it restarted, or you timed out): say hello")
     return False
 
 

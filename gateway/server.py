@@ -139,7 +139,7 @@ class Gateway(ClientApi, WorkerLink, OutageFrames, Streaming, Dispatcher, Mainte
             # freeze, the reports kept extend the leases before a maintenance pass may take them for expired.
             if self.kept and not self._redis_down():
                 self.replay_kept()
-            redis_down = self.clock() < self._redis_retry_at
+            redis_down = self._redis_down()
             # With no room left to keep worker frames, they wait in their socket (see _drain): not polled, not spun on.
             events = dict((clients_only if redis_down and self.kept.full() else poller).poll(timeout=10))
             if self.worker_sock in events:

@@ -191,13 +191,17 @@ class WorkerLink:
             self._send(self.worker_sock, ident, P.ErrorReply("protocol", f"JobFinished.state {msg.state!r} is not "
                                                              "done or failed", field="state"))
             return
-        if any(m.job_id == msg.job_id and m.attempt == msg.attempt for _, m in self._unstored):
+        if self._unstored_copy(msg):
             return  # a copy sent again while Redis is down: the first one is kept, and confirmed once stored
         if not self._holds_lease(ident, msg.job_id, msg.attempt):
             self._stale(msg)  # including a second copy of one already stored: it needs nothing more
         else:
             self._store_finished(ident.decode(), msg)
         self._send(self.worker_sock, ident, P.JobFinishedAck(msg.job_id, msg.attempt))
+
+    def _unstored_copy(self, msg: P.JobFinished) -> bool:
+        """A completion of this job attempt is kept here until Redis stores it (``_unstored``)."""
+        return any(m.job_id == msg.job_id and m.attempt == msg.attempt for _, m in self._unstored)
 
     def on_released(self, ident: bytes, msg: P.JobReleased) -> None:
         """A worker shutting down hands a job back: back in its queue now, not a lease later (release.lua)."""
