@@ -55,7 +55,17 @@ def _digest(entry: dict, where: str) -> str:
     if not isinstance(key, str) or not key.strip():
         # A blank key loaded: a tenant whose key is a space, which nobody meant to hand out.
         raise ConfigError(f"{where}: api_key must be a non-empty string (not only white space)")
+    _no_white_space_around(key, "api_key", where)
     return key_digest(key)
+
+
+def _no_white_space_around(value: str, field: str, where: str, shown: str = "") -> None:
+    """Refuse a name or key with white space at an end: " chat" was a tenant other than "chat" (its own jobs, bucket
+    and idempotency keys, told apart in no log), and a key "k " one no client can present (an HTTP header's value is
+    stripped of it). A key is told without its value: it must not reach the logs."""
+    if value != value.strip():
+        raise ConfigError(f"{where}: {field}{shown} has white space at its start or end; remove it (a name is matched "
+                          "exactly, and a key with it cannot be sent in an HTTP header)")
 
 
 def _differs(a: Tenant, b: Tenant) -> str:
@@ -96,6 +106,7 @@ class TenantDirectory:
                     # one there, each seeing and cancelling the other's jobs.
                     # A blank one is a tenant that logs, traces and `explain` cannot tell from another.
                     raise ConfigError(f"{where}: name must be a non-empty string (not only white space)")
+                _no_white_space_around(name, "name", where, f" {name!r}")
                 digest = _digest(t, where)
                 mode = t.get("on_quota_exhausted", "refuse")
                 if mode not in ("refuse", "downgrade"):

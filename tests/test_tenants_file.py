@@ -157,3 +157,52 @@ def test_a_tenants_file_not_in_utf8_is_refused_naming_it(tmp_path, encoding):
     with pytest.raises(ConfigError, match="cannot read tenants file") as e:
         TenantDirectory.from_file(path)
     assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [("name", '" chat"'), ("name", '"chat\\t"'), ("name", '"\\nchat"'),
+                                          ("api_key", '"new "'), ("api_key", '" new"'), ("api_key", '"new\\r\\n"')])
+def test_an_entry_whose_name_or_key_has_white_space_around_it_is_refused_naming_it(tmp_path, field, value):
+    """" chat" loaded as a tenant other than "chat" (its own jobs, bucket and idempotency keys, told apart from it in
+    no log), and a key "new " as one no client could present: an HTTP header's value is stripped of it."""
+    entry = {"name": '"chat"', "api_key": '"new"'} | {field: value}
+    body = "".join(line + "\n" for line in ENTRY.splitlines() if not line.startswith("name "))
+    path = _write(tmp_path, 'name = "ops"\napi_key = "o"\ntiers = ["P3"]\n',
+                  body + f'name = {entry["name"]}\napi_key = {entry["api_key"]}\n')
+    with pytest.raises(ConfigError, match=f"tenant #2: {field}( .+)? has white space at its start or end") as e:
+        TenantDirectory.from_file(path)
+    assert str(path) in str(e.value)
+    assert "new" not in str(e.value).replace(str(path), "")  # the plain key is not echoed into logs
+
+
+def test_a_gateway_given_a_tenant_name_with_white_space_around_it_says_so_and_exits_2(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenant]]\nname = "ops"\napi_key = "o"\ntiers = ["P3"]\n'
+                    '[[tenant]]\nname = "chat "\napi_key = "k"\ntiers = ["P1"]\n')
+    # A Redis nobody listens at: a file taken as good is a refusal of another kind at once, not a gateway serving.
+    done = subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(path), "--insecure-workers",
+                           "--redis-url", "redis://127.0.0.1:1/0",
+                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert str(path) in done.stderr and "tenant #2: name 'chat ' has white space" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("key", ["k ", " k", "k\n"])
+def test_the_http_doors_health_key_with_white_space_around_it_is_refused_without_echoing_it(key):
+    """No tenant's key has white space at an end (refused above): a health_api_key with it (an env file's
+    TS_HTTP_HEALTH_API_KEY="k ") was accepted, and /health then told every caller the key was unknown."""
+    from gateway.http.config import HttpConfig
+
+    with pytest.raises(ConfigError, match="health_api_key has white space at its start or end") as e:
+        HttpConfig(health_api_key=key)
+    assert "k" not in str(e.value).replace("health_api_key", "")
+
+
+def test_the_http_door_given_a_health_key_with_white_space_around_it_says_so_and_exits_2():
+    done = subprocess.run([sys.executable, "-m", "gateway.http", "--tokenizer", "no-such-tokenizer"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), TS_HTTP_HEALTH_API_KEY="health-key ",
+                                   HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "health_api_key has white space" in done.stderr and "health-key" not in done.stderr, done.stderr

@@ -53,3 +53,6 @@ class HttpConfig:
         if not (isinstance(self.gateways, list) and self.gateways and all(isinstance(g, str) and g
                                                                           for g in self.gateways)):
             raise ConfigError(f"gateways must be a non-empty list of endpoints, got {self.gateways!r}")
+        if self.health_api_key != self.health_api_key.strip():
+            # No tenant's key has it (gateway/tenants.py refuses one): /health told every caller "unknown key".
+            raise ConfigError("health_api_key has white space at its start or end; remove it")
