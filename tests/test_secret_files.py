@@ -133,3 +133,95 @@ def test_a_file_named_through_a_link_is_judged_where_it_lives(files, caplog, tmp
     caplog.clear()
     read()
     assert _warnings(caplog) == []
+
+
+@pytest.fixture
+def reachable(tmp_path):
+    """A folder under /tmp that others may enter all the way down (pytest's own tmp folders are 0700, and nothing
+    under a folder others cannot enter is theirs to change): base/keys holds the secrets, base starts 0755."""
+    import shutil
+    import tempfile
+    base = tempfile.mkdtemp(prefix="secret-ancestors-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        pair = keys.generate(os.path.join(base, "keys"), ["wk-a"])
+        folder = pair["gateway_secret"].parent
+        os.chmod(folder, 0o755)
+        (folder / "redis-password").write_text("hunter2-password\n")
+        (folder / "tenants.toml").write_text(TENANTS)
+        for name in ("redis-password", "tenants.toml"):
+            os.chmod(folder / name, 0o600)
+        yield base, {"password": (folder / "redis-password", lambda: read_secret(folder / "redis-password")),
+                     "tenants": (folder / "tenants.toml", lambda: TenantDirectory.from_file(folder / "tenants.toml")),
+                     "key pair": (pair["gateway_secret"], lambda: keys.load_pair(pair["gateway_secret"]))}
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("which", ["password", "tenants", "key pair"])
+def test_an_ancestor_directory_others_may_write_is_warned_about_naming_it(reachable, caplog, which):
+    """Whoever may write a directory above the secret's may rename the folder that holds it (its own mode does not
+    stop a rename within one directory) and put a folder of their own in its place: base 0777 holding keys/secret
+    was read without a word, only the secret's own directory being looked at."""
+    base, files = reachable
+    path, read = files[which]
+    caplog.set_level(logging.WARNING)
+    read()
+    assert _warnings(caplog) == []  # every directory down to it is its owner's alone
+    os.chmod(base, 0o777)
+    read()
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"directory {base} " in said[0] and "0777" in said[0] and str(path) in said[0], said
+    caplog.clear()
+    os.chmod(base, 0o1777)  # sticky, as /tmp (root's): only an entry's owner, or the directory's, may rename it
+    read()
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("level", ["its own", "above"])
+def test_a_sticky_directory_of_another_user_is_warned_about(reachable, caplog, level):
+    """The sticky bit does not bind the directory's own owner: a 1777 folder of another user's is theirs to empty."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory another owner needs root")
+    base, files = reachable
+    path, read = files["password"]
+    folder = str(path.parent) if level == "its own" else base
+    os.chmod(folder, 0o1777)
+    os.chown(folder, 65534, -1)
+    caplog.set_level(logging.WARNING)
+    read()
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"directory {folder} " in said[0] and "1777" in said[0] and "65534" in said[0], said
+    os.chown(folder, os.geteuid(), -1)  # the reader's own: only it may rename what others put there
+    caplog.clear()
+    read()
+    assert _warnings(caplog) == []
+
+
+def test_an_ancestor_others_may_write_above_one_they_cannot_enter_is_no_concern(reachable, caplog):
+    """base 0777 holding keys 0700: others may rename keys away, so that is warned about; but a 0700 folder above
+    a 0777 one keeps everyone else out of all below it, as pytest's own tmp folders do (/tmp/pytest-of-root)."""
+    base, files = reachable
+    path, read = files["tenants"]
+    os.chmod(base, 0o700)
+    os.chmod(path.parent, 0o755)
+    caplog.set_level(logging.WARNING)
+    read()
+    assert _warnings(caplog) == []
+    os.chmod(base, 0o777)
+    os.chmod(path.parent, 0o700)
+    read()
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"directory {base} " in said[0], said
+
+
+def test_a_file_named_through_a_link_is_judged_by_the_ancestors_of_where_it_lives(reachable, caplog, tmp_path):
+    base, files = reachable
+    path, read = files["tenants"]
+    link = tmp_path / "tenants.toml"
+    link.symlink_to(path)
+    os.chmod(base, 0o777)
+    caplog.set_level(logging.WARNING)
+    TenantDirectory.from_file(link)
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"directory {base} " in said[0], said
