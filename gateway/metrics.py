@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Container
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -35,11 +36,18 @@ TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the j
                  buckets=LATENCY_BUCKETS)
 E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the end of a job that ended done, observed "
                 "by the gateway that stored its result (sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
+# Workers with hand-off series at once (up to 2 histograms of 20 samples each: 128 make some 5,000 a scrape); the
+# rest are counted under OTHER_WORKERS, a value no hello can claim for a series of its own (handed_off).
+HANDOFF_WORKERS = 128
+OTHER_WORKERS = "_other_workers"
+_handoff_workers: set[str] = set()
 HANDOFF = Histogram("ts_dispatch_handoff_seconds", "Time from a dispatch to the first prefill of that attempt "
                     "starting on the worker, once per dispatch attempt, observed by the gateway that sent it: mostly "
                     "the rest of the engine step in progress there (a worker reads its dispatches between steps), "
                     "during which the slot the job was sent to stands idle; worker_state: "
-                    "whether the worker was running other work (busy) or nothing (idle) when the job was sent",
+                    "whether the worker was running other work (busy) or nothing (idle) when the job was sent; "
+                    f"worker: the workers registered now only, past {HANDOFF_WORKERS} of them the later ones as "
+                    f"{OTHER_WORKERS}",
                     ["worker", "worker_state"], buckets=LATENCY_BUCKETS)
 FINISHED = Counter("ts_jobs_finished_total", "Jobs that ended, by the tier they were admitted at and final state, "
                    "counted once by the gateway that stored the final state (sum over gateways: it matches the sum "
@@ -154,7 +162,23 @@ def refused(code: str) -> None:
     REFUSALS.labels(code).inc()
 
 
-def handed_off(worker: str, seconds: float, busy: bool) -> None:
+def handed_off(worker: str, seconds: float, busy: bool, registered: Container[str]) -> None:
+    """``registered``: the workers this gateway knows now. A worker's id is whatever its hello claims where workers
+    are not authenticated, and each id handed a job kept its series for the gateway's life (a peer's flood of ids, or
+    every restart under a new one, made series without end): those of the workers gone are dropped when another's
+    first comes, and past HANDOFF_WORKERS at once the others' are counted under OTHER_WORKERS."""
+    if worker not in _handoff_workers and worker != OTHER_WORKERS:
+        for gone in [w for w in _handoff_workers if w not in registered]:
+            _handoff_workers.discard(gone)
+            for state in ("busy", "idle"):
+                try:
+                    HANDOFF.remove(gone, state)
+                except KeyError:  # only one of its two states was observed
+                    pass
+        if len(_handoff_workers) < HANDOFF_WORKERS:
+            _handoff_workers.add(worker)
+        else:
+            worker = OTHER_WORKERS
     HANDOFF.labels(worker, "busy" if busy else "idle").observe(max(0.0, seconds))
 
 

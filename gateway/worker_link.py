@@ -181,7 +181,7 @@ class WorkerLink:
                                              msg.attempt)
         if handoff is not None:
             self.estimator.handed_off(worker, handoff.seconds, handoff.busy)
-            metrics.handed_off(worker, handoff.seconds, handoff.busy)
+            metrics.handed_off(worker, handoff.seconds, handoff.busy, self.workers.workers)
 
     def on_finished(self, ident: bytes, msg: P.JobFinished) -> None:
         if not security.from_registered_worker(self, ident):
