@@ -88,7 +88,7 @@ class Frames:
                 self._refuse(to, msg, self._unavailable())
                 continue
             if sock is self.worker_sock and self.holding_back() and not self.needs_no_redis(ident, msg):
-                self.keep_aside(ident, msg, len(frame))
+                self.keep_aside(ident, msg, frame)
                 continue
             self._handle(sock, to, msg, handler)
 

@@ -11,8 +11,9 @@ completion again until it is confirmed: a second kept copy would only be found s
 reports only its latest (it lists every job the worker holds, so it extends as many leases as all the earlier ones).
 A frame is replayed with the CURVE key it came with: a handler judges its sender by that key (security.py).
 Bounded (KEPT_FRAMES, KEPT_BYTES): beyond, frames wait in the socket as before, behind the kept ones. A frame is kept
-encoded (as on the wire; decoded when taken), so the bytes bound is what the kept frames hold: decoded, a completion's
-token list took 13 times its size on the wire (Python ints and the list's pointers), 444 MB under the 32 MiB bound.
+as it came on the wire (decoded again when replayed), so the bytes bound is what the kept frames hold: decoded, a
+completion's token list took 13 times its size on the wire (Python ints and the list's pointers), 444 MB under the
+32 MiB bound. Kept as read, not encoded again: a completion of 4096 tokens cost its encoding once more to keep.
 
 A mixin of gateway.server.Gateway.
 """
@@ -36,19 +37,15 @@ KEPT_BYTES = 32 * 1024 * 1024
 
 
 class Kept(NamedTuple):
+    """A worker frame kept aside, as it came on the wire."""
+
     ident: bytes  # the worker socket's routing id of the sender
-    msg: object  # the decoded frame
+    frame: bytes  # the frame as read (its length counts against the bound)
     key: str | None  # the CURVE key it came with (gateway.frame_key), None without CURVE
-    size: int  # its encoded size, for the bound
 
-
-class _Held(NamedTuple):
-    """A kept frame as it is held: encoded."""
-
-    ident: bytes
-    frame: bytes  # P.encode of the message, decoded again when taken
-    key: str | None
-    size: int
+    def decoded(self):
+        """The frame's message: it decoded when it was read, so it decodes again."""
+        return P.decode(self.frame)
 
 
 class KeptFrames:
@@ -58,7 +55,7 @@ class KeptFrames:
         if max_frames < 1 or max_bytes < 1:
             raise ValueError(f"max_frames and max_bytes must be >= 1, got {max_frames} and {max_bytes}")
         self.max_frames, self.max_bytes = max_frames, max_bytes
-        self._frames: OrderedDict[Hashable, _Held] = OrderedDict()
+        self._frames: OrderedDict[Hashable, Kept] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -67,41 +64,38 @@ class KeptFrames:
     def full(self) -> bool:
         return len(self._frames) >= self.max_frames or self.bytes >= self.max_bytes
 
-    def keep(self, frame: Kept) -> bool:
-        """Keep ``frame``; False if a copy of it is kept already (nothing changes, unless it is a newer load report
-        or hello, which takes the older one's place)."""
-        key = _key_of(frame.ident, frame.msg)
+    def keep(self, frame: Kept, msg) -> bool:
+        """Keep ``frame``, whose message is ``msg`` (its kind and ids say which frames are copies of one another);
+        False if a copy of it is kept already (nothing changes, unless it is a newer load report or hello, which
+        takes the older one's place)."""
+        key = _key_of(frame.ident, msg)
         old = self._frames.get(key)
-        if old is not None and not isinstance(frame.msg, (P.WorkerLoad, P.WorkerHello)):
+        if old is not None and not isinstance(msg, (P.WorkerLoad, P.WorkerHello)):
             return False
         if old is not None:
-            self.bytes -= old.size
-        self._frames[key] = _held(frame)
-        self.bytes += frame.size
-        if isinstance(frame.msg, P.WorkerLoad):
+            self.bytes -= len(old.frame)
+        self._frames[key] = frame
+        self.bytes += len(frame.frame)
+        if isinstance(msg, P.WorkerLoad):
             # The latest report goes where it came: replayed after the frames that came before it, as it was sent.
             # A newer hello stays in its predecessor's place, ahead of the frames whose sender it registers.
             self._frames.move_to_end(key)
         return old is None
 
-    def put_back(self, frame: Kept) -> None:
-        """``frame``, the one taken last, goes back in front: its handler found Redis down again."""
-        key = _key_of(frame.ident, frame.msg)
+    def put_back(self, frame: Kept, msg) -> None:
+        """``frame`` (message ``msg``), the one taken last, goes back in front: its handler found Redis down again."""
+        key = _key_of(frame.ident, msg)
         if key not in self._frames:
-            self._frames[key] = _held(frame)
+            self._frames[key] = frame
             self._frames.move_to_end(key, last=False)
-            self.bytes += frame.size
+            self.bytes += len(frame.frame)
 
     def take(self) -> Kept | None:
         if not self._frames:
             return None
-        _, held = self._frames.popitem(last=False)
-        self.bytes -= held.size
-        return Kept(held.ident, P.decode(held.frame), held.key, held.size)
-
-
-def _held(frame: Kept) -> _Held:
-    return _Held(frame.ident, P.encode(frame.msg), frame.key, frame.size)
+        _, frame = self._frames.popitem(last=False)
+        self.bytes -= len(frame.frame)
+        return frame
 
 
 def _key_of(ident: bytes, msg) -> Hashable:
@@ -140,8 +134,9 @@ class OutageFrames:
         this gateway has (streaming.live_stream), whose tokens go on meanwhile, or the end of a subscription."""
         return isinstance(msg, P.StreamRequest) and (msg.unsubscribe or self.live_stream(msg) is not None)
 
-    def keep_aside(self, ident: bytes, msg, size: int) -> None:
-        if self.kept.keep(Kept(ident, msg, self.frame_key, size)):
+    def keep_aside(self, ident: bytes, msg, frame: bytes) -> None:
+        """Keep ``frame``, read from ``ident`` with ``self.frame_key`` and decoded to ``msg``, for the replay."""
+        if self.kept.keep(Kept(ident, frame, self.frame_key), msg):
             self.counters["kept_in_outage"] += 1
 
     def replay_kept(self) -> None:
@@ -150,15 +145,16 @@ class OutageFrames:
         replayed = 0
         while not self._redis_down() and (frame := self.kept.take()) is not None:
             self.frame_key = frame.key
-            self._handle(self.worker_sock, frame.ident, frame.msg, self._worker_handlers[type(frame.msg)])
+            msg = frame.decoded()
+            self._handle(self.worker_sock, frame.ident, msg, self._worker_handlers[type(msg)])
             if self._redis_down():
                 # Redis failed under it: tokens were not taken (their lease is read first), a report extended no
                 # lease, a completion or hand-back whose lease is unknown here was not even fenced (its lease is read
                 # first too; its worker may have given up resending it, worker/completions.give_up_s). Each waits for
                 # the next end of the back-off, but for a completion its handler kept (worker_link._unstored). One
                 # handled in full before Redis failed is replayed again as a copy: the handlers take copies.
-                if not (isinstance(frame.msg, P.JobFinished) and self._unstored_copy(frame.msg)):
-                    self.kept.put_back(frame)
+                if not (isinstance(msg, P.JobFinished) and self._unstored_copy(msg)):
+                    self.kept.put_back(frame, msg)
                 break
             replayed += 1
         if replayed:

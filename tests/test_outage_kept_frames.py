@@ -31,40 +31,64 @@ def _finished(job: str, attempt: int = 1) -> P.JobFinished:
     return P.JobFinished(job, attempt, "done", "length", 1, 0.0, 0.0, 0, token_ids=[1])
 
 
+def _keep(kept: KeptFrames, ident: bytes, msg, key: str | None = None) -> bool:
+    """``msg`` kept as the gateway keeps a frame it read: its wire bytes, with its decoded message for its key."""
+    return kept.keep(Kept(ident, P.encode(msg), key), msg)
+
+
+def _size(msg) -> int:
+    return len(P.encode(msg))
+
+
 def test_each_frame_is_kept_once_and_a_workers_latest_report_alone():
     kept = KeptFrames()
-    assert kept.keep(Kept(b"wk-a", _finished("j1"), "key-a", 10))
-    assert not kept.keep(Kept(b"wk-a", _finished("j1"), "key-a", 10))  # a copy sent again
-    assert kept.keep(Kept(b"wk-a", _finished("j1", attempt=2), "key-a", 10))
-    assert kept.keep(Kept(b"wk-a", _load("wk-a", 0), "key-a", 5))
-    assert kept.keep(Kept(b"wk-b", P.JobTokens("j2", 1, 0, [4, 5]), "key-b", 7))
-    assert not kept.keep(Kept(b"wk-a", _load("wk-a", 1), "key-a", 6))  # replaces the older report, at the end
-    assert (len(kept), kept.bytes) == (4, 10 + 10 + 7 + 6)
+    assert _keep(kept, b"wk-a", _finished("j1"), "key-a")
+    assert not _keep(kept, b"wk-a", _finished("j1"), "key-a")  # a copy sent again
+    assert _keep(kept, b"wk-a", _finished("j1", attempt=2), "key-a")
+    assert _keep(kept, b"wk-a", _load("wk-a", 0), "key-a")
+    assert _keep(kept, b"wk-b", P.JobTokens("j2", 1, 0, [4, 5]), "key-b")
+    assert not _keep(kept, b"wk-a", _load("wk-a", 1), "key-a")  # replaces the older report, at the end
+    assert (len(kept), kept.bytes) == (4, _size(_finished("j1")) + _size(_finished("j1", attempt=2))
+                                       + _size(P.JobTokens("j2", 1, 0, [4, 5])) + _size(_load("wk-a", 1)))
     out = [kept.take() for _ in range(4)]
-    assert [(f.ident, f.msg, f.key) for f in out] == [
+    assert [(f.ident, f.decoded(), f.key) for f in out] == [
         (b"wk-a", _finished("j1"), "key-a"), (b"wk-a", _finished("j1", attempt=2), "key-a"),
         (b"wk-b", P.JobTokens("j2", 1, 0, [4, 5]), "key-b"), (b"wk-a", _load("wk-a", 1), "key-a")]
     assert (kept.take(), len(kept), kept.bytes) == (None, 0, 0)
 
 
+def test_a_frame_is_held_as_it_was_read_not_encoded_again():
+    """The bytes read are the bytes replayed (and counted): a frame kept was encoded again to be held, and again
+    when put back, though the frame as read was at hand."""
+    kept = KeptFrames()
+    msg = _finished("j1")
+    frame = P.encode(msg)
+    kept.keep(Kept(b"wk-a", frame, "key-a"), msg)
+    assert kept.bytes == len(frame)
+    taken = kept.take()
+    assert taken.frame is frame and taken.decoded() == msg
+    kept.put_back(taken, msg)
+    assert kept.take().frame is frame
+
+
 def test_a_newer_hello_keeps_its_predecessors_place_ahead_of_the_frames_it_registers():
     kept = KeptFrames()
     first, second = (P.WorkerHello("wk-a", "m", 512, 2048, slots, 1024) for slots in (1, 2))
-    kept.keep(Kept(b"wk-a", first, None, 3))
-    kept.keep(Kept(b"wk-a", _finished("j1"), None, 3))
-    kept.keep(Kept(b"wk-a", second, None, 4))
-    assert [kept.take().msg for _ in range(2)] == [second, _finished("j1")]
+    _keep(kept, b"wk-a", first)
+    _keep(kept, b"wk-a", _finished("j1"))
+    _keep(kept, b"wk-a", second)
+    assert [kept.take().decoded() for _ in range(2)] == [second, _finished("j1")]
 
 
 def test_the_bound_counts_frames_and_bytes():
     by_count, by_bytes = KeptFrames(max_frames=2), KeptFrames(max_bytes=100)
-    by_count.keep(Kept(b"w", _finished("a"), None, 1))
+    by_count.keep(Kept(b"w", b"x", None), _finished("a"))
     assert not by_count.full()
-    by_count.keep(Kept(b"w", _finished("b"), None, 1))
+    by_count.keep(Kept(b"w", b"x", None), _finished("b"))
     assert by_count.full()
-    by_bytes.keep(Kept(b"w", _finished("a"), None, 99))
+    by_bytes.keep(Kept(b"w", b"x" * 99, None), _finished("a"))
     assert not by_bytes.full()
-    by_bytes.keep(Kept(b"w", _finished("b"), None, 1))
+    by_bytes.keep(Kept(b"w", b"x", None), _finished("b"))
     assert by_bytes.full()
     by_bytes.take()
     assert not by_bytes.full()
@@ -123,12 +147,12 @@ def test_past_the_bound_frames_wait_in_the_socket_and_come_after_the_kept_ones(t
 
 def test_a_frame_put_back_goes_first():
     kept = KeptFrames()
-    kept.keep(Kept(b"w", P.JobTokens("j", 1, 0, [1]), None, 2))
-    kept.keep(Kept(b"w", P.JobTokens("j", 1, 1, [2]), None, 2))
+    _keep(kept, b"w", P.JobTokens("j", 1, 0, [1]))
+    _keep(kept, b"w", P.JobTokens("j", 1, 1, [2]))
     first = kept.take()
-    kept.put_back(first)
-    assert (len(kept), kept.bytes) == (2, 4)
-    assert [kept.take().msg.index for _ in range(2)] == [0, 1]
+    kept.put_back(first, first.decoded())
+    assert (len(kept), kept.bytes) == (2, _size(P.JobTokens("j", 1, 0, [1])) + _size(P.JobTokens("j", 1, 1, [2])))
+    assert [kept.take().decoded().index for _ in range(2)] == [0, 1]
 
 
 def test_the_bytes_bound_bounds_the_memory_the_kept_frames_hold():
@@ -143,13 +167,13 @@ def test_the_bytes_bound_bounds_the_memory_the_kept_frames_hold():
         while not kept.full():
             frame = P.encode(P.JobFinished(f"job-{n}", 1, "done", "length", 4096, 0.0, 0.0, 0,
                                            token_ids=[rng.randrange(1000, 32000) for _ in range(4096)]))
-            kept.keep(Kept(b"wk-a", P.decode(frame), None, len(frame)))
+            kept.keep(Kept(b"wk-a", frame, None), P.decode(frame))
             n += 1
         held = tracemalloc.get_traced_memory()[0] - base
         assert held < 1.5 * kept.bytes, f"{n} kept frames of {kept.bytes} bytes hold {held} bytes"
         taken = [kept.take() for _ in range(n)]
-        assert [f.msg.job_id for f in taken] == [f"job-{i}" for i in range(n)]
-        assert all(len(f.msg.token_ids) == 4096 for f in taken)
+        assert [f.decoded().job_id for f in taken] == [f"job-{i}" for i in range(n)]
+        assert all(len(f.decoded().token_ids) == 4096 for f in taken)
         assert (kept.take(), len(kept), kept.bytes) == (None, 0, 0)
     finally:
         tracemalloc.stop()
