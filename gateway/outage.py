@@ -15,6 +15,14 @@ as it came on the wire (decoded again when replayed), so the bytes bound is what
 completion's token list took 13 times its size on the wire (Python ints and the list's pointers), 444 MB under the
 32 MiB bound. Kept as read, not encoded again: a completion of 4096 tokens cost its encoding once more to keep.
 
+Token frames kept (their lease is unknown here, as every lease is to a gateway just restarted: Redis judges them) have
+a share of the bound of their own (TOKEN_SHARE); past it they are dropped and counted (tokens_dropped_in_outage).
+Without a share a flood of them filled the bound, and the frames of the jobs this gateway holds waited in the socket
+behind it: their streams stood still again, their completions unkept. Dropped rather than left in the socket
+(which would block those same frames): a dropped token frame costs no token. The job's next frame shows the gap, which
+asks its worker to say hello and send every token so far again (worker_link.on_tokens), and its completion carries them
+all. The first frames are the ones kept, not the latest: a stream takes no token past a gap (streams.add_tokens).
+
 A mixin of gateway.server.Gateway.
 """
 
@@ -22,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable
 from typing import NamedTuple
 
 from common import protocol as P
@@ -34,6 +41,10 @@ log = logging.getLogger("gateway")
 # token lists (up to max_tokens_limit each).
 KEPT_FRAMES = 4096
 KEPT_BYTES = 32 * 1024 * 1024
+# Token frames take at most this fraction (1/TOKEN_SHARE) of either bound: the rest is room for the completions,
+# hand-backs, reports and hellos, whatever the tokens of leases unknown here.
+TOKEN_SHARE = 4
+KEPT_TOKEN_FRAMES, KEPT_TOKEN_BYTES = KEPT_FRAMES // TOKEN_SHARE, KEPT_BYTES // TOKEN_SHARE
 
 
 class Kept(NamedTuple):
@@ -49,20 +60,30 @@ class Kept(NamedTuple):
 
 
 class KeptFrames:
-    """Worker frames kept aside in arrival order, one per key (_key_of), within a count and a size."""
+    """Worker frames kept aside in arrival order, one per key (_key_of), within a count and a size; token frames
+    within a share of them (can_keep)."""
 
     def __init__(self, max_frames: int = KEPT_FRAMES, max_bytes: int = KEPT_BYTES) -> None:
         if max_frames < 1 or max_bytes < 1:
             raise ValueError(f"max_frames and max_bytes must be >= 1, got {max_frames} and {max_bytes}")
         self.max_frames, self.max_bytes = max_frames, max_bytes
-        self._frames: OrderedDict[Hashable, Kept] = OrderedDict()
+        self.max_token_frames = max(1, max_frames // TOKEN_SHARE)
+        self.max_token_bytes = max(1, max_bytes // TOKEN_SHARE)
+        self._frames: OrderedDict[tuple, Kept] = OrderedDict()
         self.bytes = 0
+        self.token_frames = self.token_bytes = 0  # the token frames' part of len(self) and self.bytes
 
     def __len__(self) -> int:
         return len(self._frames)
 
     def full(self) -> bool:
         return len(self._frames) >= self.max_frames or self.bytes >= self.max_bytes
+
+    def can_keep(self, ident: bytes, msg) -> bool:
+        """False for a token frame (from ``ident``) not kept yet once the token frames fill their share."""
+        if not isinstance(msg, P.JobTokens) or _key_of(ident, msg) in self._frames:
+            return True
+        return self.token_frames < self.max_token_frames and self.token_bytes < self.max_token_bytes
 
     def keep(self, frame: Kept, msg) -> bool:
         """Keep ``frame``, whose message is ``msg`` (its kind and ids say which frames are copies of one another);
@@ -73,9 +94,9 @@ class KeptFrames:
         if old is not None and not isinstance(msg, (P.WorkerLoad, P.WorkerHello)):
             return False
         if old is not None:
-            self.bytes -= len(old.frame)
+            self._count(key, old, -1)
         self._frames[key] = frame
-        self.bytes += len(frame.frame)
+        self._count(key, frame, 1)
         if isinstance(msg, P.WorkerLoad):
             # The latest report goes where it came: replayed after the frames that came before it, as it was sent.
             # A newer hello stays in its predecessor's place, ahead of the frames whose sender it registers.
@@ -88,17 +109,23 @@ class KeptFrames:
         if key not in self._frames:
             self._frames[key] = frame
             self._frames.move_to_end(key, last=False)
-            self.bytes += len(frame.frame)
+            self._count(key, frame, 1)
 
     def take(self) -> Kept | None:
         if not self._frames:
             return None
-        _, frame = self._frames.popitem(last=False)
-        self.bytes -= len(frame.frame)
+        key, frame = self._frames.popitem(last=False)
+        self._count(key, frame, -1)
         return frame
 
+    def _count(self, key: tuple, frame: Kept, sign: int) -> None:
+        self.bytes += sign * len(frame.frame)
+        if key[0] == "JobTokens":
+            self.token_frames += sign
+            self.token_bytes += sign * len(frame.frame)
 
-def _key_of(ident: bytes, msg) -> Hashable:
+
+def _key_of(ident: bytes, msg) -> tuple:
     """Copies of one frame share a key: a worker's load reports and hellos one each, a job attempt's completion or
     hand-back one, a token batch one per index and length."""
     if isinstance(msg, (P.WorkerLoad, P.WorkerHello)):
@@ -135,7 +162,11 @@ class OutageFrames:
         return isinstance(msg, P.StreamRequest) and (msg.unsubscribe or self.live_stream(msg) is not None)
 
     def keep_aside(self, ident: bytes, msg, frame: bytes) -> None:
-        """Keep ``frame``, read from ``ident`` with ``self.frame_key`` and decoded to ``msg``, for the replay."""
+        """Keep ``frame``, read from ``ident`` with ``self.frame_key`` and decoded to ``msg``, for the replay; a token
+        frame past the tokens' share is dropped (its job's next frame asks for it again, see the module's note)."""
+        if not self.kept.can_keep(ident, msg):
+            self.counters["tokens_dropped_in_outage"] += 1
+            return
         if self.kept.keep(Kept(ident, frame, self.frame_key), msg):
             self.counters["kept_in_outage"] += 1
 

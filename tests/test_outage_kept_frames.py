@@ -94,6 +94,36 @@ def test_the_bound_counts_frames_and_bytes():
     assert not by_bytes.full()
 
 
+def test_token_frames_have_a_share_of_the_bound_and_the_rest_is_room_for_the_others():
+    kept = KeptFrames(max_frames=8)  # tokens: 2 frames
+    assert (kept.max_token_frames, kept.max_token_bytes) == (2, KeptFrames().max_bytes // 4)
+    tokens = [P.JobTokens("j", 1, i, [i]) for i in range(3)]
+    for t in tokens[:2]:
+        assert kept.can_keep(b"w", t) and _keep(kept, b"w", t)
+    assert not kept.can_keep(b"w", tokens[2])  # past the share
+    assert kept.can_keep(b"w", tokens[0])  # a copy of one kept: found kept, not dropped
+    assert not kept.can_keep(b"w2", tokens[0])  # another worker's frame is not that copy
+    for i in range(6):  # the rest of the bound, for completions (and reports, hellos, hand-backs)
+        assert kept.can_keep(b"w", _finished(f"c{i}")) and _keep(kept, b"w", _finished(f"c{i}"))
+    assert kept.full() and (kept.token_frames, kept.token_bytes) == (2, 2 * _size(tokens[0]))
+    first = kept.take()
+    assert first.decoded() == tokens[0] and kept.can_keep(b"w", tokens[2])
+    kept.put_back(first, tokens[0])
+    assert not kept.can_keep(b"w", tokens[2])
+    while kept.take() is not None:
+        pass
+    assert (len(kept), kept.bytes, kept.token_frames, kept.token_bytes) == (0, 0, 0, 0)
+
+
+def test_the_token_share_counts_bytes_too():
+    kept = KeptFrames(max_bytes=400)  # tokens: 100 bytes
+    big = P.JobTokens("j", 1, 0, list(range(1000, 1040)))
+    assert _size(big) >= 100 and kept.can_keep(b"w", big)
+    _keep(kept, b"w", big)
+    assert not kept.can_keep(b"w", P.JobTokens("j", 1, 40, [1]))
+    assert kept.can_keep(b"w", _finished("a"))
+
+
 @pytest.mark.parametrize("frames, size", [(0, 1), (1, 0), (-1, 5)])
 def test_a_bound_below_one_is_refused(frames, size):
     with pytest.raises(ValueError, match="must be >= 1"):
