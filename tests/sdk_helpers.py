@@ -1,19 +1,24 @@
-"""What SDK tests share: the SDK's warnings, and a stream that runs beside the calls a test makes on one client."""
+"""What SDK tests share: the SDK's warnings, a stream that runs beside the calls a test makes on one client, and a
+gateway frozen in place."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from common.errors import InvalidRequest
 
 from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient
+from tests.cluster_helpers import wait_for
 
 
 class SdkWarnings(logging.Handler):
@@ -90,3 +95,17 @@ def refused_blocking(endpoint: str, api_key: str, too_big: list[dict], limit: in
                 client.submit(max_tokens=4, **kwargs)
             assert str(limit) in str(e.value) and time.monotonic() - started < 2
         assert client.submit(prompt_token_ids=[1, 2], max_tokens=2).result(timeout=60).token_ids
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid``, and wait until every thread of it has stopped: from then on what reaches it stays unread."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for task in Path(f"/proc/{pid}/task").iterdir()]
+        except FileNotFoundError:  # a thread that ended meanwhile: look again
+            return False
+        return all(state in ("T", "t") for state in states)
+    wait_for(stopped, 10, f"process {pid} to stop", interval=0.01)

@@ -19,6 +19,7 @@ from common import protocol as P
 from common.errors import ServingError
 from gateway.sdk._async_connection import _check_open, _Connection, _next
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
+from gateway.sdk._drops import DROPPED
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    sized_submit_request, wait_limit, with_request_id)
@@ -97,8 +98,12 @@ class AsyncGatewayClient:
             self._close_connections()
         conn = self._conns.get(self.endpoint)
         if conn is None:
-            conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint, self.server_public_key)
+            conn = self._conns[self.endpoint] = _Connection(self._ctx, self.endpoint, self.server_public_key,
+                                                            on_drop=self._forget_frames)
         return conn
+
+    def _forget_frames(self, endpoint: str) -> None:
+        self._frames.forget(endpoint)  # the client's current FrameSizes: close() and a fork replace it
 
     def _fail_over(self, why: Exception, from_endpoint: str) -> None:
         # Concurrent callers may all see the same gateway fail: only the first of them moves on.
@@ -112,44 +117,60 @@ class AsyncGatewayClient:
         since its connection last dropped."""
         while True:
             conn = self._conn(closes)
-            if conn.watch.dropped():
-                self._frames.forget(conn.endpoint)
+            conn.seen_drops()  # a drop not yet read forgets what the gateway said, now
             if (ask := self._frames.question(conn.endpoint, msg, size)) is None:
                 return
+            # The answer is the gateway's that gave it: the question may fail over, and other calls may move the
+            # client on while it waits.
+            endpoint, reply = await self._answer(ask, closes=closes)
             answer = None
             try:
-                await self._call(ask)
+                raise_for(reply)
             except ServingError as e:
                 answer = e
-            self._frames.answered(self.endpoint, msg, size, ask, answer)
+            self._frames.answered(endpoint, msg, size, ask, answer)
 
     async def _call(self, msg, size: int | None = None):
+        _, reply = await self._answer(msg, size)
+        raise_for(reply)
+        return reply
+
+    async def _answer(self, msg, size: int | None = None, closes: int | None = None):
+        """(the gateway that answered, its answer): a reply, or an error reply no further attempt may cure.
+        ``closes``: the close() calls counted when the call began (a question _fits asks is part of its call)."""
         if FrameSizes.concerns(msg) and size is None:
             size = frame_bytes(msg)
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
-        sent: list[tuple[_Connection, str]] = []
+        sent: dict[str, _Connection] = {}  # request id -> the connection it went on
         budget = RetryBudget(self.retries, self.timeout_s)
-        closes = self._closes
+        closes = self._closes if closes is None else closes
         try:
             while True:
                 if size is not None:
                     await self._fits(msg, size, closes)
                 conn, rid = self._conn(closes), new_request_id()
                 conn.inboxes[rid] = inbox
-                sent.append((conn, rid))
+                sent[rid] = conn
+                drops = conn.seen_drops()  # a drop before the send is not this request's
                 await conn.send(with_request_id(msg, rid))
-                reply = await _next(inbox, self.timeout_s)
+                reply = await conn.next_frame(inbox, self.timeout_s, drops)
                 _check_open(reply)
                 try:
+                    if reply is DROPPED:
+                        raise TimeoutError(f"gateway {conn.endpoint} dropped the connection that took this request")
                     if reply is None:
                         raise TimeoutError(f"gateway {conn.endpoint} did not answer within {self.timeout_s}s")
                     raise_for(reply)
-                    return reply
                 except RETRYABLE as e:
                     await asyncio.sleep(budget.pause_s(e))
                     self._fail_over(e, conn.endpoint)
+                    continue
+                except ServingError:
+                    pass
+                # No request id: the unknown-key refusal every call on the connection gets.
+                return sent.get(reply.request_id, conn).endpoint, reply
         finally:
-            for conn, rid in sent:
+            for rid, conn in sent.items():
                 conn.inboxes.pop(rid, None)
 
     async def _stream(self, job: AsyncJob, from_index: int, *, chunk_timeout: float | None = None,

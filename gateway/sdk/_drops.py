@@ -9,6 +9,8 @@ import uuid
 
 import zmq
 
+DROPPED = object()  # a wait for an answer: the connection that took the request dropped before an answer came
+
 
 class DropWatch:
     """The disconnections of one socket, read without blocking, from blocking and asyncio code alike (the events

@@ -18,7 +18,7 @@ from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
 from gateway.sdk._drops import DropWatch
-from gateway.sdk._frames import UNASKED_BYTES, FrameSizes, frame_bytes
+from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
@@ -81,6 +81,7 @@ class GatewayClient:
         self._local = threading.local()  # each thread's sockets for calls, one per gateway; each stream has its own
         self._open: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()  # every thread's, for close()
         self._open_lock = threading.Lock()
+        self._moving = threading.Lock()  # one thread at a time moves the client to the next gateway
         self._pid = os.getpid()
         # close() calls so far: a call or stream between two attempts when one came (a pause after Unavailable)
         # ends, rather than open a socket again that nobody would close.
@@ -98,6 +99,7 @@ class GatewayClient:
         self._frames = FrameSizes()  # no socket of this process watched the gateways until now
         self._open = weakref.WeakSet()
         self._open_lock = threading.Lock()  # held by a parent's thread at the fork, it would never be let go
+        self._moving = threading.Lock()
 
     @property
     def _socks(self) -> dict[str, zmq.Socket]:
@@ -113,9 +115,9 @@ class GatewayClient:
         """The gateway calls go to now."""
         return self.endpoints[self._current]
 
-    def _call_socket(self, closes: int) -> zmq.Socket:
-        """This thread's socket to the current gateway, for a call that began after ``closes`` close() calls."""
-        socks, endpoint = self._socks, self.endpoint
+    def _call_socket(self, endpoint: str, closes: int) -> zmq.Socket:
+        """This thread's socket to ``endpoint``, for a call that began after ``closes`` close() calls."""
+        socks = self._socks
         if endpoint not in socks:
             socks[endpoint] = self._new_socket(endpoint, closes, socks.watches)
         return socks[endpoint]
@@ -144,85 +146,106 @@ class GatewayClient:
         sock.close(linger=0)
         raise ServingError("the client was closed while this call waited to try again")
 
-    def _fail_over(self, why: Exception) -> None:
-        old = self.endpoint
-        self._current = (self._current + 1) % len(self.endpoints)
-        log.warning("%s; trying %s", failed_at(old, why), "it again" if self.endpoint == old else self.endpoint)
+    def _fail_over(self, why: Exception, from_endpoint: str) -> None:
+        # Threads may all see the same gateway fail: only the first of them moves on (the next, moving again,
+        # took the client back to the failed gateway).
+        with self._moving:
+            if self.endpoint != from_endpoint:
+                return
+            self._current = (self._current + 1) % len(self.endpoints)
+        log.warning("%s; trying %s", failed_at(from_endpoint, why),
+                    "it again" if self.endpoint == from_endpoint else self.endpoint)
 
-    def _fits(self, msg, size: int, closes: int) -> None:
+    def _fits(self, msg, size: int, closes: int) -> str:
         """Ask the current gateway whether it takes a frame as large as ``msg``'s (``size``), unless it has said so
         since its connection last dropped: its limit may be below the protocol's (a restarted gateway's below what
         it said before), and it drops the connection that brings a larger frame (every stream on it stalls, and
         the call itself fails after every retry as if the gateway were dead). Asked before every attempt, on the
         gateway it goes to: a call failed over asks the next gateway too. For a call that began after ``closes``
-        close() calls: one came meanwhile (it forgot what gateways said), the call ends rather than ask again."""
+        close() calls: one came meanwhile (it forgot what gateways said), the call ends rather than ask again.
+        Returns the gateway that takes the frame: the one to send it to, wherever other threads move the client."""
         while True:
             if closes != self._closes:
                 raise ServingError("the client was closed while this call waited to try again")
-            watch = self._socks.watches.get(self.endpoint)
+            endpoint = self.endpoint
+            watch = self._socks.watches.get(endpoint)
             if watch is not None and watch.dropped():  # this thread's connection: others watch their own
-                self._frames.forget(self.endpoint)
-            if (ask := self._frames.question(self.endpoint, msg, size)) is None:
-                return
+                self._frames.forget(endpoint)
+            if (ask := self._frames.question(endpoint, msg, size)) is None:
+                return endpoint
+            # A call of its own, under the asking call's count of close() calls: one that comes meanwhile ends it,
+            # and opens no socket after close(). It may fail over: the answer is the gateway's that gave it.
+            answered_by, reply = self._answer(ask, closes=closes)
             answer = None
             try:
-                # A call of its own: it may fail over, and the answer is the gateway's it ends on. Under the asking
-                # call's count of close() calls: one that comes meanwhile ends it, and opens no socket after close().
-                self._call(ask, closes=closes)
+                raise_for(reply)
             except ServingError as e:
                 answer = e
-            self._frames.answered(self.endpoint, msg, size, ask, answer)
+            self._frames.answered(answered_by, msg, size, ask, answer)
 
-    def _call(self, msg, size: int | None = None, closes: int | None = None):
-        """``closes``: the close() calls counted when the call began (a question _fits asks is part of its call)."""
+    def _call(self, msg, size: int | None = None):
+        _, reply = self._answer(msg, size)
+        raise_for(reply)
+        return reply
+
+    def _answer(self, msg, size: int | None = None, closes: int | None = None):
+        """(the gateway that answered, its answer): a reply, or an error reply no further attempt may cure.
+        ``closes``: the close() calls counted when the call began (a question _fits asks is part of its call)."""
         if FrameSizes.concerns(msg) and size is None:
             size = frame_bytes(msg)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
         budget = RetryBudget(self.retries, self.timeout_s)
         closes = self._closes if closes is None else closes
         while True:
-            if size is not None:
-                self._fits(msg, size, closes)
-            sock = self._call_socket(closes)
-            # A frame over UNASKED_BYTES may be over the limit of a gateway that restarted unseen: the connection
-            # it drops is watched for, and the call retries (asking first) rather than wait out its timeout.
-            watch = self._socks.watches.get(self.endpoint) if size is not None and size > UNASKED_BYTES else None
+            endpoint = self._fits(msg, size, closes) if size is not None else self.endpoint
+            sock = self._call_socket(endpoint, closes)
+            # The gateway answers the connection a request came on: once it drops (the gateway died, or dropped a
+            # frame over its limit after restarting unseen), no answer can come, and the call retries at once
+            # rather than wait out its timeout. A drop before the send is not this request's.
+            watch = self._socks.watches.get(endpoint)  # None: another thread closed the client just now
+            if watch is not None and watch.dropped():
+                self._frames.forget(endpoint)
             request_ids.add(rid := new_request_id())
             try:
                 sock.send(P.encode(with_request_id(msg, rid)))
             except zmq.Again:  # no pipe to the gateway: as silent as one that never answers
-                reply, silence = None, "took no request"
+                (reply, answered_by), silence = (None, None), "took no request"
             else:
-                reply, silence = reply_to(self._socks, request_ids, self.timeout_s, watch), "did not answer"
+                (reply, answered_by), silence = reply_to(self._socks, request_ids, self.timeout_s, watch), \
+                    "did not answer"
             try:
                 if reply is DROPPED:
-                    self._frames.forget(self.endpoint)
-                    raise TimeoutError(f"gateway {self.endpoint} dropped the connection that took this request")
+                    self._frames.forget(endpoint)
+                    raise TimeoutError(f"gateway {endpoint} dropped the connection that took this request")
                 if reply is None:
-                    raise TimeoutError(f"gateway {self.endpoint} {silence} within {self.timeout_s}s")
+                    raise TimeoutError(f"gateway {endpoint} {silence} within {self.timeout_s}s")
                 raise_for(reply)
-                return reply
             except RETRYABLE as e:
                 time.sleep(budget.pause_s(e))
-                self._fail_over(e)
+                self._fail_over(e, endpoint)
+                continue
+            except ServingError:
+                pass
+            return answered_by, reply
 
     def _stream(self, job: Job, from_index: int, *, chunk_timeout: float | None = None,
                 deadline: float | None = None) -> Iterator[Chunk]:
         st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
                          chunk_timeout=chunk_timeout, deadline=deadline)
-        sock, closes = None, self._closes
+        sock, at, closes = None, self.endpoint, self._closes
         try:
             while st.done is None:
                 if sock is None:
-                    sock = self._new_socket(self.endpoint, closes)
+                    at = self.endpoint
+                    sock = self._new_socket(at, closes)
                     try:
                         sock.send(P.encode(st.request()))
                     except zmq.Again:
-                        pause = st.on_failure(TimeoutError(f"gateway {self.endpoint} took no stream request"))
+                        pause = st.on_failure(TimeoutError(f"gateway {at} took no stream request"))
                         sock.close(linger=0)
                         sock = None
                         time.sleep(pause)
-                        self._fail_over(TimeoutError("no stream request taken"))
+                        self._fail_over(TimeoutError("no stream request taken"), at)
                         continue
                 if closed_under(sock, lambda: sock.poll(math.ceil(1000 * st.wait_s())), job.id):
                     try:
@@ -232,14 +255,14 @@ class GatewayClient:
                         sock.close(linger=0)
                         sock = None
                         time.sleep(pause)
-                        self._fail_over(e)
+                        self._fail_over(e, at)
                         continue
                     if chunk is not None:
                         yield chunk
                 elif st.on_silence():
                     sock.close(linger=0)
                     sock = None
-                    self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"))
+                    self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"), at)
             job._done = st.done
             to_result(st.done)  # a job that ended otherwise than done raises here, as result() does
         finally:

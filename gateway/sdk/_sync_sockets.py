@@ -10,9 +10,7 @@ import zmq
 
 from common import protocol as P
 from common.errors import ServingError
-from gateway.sdk._drops import DropWatch
-
-DROPPED = object()  # reply_to: the connection that took the request dropped before an answer came
+from gateway.sdk._drops import DROPPED, DropWatch  # noqa: F401 - DROPPED: reply_to's, importable from here as before
 
 
 def closed_under(sock: zmq.Socket, use, job_id: str):
@@ -43,10 +41,11 @@ class ThreadSockets(dict):
 
 
 def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: float, watch: DropWatch | None = None):
-    """The first frame answering one of ``request_ids`` within timeout_s, on any gateway's socket; None
-    if none came; DROPPED if ``watch``'s connection dropped first. Frames answering calls that gave up
-    earlier are dropped."""
+    """(the first frame answering one of ``request_ids`` within timeout_s, on any gateway's socket, and that
+    gateway); (None, None) if none came; (DROPPED, None) if ``watch``'s connection dropped first. Frames answering
+    calls that gave up earlier are dropped."""
     poller = zmq.Poller()
+    gateway_of = {sock: endpoint for endpoint, sock in socks.items()}
     for sock in socks.values():
         poller.register(sock, zmq.POLLIN)
     if watch is not None:
@@ -71,7 +70,7 @@ def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: flo
                     break
                 # No request id: a protocol error about a frame the gateway could not read, i.e. this one.
                 if msg.request_id in request_ids or msg.request_id is None:
-                    return msg
+                    return msg, gateway_of[sock]
         if dropped:
-            return DROPPED
-    return None
+            return DROPPED, None
+    return None, None
