@@ -9,32 +9,40 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from common.traces.truncation import TruncationWatch
+
 
 def lines_naming(files: Sequence[Path | tuple[Path, TextIO]], tokens: set[str],
-                 at: list[tuple[Path, int]] | None = None) -> list[str]:
+                 at: list[tuple[Path, int]] | None = None, watch: TruncationWatch | None = None) -> list[str]:
     """The lines of ``files`` that hold any of ``tokens`` (as a substring), read one at a time; with ``at``, the file
     and line number (from 1) of each is appended to it, so that a bad one can be told where the file has it. Each is
     a path, or a path and its file open (read from its start: a file read again is the same file, however renamed
-    since)."""
+    since). With ``watch``, a file truncated in place while it was read raises FileTruncated (common.traces.truncation)
+    with the lines found so far."""
     finder = _TokenFinder(tokens)
     out = []
     for item in files:
         if isinstance(item, tuple):
             path, f = item
-            f.seek(0)
-            _scan(path, f, finder, out, at)
+            _scan(path, f, finder, out, at, watch)
         else:
             with item.open(encoding="utf-8", errors="replace") as f:
-                _scan(item, f, finder, out, at)
+                _scan(item, f, finder, out, at, watch)
     return out
 
 
-def _scan(path: Path, f: TextIO, finder: _TokenFinder, out: list[str], at: list[tuple[Path, int]] | None) -> None:
+def _scan(path: Path, f: TextIO, finder: _TokenFinder, out: list[str], at: list[tuple[Path, int]] | None,
+          watch: TruncationWatch | None) -> None:
+    if watch is not None:
+        watch.begin(f)
+    f.seek(0)
     for n, ln in enumerate(f, 1):
         if finder.in_line(ln):
             out.append(ln.rstrip("\n"))
             if at is not None:
                 at.append((path, n))
+    if watch is not None:
+        watch.check(path, f, list(out))
 
 
 # An id in each form id_forms makes of a span's or a trace's: hex of either case, base64, URL-safe base64. Other

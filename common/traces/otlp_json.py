@@ -26,6 +26,7 @@ from common.traces.otlp_values import (_dict, _list, _pick, normalise_id, parse_
                                        parse_attributes, parse_nanos)
 from common.traces.schema import REQUEST_ID
 from common.traces.spans import Span, SpanEvent, SpanLink, SpanSet, dedupe
+from common.traces.truncation import FileTruncated, TruncationWatch
 
 
 class TraceFormatError(ValueError):
@@ -137,6 +138,9 @@ def parse_spans_text(text: str, where: Callable[[int], str] | None = None) -> Sp
     return SpanSet(dedupe(spans), warnings)
 
 
+TRUNCATED_TRIES = 3  # readings from the start when the file is truncated in place while it is read
+
+
 def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     """Spans of an OTLP-JSON lines file (or a file holding one document), and of its rotated files (FILE.1, FILE.2,
     ...: common/spans_file.py) if any.
@@ -146,54 +150,104 @@ def read_spans_file(path: str | Path, request_id: str | None = None) -> SpanSet:
     base64), which holds the decision spans of other traces that link to it. Memory stays that of
     those lines, however large the files (up.py's grow about 2.6 KB a job). A bad line is told by its file and
     its line there, not by its place among the lines kept.
+
+    A file truncated in place while it is read (common.traces.truncation) is read again from the start, and a
+    warning says so: the spans read before the truncation are kept (a copy that logrotate left as FILE.1 holds the
+    same ones: a span read twice counts once, the first read kept, as dedupe does for any duplicate id).
     Raises OSError when the file cannot be read, TraceFormatError when it holds no OTLP/JSON.
     """
-    files, whole = open_rotated(path)
-    try:
-        got = _read_files(files, request_id)
-    finally:
-        for _, f in files:
-            f.close()
+    carried: list[Span] = []  # read before a truncation
+    truncated: list[str] = []
+    got: SpanSet | None = None
+    whole = True
+    for _ in range(TRUNCATED_TRIES):
+        files, whole = open_rotated(path)
+        try:
+            got = _read_files(files, request_id, TruncationWatch(), carried)
+            break
+        except FileTruncated as e:
+            carried.extend(_quiet_spans(e.read))
+            truncated.append(str(e.path))
+        finally:
+            for _, f in files:
+                f.close()
+    if got is None:
+        got = SpanSet([], [f"{truncated[-1]} was truncated again each time it was read ({TRUNCATED_TRIES} times): "
+                           "spans may be missing (run explain again)"])
+    if truncated:
+        got = SpanSet(dedupe(carried + got.spans), got.warnings)
+        got.warnings.insert(0, f"{truncated[0]} was truncated in place while it was read (logrotate's copytruncate?): "
+                               "read again from the start; spans it held and that were not yet read are missing "
+                               "unless a rotated copy (FILE.1) holds them")
     if not whole:
         got.warnings.insert(0, f"{path} was rotated while it was opened, again each time: spans may be missing "
                                "(run explain again)")
     return got
 
 
-def _read_files(files: list[tuple[Path, TextIO]], request_id: str | None) -> SpanSet:
+def _quiet_spans(texts: list[str]) -> list[Span]:
+    """The spans of texts read before a truncation; a stretch that is not JSON is skipped without a word: it may be a
+    line the truncation cut (the warning says the file was read again), and a bad line still in the file is told
+    when it is read again."""
+    out: list[Span] = []
+    for value, error in iter_json_values("\n".join(texts)):
+        if error is None and is_otlp_document(value):
+            out.extend(spans_from_document(value))
+    return out
+
+
+def _names(span: Span, request_id: str) -> bool:
+    return span.get(REQUEST_ID) is not None and str(span.get(REQUEST_ID)) == str(request_id)
+
+
+def _read_files(files: list[tuple[Path, TextIO]], request_id: str | None, watch: TruncationWatch,
+                carried: list[Span]) -> SpanSet:
+    """The files' spans (both passes with ``request_id``); ``carried``, spans read before a truncation, name traces to
+    keep lines of as the first pass's do. Raises FileTruncated."""
     if request_id is None or not all(f.seekable() for _, f in files):
-        return _parse_all(files)  # a pipe (--spans <(...)) is read once: a second pass would find it empty
+        return _parse_all(files, watch)  # a pipe (--spans <(...)) is read once: a second pass would find it empty
     needle = json.dumps(str(request_id))
-    first = lines_naming(files, {needle})
-    if not first:
+    first = lines_naming(files, {needle}, watch=watch)
+    mine = [s for s in carried if _names(s, request_id)]
+    seed: list[Span] = []
+    if first:
+        try:
+            seed = parse_spans_text("\n".join(first)).spans
+        except TraceFormatError:
+            first = []
+    if not first and not mine:
         # Nothing names the request (or the file is one pretty-printed document): parse it all.
-        return _parse_all(files)
-    try:
-        seed = parse_spans_text("\n".join(first))
-    except TraceFormatError:
-        return _parse_all(files)
+        return _parse_all(files, watch)
     tokens = {needle}
-    for s in seed.spans:
-        if s.get(REQUEST_ID) is not None and str(s.get(REQUEST_ID)) == str(request_id):
+    for s in mine + seed:
+        if _names(s, request_id):
             tokens.update(id_forms(s.trace_id))
     traces = {t for t in tokens if len(t) == 32}  # not per span: tokens grow by each link (minutes, for thousands)
-    for s in seed.spans:  # links out of the request's spans (the victim's preempted_by link)
+    for s in carried + seed:  # links out of the request's spans (the victim's preempted_by link)
         if s.trace_id in traces:
             for link in s.links:
                 tokens.update(id_forms(link.span_id))
     at: list[tuple[Path, int]] = []
-    kept = lines_naming(files, tokens, at)
+    try:
+        kept = lines_naming(files, tokens, at, watch=watch)
+    except FileTruncated as e:
+        e.read[:0] = first  # read whole before it: its check passed
+        raise
     return parse_spans_text("\n".join(kept), lambda n: _line_of(*at[n - 1]))
 
 
-def _parse_all(files: list[tuple[Path, TextIO]]) -> SpanSet:
+def _parse_all(files: list[tuple[Path, TextIO]], watch: TruncationWatch | None = None) -> SpanSet:
     """Every file whole, as one text; its line n told as the line of the file it came from."""
     paths = [p for p, _ in files]
-    texts = []
-    for _, f in files:
+    texts: list[str] = []
+    for path, f in files:
+        if watch is not None:
+            watch.begin(f)
         if f.seekable():
             f.seek(0)
         texts.append(f.read())
+        if watch is not None:
+            watch.check(path, f, list(texts))
     firsts = [1]  # the text's line each file begins on: one more for each file's join
     for t in texts[:-1]:
         firsts.append(firsts[-1] + t.count("\n") + 1)
