@@ -10,6 +10,7 @@ import pytest
 
 from common import settings
 from common.settings import ConfigError
+from common.ports import free_port
 from gateway.config import GatewayConfig
 from tests.cluster_helpers import ROOT
 
@@ -37,8 +38,11 @@ def test_the_defaults_and_the_documented_choices_are_accepted():
 
 
 def test_the_gateway_process_says_which_key_in_one_line_and_exits_2():
+    # Redis at a port where nothing listens, not the default: a check that let the value through would then be a
+    # refusal of another kind at once, not a gateway serving against whatever listens on 6379 until the timeout.
     done = subprocess.run([sys.executable, "-m", "gateway", "--insecure-workers"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "TS_GATEWAY_AGING_INTERVAL_S": "0"})
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "TS_GATEWAY_AGING_INTERVAL_S": "0",
+                                                       "TS_GATEWAY_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
     assert done.returncode == 2 and "aging_interval_s" in done.stderr and "Traceback" not in done.stderr, \
         done.stderr[-2000:]
 

@@ -308,7 +308,11 @@ def _run_gateway(tmp_path, *args: str, env: dict | None = None) -> subprocess.Co
     tenants.write_text('[[tenant]]\nname = "a"\napi_key = "k"\ntiers = ["P3"]\n')
     return subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(tenants),
                            "--client-bind", f"tcp://127.0.0.1:{free_port()}", *args], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_SDK_DISABLED="true") | (env or {}),
+                          # Redis at a port where nothing listens unless ``env`` names one: a check that let the
+                          # configuration through is then a refusal at once, not a gateway serving against whatever
+                          # listens at the default URL (or the caller's TS_GATEWAY_REDIS_URL) until the timeout.
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_SDK_DISABLED="true",
+                                   TS_GATEWAY_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0") | (env or {}),
                           capture_output=True, text=True, timeout=60)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from common.ports import free_port
 from common.settings import ConfigError
 from common.tiers import Tier
 from gateway.tenants import TenantDirectory
@@ -76,14 +77,22 @@ def test_a_tenants_file_not_as_documented_is_a_config_error_naming_what(tmp_path
         TenantDirectory.from_file(path)
 
 
+def run_gateway(tenants_file: Path) -> subprocess.CompletedProcess:
+    """A gateway given ``tenants_file``, Redis at a port where nothing listens (not the default URL, nor the caller's
+    TS_GATEWAY_REDIS_URL): a file taken as good is a refusal of another kind at once ("cannot reach Redis"), not a
+    gateway serving against whatever listens there until the timeout."""
+    return subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(tenants_file), "--insecure-workers",
+                           "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
+                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_a_gateway_given_a_tenants_file_it_cannot_use_says_why_in_one_line_and_exits_2(tmp_path):
     """Read before Redis is reached: no other process is needed to see it."""
     path = tmp_path / "tenants.toml"
     path.write_text("[tenant]\n" + ENTRY + 'api_key = "k"\n')
-    done = subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(path), "--insecure-workers",
-                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
-                          capture_output=True, text=True, timeout=60)
+    done = run_gateway(path)
     assert done.returncode == 2 and "Traceback" not in done.stderr and str(path) in done.stderr, done.stderr
 
 
@@ -140,10 +149,7 @@ def test_an_entry_whose_name_or_key_is_blank_is_refused_naming_it(tmp_path, fiel
 def test_a_gateway_given_a_tenants_file_of_no_tenant_says_so_and_exits_2(tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text("# every tenant removed\n")
-    done = subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(path), "--insecure-workers",
-                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
-                          capture_output=True, text=True, timeout=60)
+    done = run_gateway(path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert str(path) in done.stderr and "no tenant" in done.stderr, done.stderr
 
@@ -178,12 +184,7 @@ def test_a_gateway_given_a_tenant_name_with_white_space_around_it_says_so_and_ex
     path = tmp_path / "tenants.toml"
     path.write_text('[[tenant]]\nname = "ops"\napi_key = "o"\ntiers = ["P3"]\n'
                     '[[tenant]]\nname = "chat "\napi_key = "k"\ntiers = ["P1"]\n')
-    # A Redis nobody listens at: a file taken as good is a refusal of another kind at once, not a gateway serving.
-    done = subprocess.run([sys.executable, "-m", "gateway", "--tenants-file", str(path), "--insecure-workers",
-                           "--redis-url", "redis://127.0.0.1:1/0",
-                           "--client-bind", "tcp://127.0.0.1:0", "--worker-bind", "tcp://127.0.0.1:0"],
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none"),
-                          capture_output=True, text=True, timeout=60)
+    done = run_gateway(path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert str(path) in done.stderr and "tenant #2: name 'chat ' has white space" in done.stderr, done.stderr
 
