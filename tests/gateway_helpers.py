@@ -16,12 +16,14 @@ from scripts.up import write_tenants
 
 
 @contextmanager
-def built_gateway(tmp_path: Path, prefix: str) -> Iterator[tuple[Gateway, dict, RedisServer]]:
+def built_gateway(tmp_path: Path, prefix: str, worker_bind: str = "tcp://127.0.0.1:*",
+                  ) -> Iterator[tuple[Gateway, dict, RedisServer]]:
     """(the gateway, the tenants scripts/up.py wrote to ``tmp_path``, its redis-server), under a key prefix of its own
-    that begins with ``prefix``; closed after."""
+    that begins with ``prefix``; closed after. ``worker_bind``: where workers reach it (a free port by default; one
+    a worker already connects to, for a gateway that comes up after it)."""
     tenants = write_tenants(tmp_path / "tenants.toml")
     with RedisServer() as server:
-        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind="tcp://127.0.0.1:*",
+        config = GatewayConfig(client_bind="tcp://127.0.0.1:*", worker_bind=worker_bind,
                                redis_url=server.url, tenants_file=str(tmp_path / "tenants.toml"),
                                key_prefix=f"{prefix}-{uuid.uuid4().hex[:8]}", insecure_workers=True)
         gw = build(config)

@@ -45,3 +45,21 @@ def test_one_the_socket_refused_is_due_at_once_and_all_are_given_up_in_time():
     assert [m.job_id for m, _ in u.due(5.0)] == ["b"]  # a, first handed over at 0 s, is left to its lease
     assert u.job_ids() == ["b"] and u.given_up == 1
     assert seen == [("resent", 1), ("resent", 1), ("given_up", 1)]
+
+
+def test_one_refused_again_is_due_soon_and_one_taken_a_resend_interval_later():
+    from worker.completions import REFUSED_RETRY_S
+
+    u = Unconfirmed(resend_s=1.0, give_up_s=10.0)
+    a = _finished("a")
+    u.sent(a, now=0.0, delivered=False)  # refused: the next pass offers it to every gateway
+    assert u.due(0.0) == [(a, 0.0)]
+    u.sent(a, now=0.0, delivered=False)  # refused by every gateway too: soon, not at every pass
+    assert u.due(REFUSED_RETRY_S / 2) == [] and u.due(REFUSED_RETRY_S) == [(a, 0.0)]
+    u.sent(a, now=REFUSED_RETRY_S, delivered=False)
+    assert u.due(2 * REFUSED_RETRY_S) == [(a, 0.0)]
+    u.sent(a, now=2 * REFUSED_RETRY_S)  # taken at last: the next copy a resend interval later
+    assert u.due(2 * REFUSED_RETRY_S + 0.99) == [] and u.due(2 * REFUSED_RETRY_S + 1.0) == [(a, 0.0)]
+    u.sent(a, now=5.0, delivered=False)  # a refusal after one was taken counts from one again
+    assert u.due(5.0) == [(a, 0.0)]
+    assert u.resent == 5

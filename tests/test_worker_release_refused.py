@@ -71,7 +71,7 @@ def test_a_hand_back_every_socket_refused_is_due_again_at_once(service):
     assert svc.counters["send_dropped"] - dropped == 2  # both gateways refused it
     due = svc.unconfirmed_releases.due(frozen[0])
     assert [(m.job_id, m.attempt, m.reason) for m, _ in due] == [("job-a", 3, "draining: not started")]
-    # The next pass of the loop tries it again (and, both still refusing, once the interval has passed after).
+    # The next pass of the loop tries it again (and, both still refusing, again REFUSED_RETRY_S after).
     svc._resend_unconfirmed()
     assert svc.counters["send_dropped"] - dropped >= 4 and svc.unconfirmed_releases.resent == 2
     assert len(svc.unconfirmed_releases) == 1  # kept until a gateway confirms it

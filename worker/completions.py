@@ -26,11 +26,17 @@ from common import protocol as P
 Settled = P.JobFinished | P.JobReleased
 
 
+# A copy refused again (every socket's queue full) is tried after this, not a resend interval later: the gateways
+# may read again at any moment, and a client waits on it; yet not at every pass of the loop while they stay full.
+REFUSED_RETRY_S = 0.1
+
+
 @dataclass
 class _Pending:
     msg: Settled
     first_sent: float
-    last_sent: float
+    due_at: float
+    refused: int = 0  # sendings refused in a row
 
 
 class Unconfirmed:
@@ -47,11 +53,15 @@ class Unconfirmed:
         return len(self._pending)
 
     def sent(self, msg: Settled, now: float, delivered: bool = True) -> None:
-        """``msg`` was sent at ``now``; not ``delivered``: the socket refused it (a full queue), so it is due again
-        at once."""
+        """``msg`` was sent at ``now``; not ``delivered``: every socket it was offered refused it (a full queue), so
+        it is due again at once (the next pass offers it to every gateway), and, refused again, ``REFUSED_RETRY_S``
+        after each refusal."""
         key = (msg.job_id, msg.attempt)
-        first = self._pending[key].first_sent if key in self._pending else now
-        self._pending[key] = _Pending(msg, first, now if delivered else -math.inf)
+        pending = self._pending.get(key)
+        first = pending.first_sent if pending is not None else now
+        refused = 0 if delivered else (pending.refused if pending is not None else 0) + 1
+        due_at = now + self.resend_s if delivered else -math.inf if refused == 1 else now + REFUSED_RETRY_S
+        self._pending[key] = _Pending(msg, first, due_at, refused)
 
     def confirmed(self, job_id: str, attempt: int) -> None:
         self._pending.pop((job_id, attempt), None)
@@ -64,14 +74,14 @@ class Unconfirmed:
 
     def due(self, now: float) -> list[tuple[Settled, float]]:
         """(completion, when it was first sent) for every completion unconfirmed for ``resend_s`` since it was last
-        sent; the caller sends each again (after a hello) and calls ``sent``. Those past ``give_up_s`` are
-        forgotten."""
+        sent (one refused: see ``sent``); the caller sends each again (after a hello) and calls ``sent``. Those past
+        ``give_up_s`` are forgotten."""
         out, given_up = [], 0
         for key, p in list(self._pending.items()):
             if now - p.first_sent >= self.give_up_s:
                 del self._pending[key]
                 given_up += 1
-            elif now - p.last_sent >= self.resend_s:
+            elif now >= p.due_at:
                 out.append((p.msg, p.first_sent))
         self.resent += len(out)
         self.given_up += given_up

@@ -68,10 +68,9 @@ class Redelivery:
         for msg, first_sent in due:
             late = msg if msg.prefill_start_age_s is None else replace(
                 msg, prefill_start_age_s=msg.prefill_start_age_s + max(0.0, now - first_sent))
-            for sock in self.sockets:
-                self._send(sock, late)
-            self.unconfirmed.sent(msg, now)
+            # Recorded as sent only if a socket took it: refused by every one (full queues), it is tried again
+            # soon (worker/completions.py), not a resend interval after the gateways read again. A list, not any()
+            # over a generator: every socket is offered it.
+            self.unconfirmed.sent(msg, now, delivered=any([self._send(sock, late) for sock in self.sockets]))
         for msg, _ in releases:
-            for sock in self.sockets:
-                self._send(sock, msg)
-            self.unconfirmed_releases.sent(msg, now)
+            self.unconfirmed_releases.sent(msg, now, delivered=any([self._send(sock, msg) for sock in self.sockets]))
