@@ -49,7 +49,6 @@ class GatewayRoutes:
         self.monitors = {sock.get_monitor_socket(events): sock for sock in sockets}
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
         self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
-        self._dropped: set[zmq.Socket] = set()  # connections dropped since ``silent`` last looked
         self._silent_since: dict[zmq.Socket, float] = {}  # ``heard`` when the connection last dropped
         self.reconnects = 0
 
@@ -57,8 +56,9 @@ class GatewayRoutes:
         for mon in self.monitors:
             poller.register(mon, zmq.POLLIN)
 
-    def read(self, mon: zmq.Socket) -> list[zmq.Socket]:
-        """Take ``mon``'s waiting events; the gateway sockets that went down (and are not back up)."""
+    def read(self, mon: zmq.Socket, now: float) -> list[zmq.Socket]:
+        """Take ``mon``'s waiting events; the gateway sockets that went down (and are not back up). Read before the
+        frames that came with them: a frame read after a drop counts as heard since (see ``silent``)."""
         sock = self.monitors[mon]
         went_down = False
         while mon.poll(0):
@@ -67,7 +67,9 @@ class GatewayRoutes:
                 self.up.append(sock)
             elif event in _DOWN:
                 went_down = True
-                self._dropped.add(sock)
+                # Taken now, not when ``silent`` next looks: by then a frame the new connection brought (a gateway
+                # that restarted during a long step answered) is heard, and was taken for the last before the drop.
+                self._silent_since[sock] = self.heard.setdefault(sock, now)
                 if sock in self.up:
                     self.up.remove(sock)
         return [sock] if went_down and sock not in self.up else []
@@ -83,9 +85,6 @@ class GatewayRoutes:
         out = []
         for sock, endpoint in endpoints.items():
             heard = self.heard.setdefault(sock, now)
-            if sock in self._dropped:
-                self._dropped.discard(sock)
-                self._silent_since[sock] = heard
             if now - heard < SILENT_RECONNECT_S or self._silent_since.get(sock) != heard:
                 continue  # heard lately, or since its connection last dropped: no stale pipe can hold its identity
             sock.disconnect(endpoint)

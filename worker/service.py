@@ -96,11 +96,16 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
             self.counters["send_dropped"] += 1  # gateway gone or slow; leases will sort it out
             return False
 
-    def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+    def _poller(self) -> zmq.Poller:
+        """What the loop waits on: every gateway socket, and its connection events (worker/routes.py)."""
         poller = zmq.Poller()
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
         self.routes.register(poller)
+        return poller
+
+    def serve(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        poller = self._poller()
         self._refresh_snapshot(self.clock())
         with self._lock:
             self._beat()  # the first report now, not a heartbeat after the hello: no gateway sends work before it
@@ -110,16 +115,7 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
             if self._draining_done():
                 return
             busy = self.engine.has_unfinished()
-            with self._lock:
-                for sock, _ in poller.poll(timeout=self.linger.poll_ms(self.clock()) if busy else 20):
-                    if sock in self.routes.monitors:
-                        for gone in self.routes.read(sock):
-                            self._reroute(gone)
-                    else:
-                        self.routes.heard[sock] = self.clock()
-                        self._drain(sock)
-                self._reconnect_silent()
-                self._resend_unconfirmed()
+            self._take_waiting(poller, self.linger.poll_ms(self.clock()) if busy else 20)
             if busy and self.linger.poll_ms(self.clock()):
                 continue  # a frame came, not the dispatch the last report offered room for: wait on
             # Before the step too: the heartbeat thread sends only what was last published, and a job
@@ -134,6 +130,21 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
                     self.linger.offered(now, now - started)
             else:
                 self._publish()
+
+    def _take_waiting(self, poller: zmq.Poller, timeout_ms: int) -> None:
+        """Every waiting frame and connection event (waiting up to ``timeout_ms`` for one), then the repairs they
+        call for (worker/redelivery.py). The events first: a drop is reported before any frame of the connection
+        after it, and such a frame read first was taken for the last heard before the drop (worker/routes.py)."""
+        with self._lock:
+            ready = [sock for sock, _ in poller.poll(timeout=timeout_ms)]
+            for mon in (s for s in ready if s in self.routes.monitors):
+                for gone in self.routes.read(mon, self.clock()):
+                    self._reroute(gone)
+            for sock in (s for s in ready if s not in self.routes.monitors):
+                self.routes.heard[sock] = self.clock()
+                self._drain(sock)
+            self._reconnect_silent()
+            self._resend_unconfirmed()
 
     def _finish(self, sock: zmq.Socket, msg: P.JobFinished) -> None:
         # Kept either way: one the gateway's full queue refused is due again at once, and goes to every gateway
