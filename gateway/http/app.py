@@ -132,13 +132,19 @@ class FrontDoor:
             raise self._too_large()
         chunks, size = [], 0
         try:
-            async for part in request.stream():
-                size += len(part)
-                if size > self.config.max_body_bytes:
-                    raise self._too_large()
-                chunks.append(part)
+            # One deadline for the whole body, not one per read: a client trickling a byte at a time is as slow.
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.config.max_body_bytes:
+                        raise self._too_large()
+                    chunks.append(part)
         except ClientDisconnect:
             raise ClientGone from None
+        except TimeoutError:
+            raise HttpError(408, "invalid_request_error", f"the request body did not arrive within "
+                            f"{self.config.body_timeout_s}s of its headers (body_timeout_s)",
+                            code="request_timeout") from None
         return b"".join(chunks)
 
     def _too_large(self) -> HttpError:

@@ -38,6 +38,10 @@ class HttpConfig:
     default_max_tokens: int = 256
     # Largest request body accepted, in bytes.
     max_body_bytes: int = 4 * 2**20
+    # Seconds a client has, once its headers are in, to send its whole body; then 408 (code request_timeout).
+    # Unbounded, a client that sent its headers and then nothing held its request open for ever, and a door
+    # stopping on SIGTERM (uvicorn waits for every request in progress) never exited.
+    body_timeout_s: float = 60.0
     # Gateway clients kept, one per API key in use (gateway/http/upstream.py): past it, the least recently used
     # idle one is closed. Keys with a request in flight are kept whatever their number.
     max_clients: int = 1024
@@ -45,9 +49,8 @@ class HttpConfig:
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the door could not serve with (a zero timeout failed every request
         as a 504; a zero body limit refused every body)."""
-        require(self, positive=("upstream_timeout_s",), at_least={"port": 0, "default_max_tokens": 1,
-                                                                   "max_body_bytes": 1,
-                                                                   "max_clients": 1})
+        require(self, positive=("upstream_timeout_s", "body_timeout_s"),
+                at_least={"port": 0, "default_max_tokens": 1, "max_body_bytes": 1, "max_clients": 1})
         if self.port > 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port!r}")
         if not (isinstance(self.gateways, list) and self.gateways and all(isinstance(g, str) and g
