@@ -84,7 +84,10 @@ class Submitter:
             return await self._submit_once(key, body, ids, tier, asked if asked is not None else min(cap, limit),
                                            idem, defaulted=asked is None)
         except InvalidRequest as e:
-            if e.field != "max_tokens":  # TierLimitExceeded names max_tokens: past every worker the gateway knows
+            # TierLimitExceeded names max_tokens: past every worker the gateway knows. Past the model's context it
+            # names the prompt, in words that give the door's max_tokens: the client that sent none is told of its
+            # prompt alone, as the limits held would have told it.
+            if e.field != "max_tokens" and not (asked is None and e.field == "prompt"):
                 raise
             raise no_room from None
 
