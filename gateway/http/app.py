@@ -32,7 +32,7 @@ from common.tiers import ALL_TIERS
 from gateway.http import errors, health, idempotency, metrics
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
-from gateway.http.headers import bearer, one_header
+from gateway.http.headers import bearer, one_header, refuse_compressed
 from gateway.http.prompts import Prompts
 from gateway.http.responses import DONE_EVENT, Reply, finish_reason
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -85,6 +85,7 @@ class FrontDoor:
                                 code="invalid_api_key")
             await self._authenticate(key)
             idem = idempotency.key_of(request)
+            refuse_compressed(request)
             raw = await self._read_body(request)
             loop = asyncio.get_running_loop()
             # Off the event loop as the tokenizing below: a body of a million ids takes ~0.1 s to validate.

@@ -1,5 +1,6 @@
-"""Clients of the HTTP door that send their request slowly, or not at all: a real local cluster (scripts/up.py), a
-real `python -m gateway.http` process, raw sockets as the clients (no HTTP library finishes a request it began).
+"""Request bodies the HTTP door cannot read: sent slowly or not at all, or compressed. A real local cluster
+(scripts/up.py), a real `python -m gateway.http` process, raw sockets as the slow clients (no HTTP library finishes
+a request it began) and httpx.
 
 A client that sends its headers and then nothing (or part of its body) held a request of the door open for ever:
 the door waited on the body with no bound, and uvicorn, stopping on SIGTERM, waits for every request in progress,
@@ -126,3 +127,27 @@ def test_a_door_stopping_does_not_wait_for_ever_on_a_client_that_sends_no_body(c
         s.close()
         door.__exit__(None, None, None)
 
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZip, identity"])
+def test_a_compressed_body_is_refused_as_such_not_as_invalid_json(cluster, tiny_model_dir, tmp_path, encoding):
+    # The door reads bodies as they come: a compressed one was refused 400 "the body is not valid JSON", and its
+    # client went looking for a mistake in JSON that had none.
+    import gzip
+
+    api_key = key(cluster, "api-co")
+    body = gzip.compress(json.dumps({"prompt": "Hello", "max_tokens": 2}).encode())
+    with front_door(tiny_model_dir, [cluster["gateway"]], tmp_path / "http.log") as base:
+        before = snapshot(cluster)
+        r = httpx.post(base + "/v1/completions", content=body, timeout=60,
+                       headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json",
+                                "Content-Encoding": encoding})
+        assert r.status_code == 415, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_content_encoding", err
+        assert "Content-Encoding" in err["message"] and encoding in err["message"], err
+        assert_unchanged(before, snapshot(cluster))
+        # identity is no encoding at all: served.
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60,
+                       headers={"Authorization": f"Bearer {api_key}", "Content-Encoding": "identity"})
+        assert r.status_code == 200, r.text
