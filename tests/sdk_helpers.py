@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -109,3 +110,16 @@ def freeze(pid: int) -> None:
             return False
         return all(state in ("T", "t") for state in states)
     wait_for(stopped, 10, f"process {pid} to stop", interval=0.01)
+
+
+def unread_bytes(endpoint: str) -> int:
+    """Bytes the kernel holds for the listener at ``endpoint`` (tcp://host:port) on its connections, unread by it."""
+    port = urlparse(endpoint.replace("tcp://", "http://")).port
+    total = 0
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        for line in table.read_text().splitlines()[1:] if table.exists() else []:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # ESTABLISHED, the gateway's side
+                total += int(queues.split(":")[1], 16)
+    return total

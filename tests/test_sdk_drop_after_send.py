@@ -13,11 +13,8 @@ sits unread in its socket, then killed (SIGKILL).
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
-from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
 
@@ -25,25 +22,12 @@ from common.errors import NotFound
 from gateway.sdk import AsyncGatewayClient, GatewayClient
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
-from tests.sdk_helpers import freeze
+from tests.sdk_helpers import freeze, unread_bytes
 
 pytestmark = pytest.mark.faults
 
 TIMEOUT_S = 10.0
 KINDS = ["blocking", "asyncio"]
-
-
-def unread_bytes(endpoint: str) -> int:
-    """Bytes the kernel holds for the listener at ``endpoint`` (tcp://host:port) on its connections, unread by it."""
-    port = urlparse(endpoint.replace("tcp://", "http://")).port
-    total = 0
-    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
-        for line in table.read_text().splitlines()[1:] if table.exists() else []:
-            fields = line.split()
-            local, state, queues = fields[1], fields[3], fields[4]
-            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # ESTABLISHED, the gateway's side
-                total += int(queues.split(":")[1], 16)
-    return total
 
 
 def kill_after_send(c: DurableCluster, gw: str) -> float:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from common import protocol as P
 from common.errors import ServingError
-from gateway.sdk._async_connection import _check_open, _Connection, _next
+from gateway.sdk._async_connection import _check_open, _Connection
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
 from gateway.sdk._drops import DROPPED
 from gateway.sdk._frames import FrameSizes, frame_bytes
@@ -189,8 +189,9 @@ class AsyncGatewayClient:
                 if conn is None:
                     conn, req = self._conn(closes), st.request()
                     conn.inboxes[req.request_id] = inbox
+                    drops = conn.seen_drops()  # a drop before the subscription went is not its own
                     await conn.send(req)
-                msg = await _next(inbox, st.wait_s())
+                msg = await conn.next_frame(inbox, st.wait_s(), drops)
                 _check_open(msg)
                 if msg is None:
                     if st.on_silence():
@@ -200,6 +201,11 @@ class AsyncGatewayClient:
                         conn = None
                     continue
                 try:
+                    if msg is DROPPED:
+                        # As the blocking client's: the subscription went with the connection; resubscribe now from
+                        # the next index not delivered (frames still coming under the old request id are dropped).
+                        raise TimeoutError(f"gateway {conn.endpoint} dropped the connection of the stream of job "
+                                           f"{job.id}")
                     chunk = st.on_frame(msg)
                 except RETRYABLE as e:
                     pause = st.on_failure(e)

@@ -21,18 +21,6 @@ log = logging.getLogger("gateway.sdk")
 CLOSED = object()  # put in every inbox of a connection the client closes: its waiters end rather than time out
 
 
-async def _next(inbox: asyncio.Queue, timeout_s: float):
-    """The next frame in ``inbox``, or None after ``timeout_s``."""
-    try:
-        return inbox.get_nowait()  # wait_for(…, 0) would time out even with a frame waiting
-    except asyncio.QueueEmpty:
-        pass
-    try:
-        return await asyncio.wait_for(inbox.get(), timeout_s)
-    except TimeoutError:
-        return None
-
-
 class _Connection:
     """One socket to one gateway, and the task that routes what it receives."""
 

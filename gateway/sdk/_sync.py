@@ -25,7 +25,8 @@ from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refuse
                                   without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
 from gateway.sdk._stream_state import StreamState
-from gateway.sdk._sync_sockets import DROPPED, ThreadSockets, closed_under, reply_to
+from gateway.sdk._sync_sockets import (DROPPED, ThreadSockets, close_stream_socket, closed_under, reply_to,
+                                      stream_frame)
 
 log = logging.getLogger("gateway.sdk")
 
@@ -232,42 +233,51 @@ class GatewayClient:
                 deadline: float | None = None) -> Iterator[Chunk]:
         st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
                          chunk_timeout=chunk_timeout, deadline=deadline)
-        sock, at, closes = None, self.endpoint, self._closes
+        sock, watch, at, closes = None, None, self.endpoint, self._closes
         try:
             while st.done is None:
+                failure = None
                 if sock is None:
-                    at = self.endpoint
-                    sock = self._new_socket(at, closes)
+                    at, watches = self.endpoint, {}
+                    sock = self._new_socket(at, closes, watches)
+                    watch = watches[at]
                     try:
                         sock.send(P.encode(st.request()))
                     except zmq.Again:
-                        pause = st.on_failure(TimeoutError(f"gateway {at} took no stream request"))
-                        sock.close(linger=0)
-                        sock = None
-                        time.sleep(pause)
-                        self._fail_over(TimeoutError("no stream request taken"), at)
+                        failure = TimeoutError(f"gateway {at} took no stream request")
+                if failure is None:
+                    frame = closed_under(sock, lambda: stream_frame(sock, watch, st.wait_s()), job.id, watch)
+                    if frame is DROPPED:
+                        # The gateway sends a stream's frames on the connection its subscription came on: once that
+                        # drops (the gateway died, or restarted on its port), none can come. Resubscribe now, from
+                        # the next index not delivered, rather than wait out timeout_s of silence.
+                        failure = TimeoutError(f"gateway {at} dropped the connection of the stream of job {job.id}")
+                    elif frame is None:
+                        if st.on_silence():
+                            close_stream_socket(sock, watch)
+                            sock = None
+                            self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"),
+                                            at)
                         continue
-                if closed_under(sock, lambda: sock.poll(math.ceil(1000 * st.wait_s())), job.id):
-                    try:
-                        chunk = st.on_frame(P.decode(closed_under(sock, sock.recv, job.id)))
-                    except RETRYABLE as e:
-                        pause = st.on_failure(e)
-                        sock.close(linger=0)
-                        sock = None
-                        time.sleep(pause)
-                        self._fail_over(e, at)
-                        continue
-                    if chunk is not None:
-                        yield chunk
-                elif st.on_silence():
-                    sock.close(linger=0)
-                    sock = None
-                    self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"), at)
+                    else:
+                        try:
+                            chunk = st.on_frame(P.decode(frame))
+                        except RETRYABLE as e:
+                            failure = e
+                        else:
+                            if chunk is not None:
+                                yield chunk
+                            continue
+                pause = st.on_failure(failure)
+                close_stream_socket(sock, watch)
+                sock = None
+                time.sleep(pause)
+                self._fail_over(failure, at)
             job._done = st.done
             to_result(st.done)  # a job that ended otherwise than done raises here, as result() does
         finally:
             if sock is not None:
-                sock.close(linger=0)
+                close_stream_socket(sock, watch)
 
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,

@@ -1,5 +1,5 @@
 """The blocking client's sockets: one thread's call sockets, the wait for a call's answer on them, and a stream's
-socket closed from under it."""
+socket: the wait for its next frame or the drop of its connection, and the socket closed from under it."""
 
 from __future__ import annotations
 
@@ -10,18 +10,41 @@ import zmq
 
 from common import protocol as P
 from common.errors import ServingError
-from gateway.sdk._drops import DROPPED, DropWatch  # noqa: F401 - DROPPED: reply_to's, importable from here as before
+from gateway.sdk._drops import DROPPED, DropWatch
 
 
-def closed_under(sock: zmq.Socket, use, job_id: str):
-    """``use()`` of a stream's ``sock``; ServingError, as the async client says it, if another thread closed the
-    client (and with it this socket) meanwhile, not the ZMQError of a socket gone from under the call."""
+def closed_under(sock: zmq.Socket, use, job_id: str, watch: DropWatch | None = None):
+    """``use()`` of a stream's ``sock`` (and its ``watch``); ServingError, as the async client says it, if another
+    thread closed the client (and with it these sockets) meanwhile, not the ZMQError of a socket gone from under the
+    call."""
     try:
         return use()
     except zmq.ZMQError:
-        if not sock.closed:
+        if not sock.closed and (watch is None or not watch.events.closed):
             raise
         raise ServingError(f"the client was closed while this stream of job {job_id} waited") from None
+
+
+def stream_frame(sock: zmq.Socket, watch: DropWatch, timeout_s: float):
+    """The next frame on a stream's ``sock`` within ``timeout_s``; None if none came; DROPPED if its connection
+    dropped, once every frame that came before is read (they are the stream's, and save it asking again)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(watch.events, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = dict(poller.poll(math.ceil(1000 * max(0.0, deadline - time.monotonic()))))
+        if sock in ready:
+            return sock.recv()
+        if watch.events in ready and watch.dropped():
+            return DROPPED
+        if time.monotonic() >= deadline:
+            return None
+
+
+def close_stream_socket(sock: zmq.Socket, watch: DropWatch) -> None:
+    watch.close()
+    sock.close(linger=0)
 
 
 class ThreadSockets(dict):
