@@ -24,9 +24,8 @@ from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoi
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
                                   without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
-from gateway.sdk._stream_state import StreamState
-from gateway.sdk._sync_sockets import (DROPPED, ThreadSockets, close_stream_socket, closed_under, reply_to,
-                                      stream_frame)
+from gateway.sdk._sync_sockets import DROPPED, ThreadSockets, reply_to
+from gateway.sdk._sync_stream import stream
 
 log = logging.getLogger("gateway.sdk")
 
@@ -231,53 +230,7 @@ class GatewayClient:
 
     def _stream(self, job: Job, from_index: int, *, chunk_timeout: float | None = None,
                 deadline: float | None = None) -> Iterator[Chunk]:
-        st = StreamState(job.id, self.api_key, from_index, liveness_s=self.timeout_s, retries=self.retries,
-                         chunk_timeout=chunk_timeout, deadline=deadline)
-        sock, watch, at, closes = None, None, self.endpoint, self._closes
-        try:
-            while st.done is None:
-                failure = None
-                if sock is None:
-                    at, watches = self.endpoint, {}
-                    sock = self._new_socket(at, closes, watches)
-                    watch = watches[at]
-                    try:
-                        sock.send(P.encode(st.request()))
-                    except zmq.Again:
-                        failure = TimeoutError(f"gateway {at} took no stream request")
-                if failure is None:
-                    frame = closed_under(sock, lambda: stream_frame(sock, watch, st.wait_s()), job.id, watch)
-                    if frame is DROPPED:
-                        # The gateway sends a stream's frames on the connection its subscription came on: once that
-                        # drops (the gateway died, or restarted on its port), none can come. Resubscribe now, from
-                        # the next index not delivered, rather than wait out timeout_s of silence.
-                        failure = TimeoutError(f"gateway {at} dropped the connection of the stream of job {job.id}")
-                    elif frame is None:
-                        if st.on_silence():
-                            close_stream_socket(sock, watch)
-                            sock = None
-                            self._fail_over(TimeoutError(f"silent for {self.timeout_s}s while streaming job {job.id}"),
-                                            at)
-                        continue
-                    else:
-                        try:
-                            chunk = st.on_frame(P.decode(frame))
-                        except RETRYABLE as e:
-                            failure = e
-                        else:
-                            if chunk is not None:
-                                yield chunk
-                            continue
-                pause = st.on_failure(failure)
-                close_stream_socket(sock, watch)
-                sock = None
-                time.sleep(pause)
-                self._fail_over(failure, at)
-            job._done = st.done
-            to_result(st.done)  # a job that ended otherwise than done raises here, as result() does
-        finally:
-            if sock is not None:
-                close_stream_socket(sock, watch)
+        return stream(self, job, from_index, chunk_timeout=chunk_timeout, deadline=deadline)
 
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
