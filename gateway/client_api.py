@@ -18,10 +18,9 @@ from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, promises, security
-from gateway.redis_queue import (Admitted, IdempotencyMismatch, JobRecord, Overloaded, QuotaRefused, QuotaSpec,
+from gateway.redis_queue import (Admitted, IdempotencyMismatch, Overloaded, QuotaRefused, QuotaSpec,
                                  StoreFull, TenantFull)
 from gateway.spans import GatewaySpans
-from gateway.streaming import recorded_ttft_s
 
 log = logging.getLogger("gateway")
 REDIS_FULL_LOG_EVERY_S = 60.0  # a full Redis refuses every submission: say so once a minute, not each time
@@ -228,7 +227,15 @@ class ClientApi:
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
             return
-        before = self.queue.cancel(req.job_id)
+        # What this gateway's next token-log flush would write into the job's record goes with the cancel: the
+        # record a job ended with is final (first_token.lua), and its final message tells that record's figures.
+        start_ms = self.waits.unrecorded_start_ms(req.job_id)
+        claim = self.config.gateway_id if metrics.first_token_pending(req.job_id) else None
+        before, won = self.queue.cancel_recording(req.job_id, first_prefill_ms=start_ms, first_token_claim=claim)
+        if start_ms is not None:
+            self.waits.recorded({req.job_id: start_ms})
+        if claim is not None:
+            metrics.claimed(req.job_id, won)
         if before is not None and before.state == "queued":
             self.spans.left_queue(before, "cancelled", self._cancelled_at_ns(req.job_id))
         if before is not None and before.state == "dispatched":
@@ -239,29 +246,7 @@ class ClientApi:
         self._send(self.clients, ident, P.CancelReply(req.job_id, before is not None))
         if before is not None:
             metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
-            self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client",
-                                ttft_s=self._cancelled_ttft_s(before), ttft_recorded=True)
-
-    def _cancelled_ttft_s(self, before: JobRecord) -> float | None:
-        """The TTFT a cancelled job's record holds (recorded_ttft_s), for its final message: what a later read of
-        it reports. Its first token as the record held it, or as this gateway's pending claim puts it there
-        (first_token.lua keeps the earliest), claimed now so that a read right after this message finds it; a
-        claim Redis failed stays pending for the next token-log flush, which records the same figure."""
-        first = before.result.get("first_token_ms")
-        first = int(first) if first is not None else None
-        after_ms = metrics.claim_ttft_ms(before.id)
-        if after_ms is None:
-            return recorded_ttft_s(before.enqueued_at_ms, first)
-        at = before.enqueued_at_ms + max(0, after_ms)
-        first = at if first is None else min(first, at)
-        if not self._redis_down():
-            try:
-                won = self.token_log.append([], [before.id], self.config.gateway_id).claimed[0]
-            except redis.RedisError as e:
-                self._redis_failed(e)
-            else:
-                metrics.claimed(before.id, won)
-        return recorded_ttft_s(before.enqueued_at_ms, first)
+            self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client", ended=before)
 
 
 def _submitted(result: Admitted, adm: admission.Admission) -> P.SubmitReply:

@@ -286,11 +286,30 @@ class RedisQueue(QueueSweeps, QueueReads):
 
     # --- cancel ----------------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
-        """Cancel a queued or dispatched job; returns it as it was, or None if unknown or final."""
+        """Cancel a queued or dispatched job; returns it as it was, with its finished_at_ms (when it was cancelled),
+        or None if unknown or final."""
+        return self.cancel_recording(job_id, now_ms=now_ms, reason=reason)[0]
+
+    def cancel_recording(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled",
+                         first_prefill_ms: int | None = None,
+                         first_token_claim: str | None = None) -> tuple[JobRecord | None, bool]:
+        """cancel(), and in the same round trip, before it, what the token log's next flush would have written into
+        the job's hash (as complete_recording: the record a job ended with is final, first_token.lua): its first
+        prefill start and the claim of its first token for the gateway named. Returns (the job as it was, with
+        what those wrote, or None; claim won)."""
         keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
                 self.keys.tokens(job_id)]  # fmt: skip
-        raw = self._scripts["cancel"](keys=keys, args=[job_id, _now(now_ms), self._retention_ms, reason,
-                                                       self._reply_deadline_ms()])
+        args = [job_id, _now(now_ms), self._retention_ms, reason, self._reply_deadline_ms()]
+        calls = []
+        if first_prefill_ms is not None:
+            calls.append(first_prefill_call(self.keys, job_id, first_prefill_ms))
+        if first_token_claim is not None:
+            calls.append(first_token_call(self.keys, job_id, first_token_claim))
+        if calls:
+            *before, raw = run_pipelined(self.client, [*calls, ("cancel", keys, args)])
+        else:
+            before, raw = [], self._scripts["cancel"](keys=keys, args=args)
         if raw == b"late":  # as the timeout it came close to: the caller retries, and its retry cancels
             raise redis.TimeoutError("the cancel reached Redis as its caller gave up on it; nothing was changed")
-        return JobRecord.from_redis(raw) if raw else None
+        won = first_token_claim is not None and bool(before[-1])
+        return (JobRecord.from_redis(raw) if raw else None), won

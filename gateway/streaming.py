@@ -16,7 +16,7 @@ import redis
 
 from common import protocol as P
 from gateway import metrics
-from gateway.queue_records import Stored
+from gateway.queue_records import JobRecord, Stored
 from gateway.streams import JobStream
 from gateway.timeutil import FINAL_STATES
 
@@ -159,10 +159,12 @@ class Streaming:
 
     def _finish_stream(self, job_id: str, state: str, finish_reason: str | None, reason: str | None,
                        run_s: float = 0.0, preemptions: int = 0, stored: Stored | None = None,
-                       ttft_s: float | None = None, ttft_recorded: bool = False) -> None:
+                       ttft_s: float | None = None, ended: JobRecord | None = None) -> None:
         """``stored``, ``ttft_s``: the figures of a result this gateway stored (complete.lua), which the final
-        message repeats: a later read of the result reports those. ``ttft_recorded``: ``ttft_s`` is the one the
-        record of a job ended without a result holds (recorded_ttft_s), which a later read reports too."""
+        message repeats: a later read of the result reports those. ``ended``: the record of a job ended without a
+        result, as it ended (its finished_at_ms, its first token and prefill start): the final message tells its
+        figures (ended_figures), as a later read does; this gateway's own measures may differ (another gateway held
+        the job, or admitted it)."""
         s = self.streams.streams.pop(job_id, None)
         enq = self.enqueued_at.pop(job_id, None)
         queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)
@@ -175,8 +177,8 @@ class Streaming:
         ttft = s.first_token_at - admitted if (s.first_token_at is not None and admitted is not None) else None
         if stored is not None:
             total, queued_s, ttft = stored.total_s, stored.queued_s, ttft_s
-        elif ttft_recorded:
-            ttft = ttft_s
+        elif ended is not None:
+            queued_s, ttft, total = ended_figures(ended)
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
                          queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
                          total_s=total, preemptions=preemptions,
@@ -193,18 +195,32 @@ class Streaming:
         if from_index is not None and from_index < len(tokens):
             self._send(self.clients, ident, P.TokenChunk(rec.id, from_index, tokens[from_index:],
                                                          self.streams.text(tokens[from_index:], tokens[:from_index])))
-        total = max(0, (rec.finished_at_ms or rec.enqueued_at_ms) - rec.enqueued_at_ms) / 1000
-        run_s = float(res.get("run_s", 0))
-        # A result's TTFT as stored (-1: none measured); a job ended without one, its record's first token.
-        ttft = float(res["ttft_s"]) if "ttft_s" in res else recorded_ttft_s(rec.enqueued_at_ms,
-                                                                             res.get("first_token_ms"))
-        ttft = None if ttft is None or ttft < 0 else ttft
-        queued_s = float(res["queued_s"]) if "queued_s" in res else max(0.0, total - run_s)
+        queued_s, ttft, total = ended_figures(rec)
         finish = res.get("finish_reason", b"").decode() or None
         self._send(self.clients, ident, P.JobDone(
             rec.id, str(rec.state.value if hasattr(rec.state, "value") else rec.state), finish, tokens,
             self.streams.text(tokens, []), queued_s=queued_s, ttft_s=ttft,
             total_s=total, preemptions=int(res.get("preemptions", 0)), reason=rec.reason or None))
+
+
+def ended_figures(rec: JobRecord) -> tuple[float, float | None, float]:
+    """(queued_s, ttft_s, total_s) that a finished job's record tells, from its admission (Redis ms): a result's
+    as stored; a job ended without one (cancelled, expired, dead), its record's first prefill start (else it
+    waited its whole time) and first token (recorded_ttft_s). The record a job ended with is final
+    (first_prefill.lua, first_token.lua), so its final message and any later read tell the same."""
+    res = rec.result
+    total = max(0, (rec.finished_at_ms or rec.enqueued_at_ms) - rec.enqueued_at_ms) / 1000
+    # A result's TTFT as stored (-1: none measured); a job ended without one, its record's first token.
+    ttft = float(res["ttft_s"]) if "ttft_s" in res else recorded_ttft_s(rec.enqueued_at_ms,
+                                                                         res.get("first_token_ms"))
+    ttft = None if ttft is None or ttft < 0 else ttft
+    if "queued_s" in res:
+        queued_s = float(res["queued_s"])
+    elif "run_s" not in res and "first_prefill_ms" in res:
+        queued_s = min(total, max(0, int(res["first_prefill_ms"]) - rec.enqueued_at_ms) / 1000)
+    else:
+        queued_s = max(0.0, total - float(res.get("run_s", 0)))
+    return queued_s, ttft, total
 
 
 def recorded_ttft_s(enqueued_at_ms: int, first_token_ms: bytes | int | None) -> float | None:

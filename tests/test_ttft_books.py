@@ -1,9 +1,9 @@
 """ts_time_to_first_token_seconds counts a first token once per job whose record holds one (first_token_ms, or a
 result's ttft_s >= 0): the claim that observes it (first_token.lua) goes with the token-log flush, up to one flush
-after the token came, and by then the job may have ended. A job cancelled (expired, dead-lettered) between its first
-token and that flush had the token counted while its record held none: its claim won on the ended job but recorded
-nothing. Such a record now takes the first token with the claim (a cancelled job has no result: its first token is
-the TTFT its final message and later reads tell, tests/test_cancelled_figures.py);
+after the token came, and by then the job may have ended. The record a job ended with is final (its final message
+told its readers that record's figures): a claim on a job cancelled, expired or dead-lettered since loses and records
+nothing, and the gateway holding a job claims its pending first token with the cancel itself
+(redis_queue.cancel_recording; on a real cluster: tests/test_cancelled_figures.py, which checks the count too);
 a stored result's figures stay as stored, and a claim on a result that holds no first token loses."""
 
 from __future__ import annotations
@@ -13,29 +13,56 @@ import time
 from common import protocol as P
 from common.ports import free_port
 from common.redis_keys import run_pipelined
+from common.tiers import Tier
+from gateway import metrics
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 from tests.test_durability import Adversary
 from tests.test_metrics import scrape, total
 from tests.test_token_log_stale_writer import T0, queue_and_log
 
-FLUSH_S = 4.0  # long enough that a cancel sent on the first streamed token beats the claim
-
 
 def _claim(client, keys, job_id: str, gateway: str, after_ms: int) -> int:
     return run_pipelined(client, [("first_token", [keys.job(job_id)], [gateway, "tag", after_ms])])[0]
 
 
-def test_a_claim_after_the_job_was_cancelled_records_the_first_token_it_counts():
-    with queue_and_log("j") as (client, keys, queue, _):
-        queue.claim(["j"], worker="wk", gateway="gw", lease_ms=60_000, now_ms=T0)
-        assert queue.cancel("j", now_ms=T0 + 900) is not None
-        assert _claim(client, keys, "j", "gw-a", 400) == 1
+def test_a_claim_after_the_job_ended_loses_and_changes_nothing():
+    with queue_and_log("c", "d") as (client, keys, queue, _):
+        queue.admit(job_id="e", tenant="acme", tier_requested=Tier.P2, tier=Tier.P2, payload=b"x", now_ms=T0,
+                    idempotency_key=None, quota=None, drain_rate_per_s={t: 10.0 for t in Tier})
+        queue.claim(["c", "d"], worker="wk", gateway="gw", lease_ms=60_000, now_ms=T0)
+        assert queue.cancel("c", now_ms=T0 + 900) is not None
+        assert [r.id for r in queue.expire_records(T0 + 300_001)] == ["e"]
+        assert [(s.job_id, s.state) for s in queue.requeue_expired(T0 + 60_001, max_attempts=1)] == [("d", "dead")]
+        for job_id, state in (("c", b"cancelled"), ("e", b"expired"), ("d", b"dead")):
+            before = client.hgetall(keys.job(job_id))
+            assert before[b"state"] == state
+            assert _claim(client, keys, job_id, "gw-a", 400) == 0
+            assert client.hgetall(keys.job(job_id)) == before
+
+
+def test_the_holders_cancel_records_its_pending_first_token_and_wins_its_claim():
+    with queue_and_log("j", "k") as (client, keys, queue, _):
+        queue.claim(["j", "k"], worker="wk", gateway="gw", lease_ms=60_000, now_ms=T0)
+        metrics.holding("j", "P3", 100.0, False)
+        metrics.first_token("j", 100.4)
+        tag = metrics.claim_tag("j")
+        before, won = queue.cancel_recording("j", now_ms=T0 + 900, first_prefill_ms=T0 + 100,
+                                             first_token_claim="gw-a")
+        assert won and before.state == "dispatched" and before.finished_at_ms == T0 + 900
+        assert (int(before.result["first_token_ms"]), int(before.result["first_prefill_ms"])) == (T0 + 400, T0 + 100)
         h = client.hgetall(keys.job("j"))
         assert h[b"state"] == b"cancelled" and int(h[b"first_token_ms"]) == T0 + 400
-        assert h[b"ttft_observed_by"] == b"gw-a"
-        assert _claim(client, keys, "j", "gw-b", 300) == 0  # counted once; the earliest kept
-        assert int(client.hget(keys.job("j"), "first_token_ms")) == T0 + 300
+        assert (h[b"ttft_observed_by"], h[b"ttft_claim"]) == (b"gw-a", tag.encode())
+        # Its reply lost, the claim asked again under its tag wins again, changing nothing; another's loses.
+        assert run_pipelined(client, [("first_token", [keys.job("j")], ["gw-a", tag, 300])]) == [1]
+        assert _claim(client, keys, "j", "gw-b", 300) == 0
+        assert client.hgetall(keys.job("j")) == h
+        metrics.claimed("j", won)
+        # Nothing pending: the cancel alone, which a job ended already does not take.
+        before, won = queue.cancel_recording("k", now_ms=T0 + 900)
+        assert before.state == "dispatched" and not won and "first_token_ms" not in before.result
+        assert queue.cancel_recording("j", first_token_claim="gw-a") == (None, False)
 
 
 def test_a_claim_on_a_result_stored_without_a_first_token_loses_and_changes_nothing():
@@ -51,49 +78,6 @@ def test_a_claim_on_a_result_stored_without_a_first_token_loses_and_changes_noth
         assert _claim(client, keys, "d", "gw-a", 500) == 1
         h = client.hgetall(keys.job("d"))
         assert b"first_token_ms" not in h and float(h[b"ttft_s"]) == 1.5
-
-
-def test_a_job_cancelled_on_its_first_token_counts_it_once_and_its_record_holds_it(tmp_path, tiny_model_dir):
-    """Real gateways whose token-log flush comes every FLUSH_S: a job is cancelled through the gateway that does not
-    hold it as its first token reaches a client of the one that does, before that one's flush claims the token (the
-    gateway holding a job claims a pending first token with the cancel itself: tests/test_cancelled_figures.py); the
-    flush after the cancel claims it. The count must match the records, exactly."""
-    binds = {gw: f"127.0.0.1:{free_port()}" for gw in ("gw-0", "gw-1")}
-    env = {"TS_GATEWAY_STREAM_FLUSH_INTERVAL_S": str(FLUSH_S)}
-    with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, gateway_env=env,
-                        process_env={gw: {"TS_GATEWAY_METRICS_BIND": b} for gw, b in binds.items()}) as c:
-        def firsts() -> float:
-            return sum(total(scrape(f"http://{b}/metrics"), "ts_time_to_first_token_seconds_count", tier="P3")
-                       for b in binds.values())
-
-        start = firsts()
-        cancelled = []
-        clients = {gw: c.client("lab-co", gw, timeout_s=60.0) for gw in binds}
-        try:
-            # A flush may fall between the first token and the cancel (a few ms of FLUSH_S): then that job is not
-            # the case under test, and the next one is.
-            for seed in range(4):
-                job = clients["gw-0"].submit(prompt_token_ids=[9, 10], max_tokens=2000, ignore_eos=True, tier="P3",
-                                             seed=seed)
-                holder = wait_for(lambda: c.job(job.id).get("gateway"), 60, "the job's dispatch").decode()
-                next(iter(clients[holder].job(job.id).stream(timeout=60)))
-                assert clients["gw-1" if holder == "gw-0" else "gw-0"].cancel(job.id)
-                cancelled.append(job.id)
-                if "ttft_observed_by" not in c.job(job.id):
-                    break
-            else:
-                raise AssertionError("every cancel came after its first token's claim: the case was not set up")
-        finally:
-            for client in clients.values():
-                client.close()
-        assert c.job(cancelled[-1])["state"] == b"cancelled"
-        # Each job's first token reached its client, so its holder saw it: the flush after the cancel claims the
-        # last one's. Counted once each, no more.
-        wait_for(lambda: firsts() - start >= len(cancelled), 3 * FLUSH_S, "every first token counted")
-        records = [c.job(j) for j in cancelled]
-        assert firsts() - start == len(cancelled)
-    held = sum(1 for r in records if r.get("first_token_ms") or float(r.get("ttft_s", b"-1")) >= 0)
-    assert held == len(cancelled), [sorted(r) for r in records]
 
 
 def test_a_redispatch_to_a_worker_that_does_not_resume_counts_the_first_token_its_records_hold(tmp_path,

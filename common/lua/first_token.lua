@@ -8,10 +8,11 @@
 -- record (done, failed) is not changed: its stored TTFT was measured to the first token it keeps.
 -- A claim wins only where the job's record holds a first token after it (first_token_ms, or a result's
 -- ttft_s >= 0), so the count and the books agree. The claim comes with a token-log flush, up to one flush after the
--- token, and the job may have ended meanwhile: a job cancelled, expired or dead-lettered since takes the first token
--- into its record (it has no result: its final message and later reads tell this first token as its TTFT,
--- gateway/streaming.recorded_ttft_s); a claim on a result stored without a first token (neither its storing gateway
--- nor its worker had one) loses and writes nothing.
+-- token, and the job may have ended meanwhile (cancelled through another gateway, expired, dead-lettered): the
+-- record a job ended with is final, for its final message told its readers that record's figures
+-- (gateway/streaming.ended_figures). A claim on an ended job records nothing, and wins only where that record
+-- holds a first token nobody claimed (a result stored with its TTFT); the gateway ending a job it holds claims its
+-- pending first token with the end itself (cancel: redis_queue.cancel_recording; a result: complete_recording).
 --
 -- KEYS[1]  job hash
 -- ARGV[1]  the claiming gateway's id
@@ -29,7 +30,8 @@ end
 local fields = redis.call('HMGET', KEYS[1], 'state', 'enqueued_at_ms', 'first_token_ms', 'ttft_s')
 local state, after, enq = fields[1], tonumber(ARGV[3] or ''), tonumber(fields[2])
 local first = tonumber(fields[3])
-if after and enq and state ~= 'done' and state ~= 'failed' then
+local live = state == 'queued' or state == 'dispatched'
+if after and enq and live then
     local at = enq + math.max(0, math.floor(after + 0.5))
     if first == nil or at < first then
         redis.call('HSET', KEYS[1], 'first_token_ms', at)
@@ -37,7 +39,7 @@ if after and enq and state ~= 'done' and state ~= 'failed' then
     end
 end
 -- A job still running may yet store a TTFT (the worker's, complete.lua): the claim counts its first token now.
-if state ~= 'queued' and state ~= 'dispatched' and first == nil and (tonumber(fields[4]) or -1) < 0 then
+if not live and first == nil and (tonumber(fields[4]) or -1) < 0 then
     return 0
 end
 local tag = ARGV[2] or ''
