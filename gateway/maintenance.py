@@ -6,6 +6,7 @@ safe). Every time it compares is Redis's own clock (one clock for all gateways).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import redis
@@ -49,7 +50,9 @@ class Maintenance:
         for rec in self.queue.expire_records(now_ms):
             self.spans.left_queue(rec, "expired", now_ms * 1_000_000)
             metrics.ended(rec.id, rec.tier_granted.value, "expired", now)
-            self._finish_stream(rec.id, "expired", None, "queue timeout exceeded")
+            # The record as expire.lua ended it (at now_ms): the figures a later read tells.
+            self._finish_stream(rec.id, "expired", None, "queue timeout exceeded",
+                                ended=dataclasses.replace(rec, finished_at_ms=now_ms))
         self.stop_strays(now)
         self._measured_rates = {t: st.rate_per_s for t, st in self.queue.drain_stats(now_ms).items()}
         for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:
@@ -102,24 +105,29 @@ class Maintenance:
             if w is not None:
                 w.lost_lease = w.lost_lease or cause == "lease_expired"  # a release is a live worker's word
                 self._send(self.worker_sock, w.identity, P.CancelJob(one.job_id, one.attempt))
-            if one.state == "dead":
-                self._finish_stream(one.job_id, "dead", None, "lease expired too many times")
         for one in settled:  # after every lease is settled here: a Redis error cannot leave one half done
             if one.state == "dead":
-                self._dead_letter_span(one, cause)
+                self._dead_lettered(one, cause)
 
-    def _dead_letter_span(self, one, cause: str) -> None:
+    def _dead_lettered(self, one, cause: str) -> None:
         """The lost last attempt's count and span (GatewaySpans.dead_lettered): its trace context is in the stored
-        job."""
-        rec = None  # counted all the same if this gateway held it (the tier it held)
+        job; and the final message of its stream here, with its record's figures (what a later read tells)."""
+        rec, unread = None, False  # counted all the same if this gateway held it (the tier it held)
         try:
             if self._redis_down():  # a read before timed out: this one would too, each after the other
                 raise redis.ConnectionError("in back-off")
             rec = self.queue.get(one.job_id)
         except redis.RedisError as e:
+            unread = True
             log.warning("job %s dead-lettered; its span is lost (Redis: %s)", one.job_id, e)
             if not self._redis_down():
                 self._redis_failed(e)
         metrics.ended(one.job_id, rec.tier_granted.value if rec is not None else None, "dead", self.clock())
         if rec is not None and rec.finished_at_ms is not None:  # None: already trimmed from the dead letters
             self.spans.dead_lettered(rec, one.attempt, one.worker, cause, rec.finished_at_ms * 1_000_000)
+            self._finish_stream(one.job_id, "dead", None, "lease expired too many times", ended=rec)
+        elif unread:  # its stream here ends from its record once Redis answers (follow_token_log's idle check)
+            self.enqueued_at.pop(one.job_id, None)
+            self.waits.forget(one.job_id)
+        else:  # no record left to tell: this gateway's own measures
+            self._finish_stream(one.job_id, "dead", None, "lease expired too many times")
