@@ -24,6 +24,7 @@ from gateway.spans import GatewaySpans
 
 log = logging.getLogger("gateway")
 REDIS_FULL_LOG_EVERY_S = 60.0  # a full Redis refuses every submission: say so once a minute, not each time
+CANCELLED = "cancelled by the client"  # the reason a cancelled job's record and final message tell
 
 
 class ClientApi:
@@ -231,7 +232,8 @@ class ClientApi:
         # record a job ended with is final (first_token.lua), and its final message tells that record's figures.
         start_ms = self.waits.unrecorded_start_ms(req.job_id)
         claim = self.config.gateway_id if metrics.first_token_pending(req.job_id) else None
-        before, won = self.queue.cancel_recording(req.job_id, first_prefill_ms=start_ms, first_token_claim=claim)
+        before, won = self.queue.cancel_recording(req.job_id, reason=CANCELLED, first_prefill_ms=start_ms,
+                                                  first_token_claim=claim)
         if start_ms is not None:
             self.waits.recorded({req.job_id: start_ms})
         if claim is not None:
@@ -246,7 +248,7 @@ class ClientApi:
         self._send(self.clients, ident, P.CancelReply(req.job_id, before is not None))
         if before is not None:
             metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
-            self._finish_stream(req.job_id, "cancelled", None, "cancelled by the client", ended=before)
+            self._finish_stream(req.job_id, "cancelled", None, CANCELLED, ended=before)
 
 
 def _submitted(result: Admitted, adm: admission.Admission) -> P.SubmitReply:

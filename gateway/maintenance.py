@@ -6,7 +6,6 @@ safe). Every time it compares is Redis's own clock (one clock for all gateways).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import redis
@@ -50,9 +49,7 @@ class Maintenance:
         for rec in self.queue.expire_records(now_ms):
             self.spans.left_queue(rec, "expired", now_ms * 1_000_000)
             metrics.ended(rec.id, rec.tier_granted.value, "expired", now)
-            # The record as expire.lua ended it (at now_ms): the figures a later read tells.
-            self._finish_stream(rec.id, "expired", None, "queue timeout exceeded",
-                                ended=dataclasses.replace(rec, finished_at_ms=now_ms))
+            self._finish_stream(rec.id, "expired", None, "queue timeout exceeded", ended=rec)
         self.stop_strays(now)
         self._measured_rates = {t: st.rate_per_s for t, st in self.queue.drain_stats(now_ms).items()}
         for job_id in [j for j, t in self.enqueued_at.items() if now - t > ADMISSION_MEMORY_S]:

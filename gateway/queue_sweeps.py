@@ -78,7 +78,8 @@ class QueueSweeps:
         return [rec.id for rec in self.expire_records(now_ms, limit=limit)]
 
     def expire_records(self, now_ms: int, *, limit: int = SWEEP_LIMIT) -> list[JobRecord]:
-        """As expire(), returning each job as it was before (its payload holds its trace context)."""
+        """As expire(), returning each job as it was before (its payload holds its trace context), with the reason
+        and finished_at_ms it ended with."""
         ids = self._due(self.keys.deadlines, now_ms, limit)
         if not ids:
             return []

@@ -286,8 +286,8 @@ class RedisQueue(QueueSweeps, QueueReads):
 
     # --- cancel ----------------------------------------------------------------------------
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
-        """Cancel a queued or dispatched job; returns it as it was, with its finished_at_ms (when it was cancelled),
-        or None if unknown or final."""
+        """Cancel a queued or dispatched job; returns it as it was, with the reason and finished_at_ms it ended
+        with, or None if unknown or final."""
         return self.cancel_recording(job_id, now_ms=now_ms, reason=reason)[0]
 
     def cancel_recording(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled",

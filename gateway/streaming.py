@@ -162,8 +162,8 @@ class Streaming:
                        ttft_s: float | None = None, ended: JobRecord | None = None) -> None:
         """``stored``, ``ttft_s``: the figures of a result this gateway stored (complete.lua), which the final
         message repeats: a later read of the result reports those. ``ended``: the record of a job ended without a
-        result, as it ended (its finished_at_ms, its first token and prefill start): the final message tells its
-        figures (ended_figures), as a later read does; this gateway's own measures may differ (another gateway held
+        result, as it ended (its finished_at_ms and reason, its first token and prefill start): the final message
+        tells its figures (ended_figures) and reason, as a later read does; this gateway's own measures may differ (another gateway held
         the job, or admitted it)."""
         s = self.streams.streams.pop(job_id, None)
         enq = self.enqueued_at.pop(job_id, None)
@@ -179,6 +179,7 @@ class Streaming:
             total, queued_s, ttft = stored.total_s, stored.queued_s, ttft_s
         elif ended is not None:
             queued_s, ttft, total = ended_figures(ended)
+            reason = ended.reason or reason
         done = P.JobDone(job_id, state, finish_reason, list(s.tokens), self.streams.text(s.tokens, []),
                          queued_s=max(0.0, total - run_s) if queued_s is None else queued_s, ttft_s=ttft,
                          total_s=total, preemptions=preemptions,

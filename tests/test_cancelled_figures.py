@@ -54,9 +54,10 @@ def test_a_cancelled_jobs_final_message_and_a_later_read_tell_the_ttft_its_recor
     assert live.ttft_s == recorded and later._done.ttft_s == recorded, (live.ttft_s, later._done.ttft_s, recorded)
     # Its wait and total likewise: to the first prefill start recorded with the cancel, and to the cancel.
     assert "first_prefill_ms" in h, sorted(h)
-    told = [(m.queued_s, m.total_s) for m in (live, later._done)]
+    told = [(m.queued_s, m.total_s, m.reason) for m in (live, later._done)]
     assert told[0] == told[1] == ((int(h["first_prefill_ms"]) - int(h["enqueued_at_ms"])) / 1000,
-                                  (int(h["finished_at_ms"]) - int(h["enqueued_at_ms"])) / 1000), told
+                                  (int(h["finished_at_ms"]) - int(h["enqueued_at_ms"])) / 1000,
+                                  h["reason"].decode()), told
 
 
 def test_a_cancel_through_a_gateway_not_holding_the_job_tells_its_readers_the_figures_a_later_read_tells(
@@ -138,7 +139,7 @@ def test_a_cancel_through_a_gateway_not_holding_the_job_tells_its_readers_the_fi
             reader.close(linger=0)
             for client in clients.values():
                 client.close()
-    told = [(m.ttft_s, m.total_s, m.queued_s) for m in (final, later._done)]
+    told = [(m.ttft_s, m.total_s, m.queued_s, m.reason) for m in (final, later._done)]
     assert told[0] == told[1], told
     assert h["state"] == b"cancelled" and "first_token_ms" not in h and final.ttft_s is None, (sorted(h), told)
     assert final.total_s == (int(h["finished_at_ms"]) - int(h["enqueued_at_ms"])) / 1000

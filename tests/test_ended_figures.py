@@ -1,8 +1,9 @@
 """A job that ended without a result in a gateway's maintenance pass (dead-lettered when its last lease ran out,
 expired in its queue) ends its stream with a final message that tells the figures a later read of the job tells: its
 record's TTFT (first_token_ms), its wait (first_prefill_ms) and its total (finished_at_ms), each after its admission
-on Redis's clock. The final message told the gateway's own measures: its TTFT and total on its own clock, its wait as
-the whole time. On a real cluster (a gateway, a worker killed -9, Redis)."""
+on Redis's clock, and its reason. The final message told the gateway's own measures: its TTFT and total on its own
+clock, its wait as the whole time; and a reason of its own ("queue timeout exceeded" where the record and every later
+read said "queue timeout of 1s for tier P2 exceeded"). On a real cluster (a gateway, a worker killed -9, Redis)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.test_metrics_finals import logged_tokens
 
 
 def _told(done) -> tuple:
-    return done.state, done.ttft_s, done.queued_s, done.total_s
+    return done.state, done.ttft_s, done.queued_s, done.total_s, done.reason
 
 
 def _recorded(h: dict[bytes, bytes], field: str) -> float | None:
@@ -53,6 +54,7 @@ def test_a_dead_lettered_and_an_expired_jobs_final_messages_tell_what_a_later_re
     assert told == later, (told, later)
     h = records[dying.id]
     assert told[dying.id] == ("dead", _recorded(h, "first_token_ms"), _recorded(h, "first_prefill_ms"),
-                              _recorded(h, "finished_at_ms")), (told, sorted(h))
+                              _recorded(h, "finished_at_ms"), h["reason"].decode()), (told, sorted(h))
     h = records[expiring.id]
-    assert told[expiring.id] == ("expired", None, _recorded(h, "finished_at_ms"), _recorded(h, "finished_at_ms"))
+    assert told[expiring.id] == ("expired", None, _recorded(h, "finished_at_ms"), _recorded(h, "finished_at_ms"),
+                                 h["reason"].decode())

@@ -13,8 +13,8 @@
 -- ARGV[4]     reason
 -- ARGV[5]     optional: Redis TIME in ms after which the caller no longer waits for the reply; "": none
 --
--- Returns: the job's HGETALL as it was before cancelling, and its finished_at_ms (the record's end, for the final
--- message telling the figures a later read tells), or nil if not cancelled; "late", changing nothing, when
+-- Returns: the job's HGETALL as it was before cancelling, with the reason and finished_at_ms it ended with (for the
+-- final message, which tells what a later read tells), or nil if not cancelled; "late", changing nothing, when
 -- run past ARGV[5] (Redis stood still meanwhile: the caller was told to retry, and told the worker nothing).
 
 if ARGV[5] and ARGV[5] ~= '' and clock_ms('') > tonumber(ARGV[5]) then
@@ -36,6 +36,7 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at_ms', now, 'reason
 redis.call('DEL', KEYS[9])
 redis.call('HDEL', KEYS[1], 'payload')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-before[#before + 1] = 'finished_at_ms'
-before[#before + 1] = now
+for _, v in ipairs({'reason', ARGV[4], 'finished_at_ms', now}) do
+    before[#before + 1] = v
+end
 return before

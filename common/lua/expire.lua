@@ -11,7 +11,8 @@
 -- ARGV[3]     Redis TIME in ms after which the caller no longer waits for the reply; "": none
 -- ARGV[4..]   job ids, in the order of KEYS[7..]
 --
--- Returns: for each job expired, {id, its HGETALL as it was before} (the gateway ends its queue span with it);
+-- Returns: for each job expired, {id, its HGETALL as it was before, with the reason and finished_at_ms it ended
+-- with} (the gateway ends its queue span with it, and its final message, which tells what a later read tells);
 -- "late", changing nothing, when run past ARGV[3] (Redis stood still meanwhile): a job expired unseen would be
 -- counted by no gateway, for no later pass would find it in the deadlines index.
 
@@ -32,11 +33,13 @@ for i = 7, #KEYS do
         redis.call('ZREM', KEYS[tonumber(string.sub(f[2], 2)) + 1], job_id)
         redis.call('ZREM', KEYS[5], job_id)
         redis.call('ZREM', KEYS[6], job_id)
-        redis.call('HSET', job_key, 'state', 'expired', 'finished_at_ms', now, 'reason',
-            'queue timeout of ' .. string.format('%g', timeout_s) .. 's for tier '
-            .. f[3] .. ' exceeded')
+        local reason = 'queue timeout of ' .. string.format('%g', timeout_s) .. 's for tier ' .. f[3] .. ' exceeded'
+        redis.call('HSET', job_key, 'state', 'expired', 'finished_at_ms', now, 'reason', reason)
         redis.call('HDEL', job_key, 'payload')
         redis.call('PEXPIRE', job_key, retention_ms)
+        for _, v in ipairs({'reason', reason, 'finished_at_ms', now}) do
+            before[#before + 1] = v
+        end
         expired[#expired + 1] = {job_id, before}
     elseif f[1] ~= 'queued' then
         redis.call('ZREM', KEYS[6], job_id)  -- not queued: the index entry is stale
