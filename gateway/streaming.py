@@ -163,8 +163,8 @@ class Streaming:
         """``stored``, ``ttft_s``: the figures of a result this gateway stored (complete.lua), which the final
         message repeats: a later read of the result reports those. ``ended``: the record of a job ended without a
         result, as it ended (its finished_at_ms and reason, its first token and prefill start): the final message
-        tells its figures (ended_figures) and reason, as a later read does; this gateway's own measures may differ (another gateway held
-        the job, or admitted it)."""
+        tells its figures (ended_figures) and reason, as a later read does; this gateway's own measures may differ
+        (another gateway held the job, or admitted it)."""
         s = self.streams.streams.pop(job_id, None)
         enq = self.enqueued_at.pop(job_id, None)
         queued_s = self.waits.queued_s(job_id, enq)  # None: no worker reported a prefill start (an old worker)

@@ -1,9 +1,10 @@
-"""A cancelled job's time to first token is one figure: the final message its stream ends with and a later read of
-the job (through the SDK: the JobDone frame each ends with, then JobCancelled) tell the one its record holds, its
-first token after its admission (first_token_ms, taken into the record with the first token's claim:
-first_token.lua). The final message told the gateway's own measure and a later read told none. On a real cluster
-(gateway, worker, Redis), the cancel sent as the job's first token reaches its client: before that token's claim
-(a token-log flush interval of 30 s) or after it."""
+"""A cancelled job's figures are one set: the final message its stream ends with and a later read of the job
+(through the SDK: the JobDone frame each ends with, then JobCancelled) tell the ones its record ended with: its first
+token (first_token_ms: the holder's pending claim goes with the cancel, first_token.lua), its first prefill start,
+its end and its reason, each after its admission. The record a job ended with is final: a claim after the cancel
+records nothing. On a real cluster (gateways, a worker, Redis), the cancel sent as the job's first token reaches its
+client: through the gateway holding it, before that token's claim (a token-log flush interval of 30 s) or after it;
+and through the other gateway, before the holder's claim."""
 
 from __future__ import annotations
 
