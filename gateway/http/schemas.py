@@ -7,7 +7,8 @@ Each is accepted at the value that asks for nothing, since clients send some by 
 empty list, a zero penalty, ``null``). Fields nobody defines are ignored, as OpenAI-compatible
 servers do, so newer clients keep working. ``null`` is the field's default, as in OpenAI's API.
 Types are strict, as OpenAI's are: ``"max_tokens": true`` is not one token, nor ``"stream": 1``
-a stream (an integer is still a float).
+a stream (an integer is still a float); so are the refused fields' (``"stop": {}`` is no empty list,
+``"min_tokens": 0.0`` no integer).
 """
 
 from __future__ import annotations
@@ -15,103 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from common.tiers import ALL_TIERS
+from gateway.http.unhonoured import CHAT, COMPLETION, MESSAGE, SHARED, STREAM_OPTIONS, Unhonoured, first_unhonoured
 
 # The max_tokens of a /v1/completions body that leaves the field out (OpenAI's, and vLLM's, default).
 OPENAI_COMPLETION_MAX_TOKENS = 16
 
 Priority = Annotated[int, Field(ge=0, le=len(ALL_TIERS) - 1)]
-
-
-def _number(neutral: float) -> Callable[[Any], bool]:
-    return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
-
-
-def _is(neutral: Any) -> Callable[[Any], bool]:
-    return lambda value: value is neutral
-
-
-def _empty(value: Any) -> bool:
-    return value == [] or value == {}
-
-
-def _text_format(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
-
-
-# name: (whether a value asks for nothing, that value as the refusal names it). null always asks for nothing.
-# Not here, for it cannot change the answer: spaces_between_special_tokens, which only a slow tokenizer's decoding
-# reads (in vLLM too), where the gateway decodes with the fast one and skips special tokens (gateway/detokenize.py).
-Unhonoured = dict[str, tuple[Callable[[Any], bool], str]]
-SHARED: Unhonoured = {
-    "presence_penalty": (_number(0), "0"),
-    "frequency_penalty": (_number(0), "0"),
-    "logit_bias": (_empty, "{}"),
-    "stop": (_empty, "[]"),
-    "echo": (_is(False), "false"),
-    # vLLM's extra sampling parameters.
-    "min_tokens": (_number(0), "0"),
-    "repetition_penalty": (_number(1), "1"),
-    "min_p": (_number(0), "0"),
-    "stop_token_ids": (_empty, "[]"),
-    "bad_words": (_empty, "[]"),
-    "use_beam_search": (_is(False), "false"),
-    "skip_special_tokens": (_is(True), "true"),
-    "guided_json": (_is(None), "null"),
-    "guided_regex": (_is(None), "null"),
-    "guided_choice": (_is(None), "null"),
-    "guided_grammar": (_is(None), "null"),
-    "structured_outputs": (_is(None), "null"),
-    "response_format": (_text_format, '{"type": "text"}'),
-    "allowed_token_ids": (_is(None), "null"),  # vLLM refuses [] itself
-    "logits_processors": (_empty, "[]"),
-    "prompt_logprobs": (_is(None), "null"),  # 0 still asks for the prompt's own tokens' log probabilities
-    "vllm_xargs": (_empty, "{}"),  # parameters of the server's custom extensions, which this server has none of
-}
-CHAT: Unhonoured = {
-    **SHARED,
-    "logprobs": (_is(False), "false"),
-    "top_logprobs": (_number(0), "0"),
-    "tools": (_empty, "[]"),
-    "functions": (_empty, "[]"),
-    "tool_choice": (lambda v: v in ("none", "auto"), '"none"'),
-    "function_call": (lambda v: v in ("none", "auto"), '"none"'),
-    "modalities": (lambda v: v == ["text"], '["text"]'),
-    "audio": (_is(None), "null"),
-    "add_generation_prompt": (_is(True), "true"),
-    "continue_final_message": (_is(False), "false"),
-    "chat_template": (_is(None), "null"),
-    "chat_template_kwargs": (_empty, "{}"),
-    "add_special_tokens": (_is(False), "false"),
-    "documents": (_empty, "[]"),  # the chat template's RAG documents
-    "structural_tag": (_is(None), "null"),
-}
-COMPLETION: Unhonoured = {
-    **SHARED,
-    # An integer here: 0 still asks for the chosen tokens' log probabilities.
-    "logprobs": (_is(False), "false"),
-    "suffix": (lambda v: v == "", '""'),
-    "best_of": (_number(1), "1"),
-    "add_special_tokens": (_is(True), "true"),
-    "prompt_embeds": (_is(None), "null"),
-}
-STREAM_OPTIONS: Unhonoured = {
-    "continuous_usage_stats": (_is(False), "false"),  # vLLM: usage in every chunk
-}
-MESSAGE: Unhonoured = {
-    "tool_calls": (_empty, "[]"),
-    "function_call": (_is(None), "null"),
-}
-
-
-def first_unhonoured(fields: dict[str, Any] | None, table: Unhonoured, where: str = "") -> tuple[str, str] | None:
-    """(param, message) for the first field of ``fields`` that asks for what ``table`` says cannot be done."""
-    for name, value in (fields or {}).items():
-        if name in table and value is not None and not table[name][0](value):
-            return where + name, f"{where + name} is not supported by this server (only {table[name][1]} or null)"
-    return None
 
 
 class _Body(BaseModel):
@@ -172,7 +86,8 @@ class _Sampling(_Body):
     n: Annotated[int, Field(ge=1, le=1)] = 1  # not Literal[1], which True matches
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    # Any 64-bit integer, as vLLM takes (OpenAI: any integer); worker_seed is what the worker gets.
+    seed: int | None = None
     user: str | None = None
     # The tier as a number, 0 (P0) .. 3 (P3); the X-Priority header says the same and wins when both are given.
     priority: Priority | None = None
@@ -181,6 +96,19 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     # The prompt's last so many tokens are served (after the chat template), as in vLLM.
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_64_bits(cls, seed: int | None) -> int | None:
+        if seed is not None and not -2**63 <= seed < 2**63:
+            raise PydanticCustomError("seed_range", f"must be a 64-bit integer, in [{-2**63}, {2**63 - 1}]")
+        return seed
+
+    def worker_seed(self) -> int | None:
+        """The seed the worker samples with: the client's mod 2**63, the worker's range (its generator takes 63
+        bits, worker/sampler.py). A non-negative seed is itself, so the door and the SDK answer a seed alike; a
+        negative one is seed + 2**63 (-1 is 2**63 - 1), the one collision a 64-bit seed in 63 bits must have."""
+        return None if self.seed is None else self.seed % 2**63
 
     def top_k_or_none(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k  # vLLM: -1 (and 0) mean "all tokens"
