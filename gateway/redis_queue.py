@@ -262,23 +262,14 @@ class RedisQueue(QueueSweeps, QueueReads):
         keys = [self.keys.job(job_id), self.keys.inflight, self.keys.drain, self.keys.tokens(job_id)]
         args = [job_id, str(attempt), final.value, _now(now_ms), self._retention_ms,
                 str(int(self.drain_tau_s * 1000)), worker, self._reply_deadline_ms(), *flat]  # fmt: skip
-        calls = []
-        if first_prefill_ms is not None:
-            calls.append(first_prefill_call(self.keys, job_id, first_prefill_ms))
-        if first_token_claim is not None:
-            calls.append(first_token_call(self.keys, job_id, first_token_claim))
         try:
-            if calls:
-                *before, stored = run_pipelined(self.client, [*calls, ("complete", keys, args)])
-            else:
-                before, stored = [], self._scripts["complete"](keys=keys, args=args)
+            stored, won = self._after_flush("complete", keys, args, job_id, first_prefill_ms, first_token_claim)
         except redis.ResponseError as e:
             if "incomplete result" in str(e):
                 raise IncompleteResult(str(e)) from None
             raise
         if stored == b"late":  # as the timeout it came close to: the caller keeps the result and stores it again
             raise redis.TimeoutError("the completion reached Redis as its caller gave up on it; nothing was changed")
-        won = first_token_claim is not None and bool(before[-1])
         if not stored:
             return None, won
         _, queued, total_ms, ttft = stored
@@ -300,16 +291,22 @@ class RedisQueue(QueueSweeps, QueueReads):
         keys = [self.keys.job(job_id), *self.keys.queues(), self.keys.inflight, self.keys.aging, self.keys.deadlines,
                 self.keys.tokens(job_id)]  # fmt: skip
         args = [job_id, _now(now_ms), self._retention_ms, reason, self._reply_deadline_ms()]
+        raw, won = self._after_flush("cancel", keys, args, job_id, first_prefill_ms, first_token_claim)
+        if raw == b"late":  # as the timeout it came close to: the caller retries, and its retry cancels
+            raise redis.TimeoutError("the cancel reached Redis as its caller gave up on it; nothing was changed")
+        return (JobRecord.from_redis(raw) if raw else None), won
+
+    def _after_flush(self, script: str, keys: list, args: list, job_id: str, first_prefill_ms: int | None,
+                     first_token_claim: str | None) -> tuple[object, bool]:
+        """(``script``'s reply, claim won): the script run after, in the same round trip, the writes of the token
+        log's next flush for the job (its first prefill start, the claim of its first token for the gateway named)
+        that the end it makes would otherwise refuse (the record a job ended with is final)."""
         calls = []
         if first_prefill_ms is not None:
             calls.append(first_prefill_call(self.keys, job_id, first_prefill_ms))
         if first_token_claim is not None:
             calls.append(first_token_call(self.keys, job_id, first_token_claim))
-        if calls:
-            *before, raw = run_pipelined(self.client, [*calls, ("cancel", keys, args)])
-        else:
-            before, raw = [], self._scripts["cancel"](keys=keys, args=args)
-        if raw == b"late":  # as the timeout it came close to: the caller retries, and its retry cancels
-            raise redis.TimeoutError("the cancel reached Redis as its caller gave up on it; nothing was changed")
-        won = first_token_claim is not None and bool(before[-1])
-        return (JobRecord.from_redis(raw) if raw else None), won
+        if not calls:
+            return self._scripts[script](keys=keys, args=args), False
+        *before, reply = run_pipelined(self.client, [*calls, (script, keys, args)])
+        return reply, first_token_claim is not None and bool(before[-1])
