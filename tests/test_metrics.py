@@ -49,9 +49,11 @@ def total(page: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    # One worker, two batch slots, a small KV pool: urgent work must preempt.
-    with local_cluster(tmp_path_factory.mktemp("metrics"), tiny_model_dir, workers=1, max_running=2,
+def cluster(bench_model_dir, tmp_path_factory):
+    # One worker, two batch slots, a small KV pool: urgent work must preempt. The bench model, not the tiny one:
+    # the tiny one runs two 120-token jobs in about 0.15 s when nothing scrapes it, so a poll could miss them both
+    # running (it did, in CI) and the P0 jobs could arrive after them and preempt nothing.
+    with local_cluster(tmp_path_factory.mktemp("metrics"), bench_model_dir, workers=1, max_running=2,
                        kv_blocks=24) as c:
         yield c
 
@@ -221,8 +223,16 @@ def preempting_workload(c: dict) -> None:
     chat, lab = (GatewayClient(c["gateway"], c["tenants"][t]["api_key"]) for t in ("chat-co", "lab-co"))
     try:
         low = [lab.submit(prompt_token_ids=[3, 4, 5], max_tokens=120, ignore_eos=True, seed=i) for i in range(2)]
-        wait_for(lambda: total(scrape(c["metrics"][1]), "ts_num_requests_running", tier="P3") == 2, 60,
-                 "the worker to run both P3 jobs")
+
+        def both_running() -> bool:
+            if total(scrape(c["metrics"][1]), "ts_num_requests_running", tier="P3") == 2:
+                return True
+            # Ended before they were seen together: the workload preempts nothing; say so now, not in 60 s.
+            ended = [j.id for j in low if j.status().state not in ("queued", "dispatched")]
+            assert not ended, f"P3 jobs {ended} ended before both were seen running: the model is too fast"
+            return False
+
+        wait_for(both_running, 60, "the worker to run both P3 jobs")
         urgent = [chat.submit(prompt_token_ids=[6, 7], max_tokens=10, ignore_eos=True, tier="P0", seed=i)
                   for i in range(2)]
         for j in urgent + low:
