@@ -16,9 +16,10 @@ from tests.test_metrics import scrape, total
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
+def cluster(bench_model_dir, tmp_path_factory):
     # One worker with two slots shared by two gateways: a third job queues, and either gateway may dispatch it.
-    with local_cluster(tmp_path_factory.mktemp("metrics-counts"), tiny_model_dir, workers=1, gateways=2,
+    # The bench model: the tiny one can run both 2000-token fillers in about 2 s, near fill_slots' own wait.
+    with local_cluster(tmp_path_factory.mktemp("metrics-counts"), bench_model_dir, workers=1, gateways=2,
                        max_running=2, http=False) as c:
         yield c
 
