@@ -42,11 +42,14 @@ class _Pending:
 class Unconfirmed:
     def __init__(self, resend_s: float = 1.0, give_up_s: float = 60.0,
                  observe: Callable[[str, int], None] | None = None) -> None:
-        """``observe(event, n)``: told of each round's completions sent again ("resent") and given up."""
+        """``observe(event, n)``: told of copies sent again that a socket took ("resent"), of those every socket
+        refused ("refused": counted apart, as the refused-retry offers one ten times a second while the gateways
+        stay full), and of completions given up ("given_up")."""
         self.resend_s, self.give_up_s = resend_s, give_up_s
         self.observe = observe
         self._pending: dict[tuple[str, int], _Pending] = {}
-        self.resent = 0  # copies sent again
+        self.resent = 0  # copies sent again that a socket took
+        self.refused = 0  # copies sent again that every socket refused
         self.given_up = 0  # completions left to their lease
 
     def __len__(self) -> int:
@@ -55,9 +58,15 @@ class Unconfirmed:
     def sent(self, msg: Settled, now: float, delivered: bool = True) -> None:
         """``msg`` was sent at ``now``; not ``delivered``: every socket it was offered refused it (a full queue), so
         it is due again at once (the next pass offers it to every gateway), and, refused again, ``REFUSED_RETRY_S``
-        after each refusal."""
+        after each refusal. One already kept is a copy sent again (``due``), and counted by what became of it."""
         key = (msg.job_id, msg.attempt)
         pending = self._pending.get(key)
+        if pending is not None:
+            if delivered:
+                self.resent += 1
+            else:
+                self.refused += 1
+            self._observe("resent" if delivered else "refused", 1)
         first = pending.first_sent if pending is not None else now
         refused = 0 if delivered else (pending.refused if pending is not None else 0) + 1
         due_at = now + self.resend_s if delivered else -math.inf if refused == 1 else now + REFUSED_RETRY_S
@@ -83,10 +92,11 @@ class Unconfirmed:
                 given_up += 1
             elif now >= p.due_at:
                 out.append((p.msg, p.first_sent))
-        self.resent += len(out)
         self.given_up += given_up
-        if self.observe is not None:
-            for event, n in (("resent", len(out)), ("given_up", given_up)):
-                if n:
-                    self.observe(event, n)
+        if given_up:
+            self._observe("given_up", given_up)
         return out
+
+    def _observe(self, event: str, n: int) -> None:
+        if self.observe is not None:
+            self.observe(event, n)

@@ -45,14 +45,15 @@ LINGER_SECONDS = Counter("ts_dispatch_linger_seconds", "Seconds the step loop wa
                          "reports, summed (every running job waited them too)")
 LINGER_OUTCOMES = linger.OUTCOMES
 UNCONFIRMED = Counter("ts_unconfirmed_completions_total", "Completions no gateway had confirmed in time (a gateway "
-                      "restarting or gone): sent again to every gateway (resent), or left to their lease after a "
-                      "minute (given_up)", ["event"])
+                      "restarting or gone): a copy sent again to every gateway that one took (resent), or that every "
+                      "one refused, its send queue full (refused: tried again every 0.1 s), or left to their lease "
+                      "after a minute (given_up)", ["event"])
 
 for _t in TIER_VALUES:
     PREEMPT_WAIT.labels(_t)
 for _o in LINGER_OUTCOMES:
     LINGER_OFFERS.labels(_o)
-for _e in ("resent", "given_up"):
+for _e in ("resent", "refused", "given_up"):
     UNCONFIRMED.labels(_e)
 
 # request id -> its suspended_total_s when last seen resuming, so each resume observes only its own gap.
@@ -73,7 +74,7 @@ def dispatch_linger(outcome: str, waited_s: float) -> None:
 
 
 def unconfirmed_completions(event: str, n: int) -> None:
-    """``n`` completions were sent again, or given up (worker/completions.py)."""
+    """``n`` completions were sent again (taken or refused), or given up (worker/completions.py)."""
     UNCONFIRMED.labels(event).inc(n)
 
 

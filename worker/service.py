@@ -78,8 +78,8 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
     def close(self) -> None:
         log.info("dispatch linger: %d reports offered room, waited on %d, answered in time %d",
                  self.linger.offers, self.linger.waits, self.linger.answers)
-        log.info("completions sent again for want of a confirmation: %d; left to their lease: %d",
-                 self.unconfirmed.resent, self.unconfirmed.given_up)
+        log.info("completions sent again for want of a confirmation: %d (and %d copies refused); left to their "
+                 "lease: %d", self.unconfirmed.resent, self.unconfirmed.refused, self.unconfirmed.given_up)
         self._heartbeat.stop()
         with self._lock:
             self.routes.close()
