@@ -239,11 +239,40 @@ def from_registered_worker(gw, ident: bytes) -> bool:
     if is_registered_worker(gw, ident):
         return True
     gw.counters["dropped_no_hello"] += 1
-    if gw.counters["dropped_no_hello"] in (1, 10, 100, 1000) or gw.counters["dropped_no_hello"] % 10_000 == 0:
+    if _now_and_then(gw.counters["dropped_no_hello"]):
         log.warning("dropped %d frame(s) from worker-socket peers that never said hello",
                     gw.counters["dropped_no_hello"])
     gw._ask_hello(ident, "this gateway does not know you (it restarted, or you timed out): say hello")
     return False
+
+
+def room_for_worker(gw, ident: bytes, worker_id: str) -> bool:
+    """True if the worker registry takes a hello from ``worker_id`` (gateway/workers.MAX_WORKERS); else the hello is
+    refused, counted and answered (the worker says hello again with its periodic one, by when room may be made)."""
+    if gw.workers.has_room(worker_id):
+        return True
+    gw.counters["hello_refused"] += 1
+    gw.counters["hello_refused_full"] += 1
+    if _now_and_then(gw.counters["hello_refused_full"]):
+        log.warning("refused hello from %s: %d workers registered, each reporting (gateway/workers.MAX_WORKERS); "
+                    "%d such hellos refused", worker_id, len(gw.workers.workers), gw.counters["hello_refused_full"])
+    gw._send(gw.worker_sock, ident, P.ErrorReply("forbidden", "hello refused: this gateway holds as many workers "
+                                                              "as it may, each reporting"))
+    return False
+
+
+def forgot_worker(gw, forgotten: str, newcomer: str) -> None:
+    """``forgotten`` said hello, never reported, and made room for ``newcomer`` (gateway/workers.MAX_WORKERS)."""
+    gw.counters["workers_forgotten"] += 1
+    if _now_and_then(gw.counters["workers_forgotten"]):
+        log.warning("forgot worker %s, which said hello and never reported, to make room for %s "
+                    "(gateway/workers.MAX_WORKERS); %d forgotten so", forgotten, newcomer,
+                    gw.counters["workers_forgotten"])
+
+
+def _now_and_then(count: int) -> bool:
+    """Log at the 1st, 10th, 100th, 1000th and every 10,000th time: a peer's flood must not flood the log."""
+    return count in (1, 10, 100, 1000) or count % 10_000 == 0
 
 
 @functools.lru_cache(maxsize=4)

@@ -46,6 +46,8 @@ class WorkerLink:
             self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
             self._hello_asked[ident] = math.inf  # asking it for another would only repeat the refusal
             return
+        if not security.room_for_worker(self, ident, msg.worker_id):  # before its key is bound: a refusal binds nothing
+            return
         if self.worker_keys is not None and (
                 bound := self.worker_keys.claim(msg.worker_id, self.frame_key, self.workers.workers)) is not None:
             self.counters["hello_wrong_key"] += 1
@@ -56,7 +58,8 @@ class WorkerLink:
             return
         self.hello_policy.pin(msg)  # only now: a hello refused for its key had pinned another model for good
         self._hello_asked.pop(ident, None)
-        self.workers.hello(msg, ident, self.clock())
+        if (forgotten := self.workers.hello(msg, ident, self.clock())) is not None:
+            security.forgot_worker(self, forgotten, msg.worker_id)
         self._track_drain(msg.worker_id)
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
         self._dirty = True

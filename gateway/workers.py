@@ -27,6 +27,11 @@ MAX_CONTEXT_TOKENS = 1 << 24
 # back, model loading included, and the jobs only it fits wait for it (up to their queue timeouts) rather than fail on
 # a smaller worker, or be refused as too big for the cluster. A scale-down's worker is forgotten after it.
 DRAINED_MEMORY_S = 300.0
+# Workers registered at once. Without CURVE any peer is taken at its hello's word, and each hello under a new id was
+# kept until the worker timeout: a peer looping hellos grew the registry, and every pass over it, without end. Past
+# this the oldest worker that never reported a load is forgotten (it holds no job: a gateway sends work only by a
+# report's credit), and a hello that finds every one reporting is refused. Far above one gateway's workers.
+MAX_WORKERS = 1024
 
 
 def reported_guard(entry: list) -> int:
@@ -151,8 +156,10 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self, timeout_s: float, drained_memory_s: float = DRAINED_MEMORY_S) -> None:
+    def __init__(self, timeout_s: float, drained_memory_s: float = DRAINED_MEMORY_S,
+                 max_workers: int = MAX_WORKERS) -> None:
         self.timeout_s = timeout_s
+        self.max_workers = max_workers
         self.workers: dict[str, WorkerState] = {}
         # Workers that drained and timed out: id -> (hello, when dropped), for DRAINED_MEMORY_S.
         self.drained: dict[str, tuple[WorkerHello, float]] = {}
@@ -161,7 +168,25 @@ class WorkerRegistry:
         # those this gateway never heard drain (it restarted meanwhile, or it is another gateway's worker).
         self.shared_drained: dict[str, dict[str, int]] = {}
 
-    def hello(self, msg: WorkerHello, identity: bytes, now: float) -> None:
+    def has_room(self, worker_id: str) -> bool:
+        """A hello from ``worker_id`` may be taken: it is registered, or there is room for it, or a worker that never
+        reported can be forgotten to make some (``MAX_WORKERS``)."""
+        return worker_id in self.workers or len(self.workers) < self.max_workers or self._silent() is not None
+
+    def _silent(self) -> str | None:
+        """The worker that said hello longest ago and never reported, if any."""
+        silent = [w for w in self.workers.values() if w.load is None]
+        return min(silent, key=lambda w: w.last_seen).hello.worker_id if silent else None
+
+    def hello(self, msg: WorkerHello, identity: bytes, now: float) -> str | None:
+        """Register (or refresh) the worker; the caller asked ``has_room``. Returns the id of the worker forgotten to
+        make room, if one was."""
+        forgotten = None
+        if msg.worker_id not in self.workers and len(self.workers) >= self.max_workers:
+            forgotten = self._silent()
+            if forgotten is None:
+                raise ValueError(f"no room for worker {msg.worker_id}: ask has_room first")
+            del self.workers[forgotten]  # not remembered as drained either: a made-up id must not grow that
         self.drained.pop(msg.worker_id, None)
         old = self.workers.get(msg.worker_id)
         # A worker re-announces every few seconds: its latest report stays as it was, with when it came (its age
@@ -169,6 +194,7 @@ class WorkerRegistry:
         self.workers[msg.worker_id] = WorkerState(msg, identity, now, old.load if old else None,
                                                   old.pending if old else set(), old.load_at if old else 0.0,
                                                   old.lost_lease if old else False)
+        return forgotten
 
     def load(self, msg: WorkerLoad, now: float) -> bool:
         w = self.workers.get(msg.worker_id)
