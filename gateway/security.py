@@ -24,6 +24,7 @@ from common.redis_keys import KeySpace
 from common.settings import ConfigError
 from common.sockets import (CLIENTS_DOMAIN, WORKERS_DOMAIN, Authenticator, SocketLimits, curve_server,
                             is_loopback_endpoint)
+from gateway.metrics import HANDOFF_WORKERS, OTHER_WORKERS
 
 log = logging.getLogger("gateway.security")
 HELLO_ASK_EVERY_S = 1.0
@@ -92,6 +93,8 @@ class HelloPolicy:
         a refused one must leave the cluster's model as it was (``pin`` it once it is accepted)."""
         if not 0 < len(msg.worker_id) <= self.MAX_WORKER_ID_CHARS:
             return "worker_id must be 1..200 characters"
+        if msg.worker_id == OTHER_WORKERS:  # its hand-offs would be mixed, unseen, with the overflow series'
+            return f"worker_id {OTHER_WORKERS!r} is the metrics' series for workers past the first {HANDOFF_WORKERS}"
         if min(msg.vocab_size, msg.max_model_len, msg.max_num_seqs) < 1 or msg.num_kv_blocks < 0:
             return "vocab_size, max_model_len and max_num_seqs must be >= 1, num_kv_blocks >= 0"
         for name, pinned in (("model", self.model), ("vocab_size", self.vocab_size),
