@@ -114,7 +114,9 @@ class AsyncGatewayClient:
 
     async def _fits(self, msg, size: int, closes: int) -> None:
         """As GatewayClient._fits: ask the current gateway, before every attempt, unless it said it takes the size
-        since its connection last dropped."""
+        since its connection last dropped. A frame over its limit drops the connection, and with it every stream of
+        this client's there: they resubscribe from their next undelivered index, and the call fails after every
+        retry."""
         while True:
             conn = self._conn(closes)
             conn.seen_drops()  # a drop not yet read forgets what the gateway said, now

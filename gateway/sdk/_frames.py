@@ -33,8 +33,8 @@ def check_frame_size(msg, fields: tuple[str, ...]) -> int:
 
 
 # A gateway may take smaller frames than the protocol's (its client_max_message_bytes), and drops the connection
-# that brings a larger one, with every stream on it. A frame over UNASKED_BYTES is announced first
-# (InfoRequest.frame_bytes), once per size a gateway has not yet taken. The first question to a gateway is about
+# that brings a larger one, with every stream on it (each must resubscribe). A frame over UNASKED_BYTES is announced
+# first (InfoRequest.frame_bytes), once per size a gateway has not yet taken. The first question to a gateway is about
 # ASK_OVER_BYTES at least, so one that takes that many is asked about nothing smaller; one that does not is asked
 # about each larger size it has not taken (a limit below 16 KiB dropped the connection for frames under it, unasked).
 # Frames of UNASKED_BYTES or less go unasked: a gateway that takes no more than that serves almost no prompt, and

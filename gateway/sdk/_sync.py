@@ -17,14 +17,14 @@ from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
-from gateway.sdk._drops import DropWatch
+from gateway.sdk._drops import DROPPED, DropWatch
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
                                   without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
-from gateway.sdk._sync_sockets import DROPPED, ThreadSockets, reply_to
+from gateway.sdk._sync_sockets import ThreadSockets, reply_to
 from gateway.sdk._sync_stream import stream
 
 log = logging.getLogger("gateway.sdk")
@@ -159,10 +159,11 @@ class GatewayClient:
     def _fits(self, msg, size: int, closes: int) -> str:
         """Ask the current gateway whether it takes a frame as large as ``msg``'s (``size``), unless it has said so
         since its connection last dropped: its limit may be below the protocol's (a restarted gateway's below what
-        it said before), and it drops the connection that brings a larger frame (every stream on it stalls, and
-        the call itself fails after every retry as if the gateway were dead). Asked before every attempt, on the
-        gateway it goes to: a call failed over asks the next gateway too. For a call that began after ``closes``
-        close() calls: one came meanwhile (it forgot what gateways said), the call ends rather than ask again.
+        it said before), and it drops the connection that brings a larger frame (the call fails after every retry
+        as if the gateway were dead, and an async client's streams sharing that connection must each resubscribe).
+        Asked before every attempt, on the gateway it goes to: a call failed over asks the next gateway too. For a
+        call that began after ``closes`` close() calls: one came meanwhile (it forgot what gateways said), the call
+        ends rather than ask again.
         Returns the gateway that takes the frame: the one to send it to, wherever other threads move the client."""
         while True:
             if closes != self._closes:

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 import zmq
 
 from common import protocol as P
+from gateway.sdk._drops import DROPPED
 from gateway.sdk._results import Chunk, to_result
 from gateway.sdk._retry import RETRYABLE
 from gateway.sdk._stream_state import StreamState
-from gateway.sdk._sync_sockets import DROPPED, close_stream_socket, closed_under, stream_frame
+from gateway.sdk._sync_sockets import close_stream_socket, closed_under, stream_frame
 
 if TYPE_CHECKING:
     from gateway.sdk._sync import GatewayClient, Job
