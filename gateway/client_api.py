@@ -11,7 +11,6 @@ import time
 import uuid
 
 import msgpack
-import redis
 
 from common import protocol as P
 from common import tracing
@@ -168,23 +167,6 @@ class ClientApi:
             return None
         return rec
 
-    def _cancelled_at_ns(self, job_id: str) -> int:
-        """When cancel.lua cancelled the job, on Redis's clock as its wait's start is: ended on this gateway's wall
-        clock, a gateway behind Redis's told a job that waited seconds that it waited none. Its own clock if Redis
-        does not say (the cancel is done: a span is no reason to answer it as failed). Not asked in the gateway's
-        Redis back-off, and a failure starts one: each try waits out the socket timeout while no client is answered,
-        and the next client frame, tried on Redis again, waited out another."""
-        if self._redis_down():
-            return time.time_ns()
-        try:
-            at = self.queue.client.hget(self.queue.keys.job(job_id), "finished_at_ms")
-            return int(at) * 1_000_000 if at else time.time_ns()
-        except redis.RedisError as e:
-            self._redis_failed(e)
-            return time.time_ns()
-        except ValueError:
-            return time.time_ns()
-
     def on_status(self, ident: bytes, req: P.StatusRequest) -> None:
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
@@ -239,7 +221,11 @@ class ClientApi:
         if claim is not None:
             metrics.claimed(req.job_id, won)
         if before is not None and before.state == "queued":
-            self.spans.left_queue(before, "cancelled", self._cancelled_at_ns(req.job_id))
+            # Ended when cancel.lua cancelled it, on Redis's clock as its wait's start is (ended on this gateway's
+            # wall clock, a gateway behind Redis's told a job that waited seconds that it waited none): the time
+            # comes back with the cancel, no second round trip. Its own clock only if a bad record says none.
+            at_ms = before.finished_at_ms
+            self.spans.left_queue(before, "cancelled", at_ms * 1_000_000 if at_ms is not None else time.time_ns())
         if before is not None and before.state == "dispatched":
             w = self.workers.workers.get(before.worker)
             if w is not None:

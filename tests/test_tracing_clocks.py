@@ -81,4 +81,5 @@ def test_a_gateway_clock_behind_redis_keeps_the_wait_of_a_job_cancelled_in_its_q
     wait_for(lambda: queue_spans(), 10, "the queue span to be exported")
     [queue] = queue_spans()
     assert queue.get("queue.outcome") == "cancelled"
+    assert queue.end_ns == int(rec["finished_at_ms"]) * 1_000_000, (queue.end_ns, rec)  # the cancel, as Redis has it
     assert queue.duration_s == pytest.approx(waited_s, abs=0.002), (queue.duration_s, waited_s)
