@@ -54,6 +54,24 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def _warned_only_while_others_may_write(caplog, read, directory, *named) -> None:
+    """``read()`` of a secret that ``directory`` (all its owner's so far) holds, or holds the folder of: read without
+    a word; with ``directory`` 0777, with one warning naming it, its mode and each of ``named``; made sticky (1777,
+    as /tmp: only an entry's owner may rename it), without a word again."""
+    caplog.set_level(logging.WARNING)
+    read()
+    assert _warnings(caplog) == []
+    os.chmod(directory, 0o777)
+    read()
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"directory {directory} " in said[0] and "0777" in said[0], said
+    assert all(str(x) in said[0] for x in named), said
+    caplog.clear()
+    os.chmod(directory, 0o1777)
+    read()
+    assert _warnings(caplog) == []
+
+
 @pytest.mark.parametrize("which", ["password", "tenants", "key pair", "public key", "allow-list key", "allow-list"])
 @pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
 def test_a_file_others_may_write_is_read_with_one_warning_naming_it_and_its_mode(files, caplog, which, mode):
@@ -122,17 +140,7 @@ def test_a_file_named_through_a_link_is_judged_where_it_lives(files, caplog, tmp
     os.replace(path, real)
     os.chmod(real, 0o600)
     path.symlink_to(real)
-    caplog.set_level(logging.WARNING)
-    read()
-    assert _warnings(caplog) == []  # the file and both directories are their owner's alone
-    os.chmod(shared, 0o777)
-    read()
-    said = _warnings(caplog)
-    assert len(said) == 1 and f"directory {shared} " in said[0] and "0777" in said[0], said
-    os.chmod(shared, 0o1777)  # sticky: only the file's owner may rename it
-    caplog.clear()
-    read()
-    assert _warnings(caplog) == []
+    _warned_only_while_others_may_write(caplog, read, shared)
 
 
 @pytest.fixture
@@ -165,17 +173,7 @@ def test_an_ancestor_directory_others_may_write_is_warned_about_naming_it(reacha
     was read without a word, only the secret's own directory being looked at."""
     base, files = reachable
     path, read = files[which]
-    caplog.set_level(logging.WARNING)
-    read()
-    assert _warnings(caplog) == []  # every directory down to it is its owner's alone
-    os.chmod(base, 0o777)
-    read()
-    said = _warnings(caplog)
-    assert len(said) == 1 and f"directory {base} " in said[0] and "0777" in said[0] and str(path) in said[0], said
-    caplog.clear()
-    os.chmod(base, 0o1777)  # sticky, as /tmp (root's): only an entry's owner, or the directory's, may rename it
-    read()
-    assert _warnings(caplog) == []
+    _warned_only_while_others_may_write(caplog, read, base, path)
 
 
 @pytest.mark.parametrize("level", ["its own", "above"])
