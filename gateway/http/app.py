@@ -4,7 +4,8 @@ A request is authenticated by the gateway (the bearer token is the tenant's API 
 the door has not yet seen is checked before the body is read), its prompt tokenized here
 (gateway/http/prompts.py), submitted as one job, and answered whole or as server-sent events.
 Response headers are sent only once the job's first token (or its end) is known, so a job that
-expires in the queue is a real 504, not a 200 with an error inside. A client that goes away
+expires in the queue is a real 504, not a 200 with an error inside; a stream's, at the latest
+after sse_keepalive_s, for it then sends keep-alives a proxy does not cut as idle. A client that goes away
 cancels its job, which frees its KV blocks on the worker, unless it sent an `Idempotency-Key`
 (gateway/http/idempotency.py): then it is coming back for the job, which runs on.
 """
@@ -13,10 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import BaseModel, ValidationError
@@ -29,12 +29,12 @@ from starlette.routing import Route
 
 from common.errors import ServingError
 from common.tiers import ALL_TIERS
-from gateway.http import errors, health, idempotency, metrics
+from gateway.http import errors, health, idempotency, metrics, streaming
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.headers import bearer, one_header, refuse_compressed
 from gateway.http.prompts import Prompts
-from gateway.http.responses import DONE_EVENT, Reply, finish_reason
+from gateway.http.responses import Reply
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http.submission import Submitter, no_gateway
 from gateway.http.upstream import Upstream
@@ -191,57 +191,41 @@ class FrontDoor:
     async def _stream(self, request: Request, job, reply: Reply, headers: dict[str, str], include_usage: bool,
                       cancel: Callable[[], None], release: Callable[[], None]) -> Response:
         chunks = job.stream()  # as job.result() above: only a gateway's silence ends it early
-        # The first chunk (or the job's end) decides the status line.
-        first = await self._until_disconnect(request, anext(chunks, None))
-        if first is None:
+        interval = self.config.sse_keepalive_s
+        # The first chunk (or the job's end) decides the status line if it comes within sse_keepalive_s: a job that
+        # expires or fails sooner has its real status. Past that the status line goes out (200) with keep-alives, lest
+        # a proxy's idle timeout cut a stream that only waits its turn; an error is then an event, as mid-stream.
+        first = asyncio.ensure_future(streaming.next_chunk(chunks))
+        late = not await self._settled(request, first, interval or None)
+        if not late and first.result() is None:
             await job.result()  # ended without a token: raises if it expired or failed (a real status line)
 
-        async def events() -> AsyncIterator[bytes]:
-            count, done = 0, False
-            try:
-                if reply.chat:  # OpenAI's first chat chunk names the role
-                    yield reply.chunk("", role=True, with_usage_field=include_usage)
-                chunk = first
-                while chunk is not None:
-                    count += len(chunk.token_ids)
-                    yield reply.chunk(chunk.text, with_usage_field=include_usage)
-                    chunk = await anext(chunks, None)
-                result = await job.result()  # the stream has ended: this reads what it left
-                done = True
-                yield reply.chunk(None if reply.chat else "", finish_reason(result.finish_reason),
-                                  with_usage_field=include_usage)
-                if include_usage:
-                    yield reply.usage_chunk(count)
-            except (ServingError, TimeoutError) as e:
-                done = True
-                if isinstance(e, TimeoutError):  # every gateway silent: the door gives it up, as a whole request's
-                    cancel()
-                err = errors.from_serving_error(e) if isinstance(e, ServingError) else HttpError(
-                    504, "timeout_error", str(e), code="upstream_timeout")
-                metrics.STREAM_ERRORS.labels(request.scope["path"], err.code or err.type).inc()
-                yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-            finally:
-                release()
-                if not done:  # the client went away (or the server is stopping): nobody wants the rest
-                    metrics.DISCONNECTS.inc()
-                    cancel()
-            yield DONE_EVENT
-
-        return StreamingResponse(events(), media_type="text/event-stream",
+        body = streaming.events(request, job, chunks, first, late=late, reply=reply, include_usage=include_usage,
+                                keepalive_s=interval, cancel=cancel, release=release)
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _until_disconnect(self, request: Request, work: Awaitable):
         """The result of ``work``, unless the client disconnects first (then ClientGone; ``work`` is cancelled)."""
         task = asyncio.ensure_future(work)
+        await self._settled(request, task, None)
+        return task.result()
+
+    async def _settled(self, request: Request, task: asyncio.Future, timeout_s: float | None) -> bool:
+        """Whether ``task`` is done within ``timeout_s`` (None: no bound; it is left running if not). ClientGone, and
+        ``task`` cancelled, if the client disconnects first."""
         watch = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gone = watch.done()
             watch.cancel()
-        if not task.done():
+        if task.done():
+            return True
+        if gone:
             task.cancel()
             raise ClientGone
-        return task.result()
+        return False
 
     def _cancel_later(self, key: str, job_id: str) -> None:
         """Cancel a job from its own task: the caller may itself be in the middle of being cancelled."""

@@ -3,6 +3,7 @@ environment variables TS_HTTP_<KEY> (e.g. TS_HTTP_GATEWAYS='["tcp://gateway:5555
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from common.settings import ConfigError, require
@@ -45,12 +46,22 @@ class HttpConfig:
     # Gateway clients kept, one per API key in use (gateway/http/upstream.py): past it, the least recently used
     # idle one is closed. Keys with a request in flight are kept whatever their number.
     max_clients: int = 1024
+    # Seconds a stream may send nothing before the door sends an SSE comment (`: keep-alive`, which SSE clients
+    # ignore): a stream queued behind other work has nothing to say until its first token, and a proxy's idle
+    # timeout (nginx's proxy_read_timeout, an AWS ALB's: 60 s) cut it, which cancelled a job that would have run.
+    # A stream's status line waits this long for its first token (so a job refused or expired sooner has its real
+    # status), then goes out as 200. 0 sends none: the status line waits for the first token however long.
+    sse_keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the door could not serve with (a zero timeout failed every request
         as a 504; a zero body limit refused every body)."""
         require(self, positive=("upstream_timeout_s", "body_timeout_s"),
                 at_least={"port": 0, "default_max_tokens": 1, "max_body_bytes": 1, "max_clients": 1})
+        ka = self.sse_keepalive_s
+        if not (isinstance(ka, (int, float)) and not isinstance(ka, bool) and math.isfinite(ka) and ka >= 0):
+            raise ConfigError(f"sse_keepalive_s must be a finite number >= 0 (0: no keep-alives), got "
+                              f"{ka!r}")
         if self.port > 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port!r}")
         if not (isinstance(self.gateways, list) and self.gateways and all(isinstance(g, str) and g

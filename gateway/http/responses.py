@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.sdk import JobResult
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# An SSE comment (a line that starts with a colon): every SSE client skips it, as the openai client does, yet a proxy
+# between the door and the client sees bytes and does not cut the stream as idle.
+KEEPALIVE = b": keep-alive\n\n"
 
 
 @dataclass(frozen=True)
@@ -71,3 +76,11 @@ def finish_reason(ours: str | None) -> str:
 
 def event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def keepalives_until(task: asyncio.Future, interval_s: float) -> AsyncIterator[bytes]:
+    """KEEPALIVE once every ``interval_s`` until ``task`` is done (0: none, only the wait). Sent between whole events
+    (the stream's own generator yields them), a comment never falls inside one. ``task`` is left running when the
+    caller stops early: the caller cancels it."""
+    while not (await asyncio.wait({task}, timeout=interval_s or None))[0]:
+        yield KEEPALIVE
