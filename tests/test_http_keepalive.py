@@ -215,6 +215,28 @@ def test_a_client_that_leaves_during_the_keepalives_cancels_its_job(cluster):
     assert int(h.get("num_tokens", 0) or 0) == 0
 
 
+def test_a_job_that_expires_before_or_after_the_status_line(tiny_model_dir, tmp_path):
+    """No worker, so every job waits out its tier's queue timeout. A P1 (0.5 s) expires before the status line
+    waited its 2 s: a real 504. A P2 (5 s) outwaits it: its 200 went out with the keep-alives, so the expiry is an
+    error event (code queue_timeout) before [DONE], never a stream that simply ends."""
+    with local_cluster(tmp_path, tiny_model_dir, workers=0,
+                       env={"TS_HTTP_SSE_KEEPALIVE_S": "2", "TS_GATEWAY_TIER_TIMEOUTS_S":
+                            '{"P0": 30, "P1": 0.5, "P2": 5, "P3": null}'}) as c:
+        body = {"prompt": [6], "max_tokens": 2, "stream": True}
+        r = httpx.post(c["http"] + "/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {key(c, 'api-co')}", "X-Priority": "P1"})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "queue_timeout", r.text
+        r = httpx.post(c["http"] + "/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {key(c, 'batch-co')}", "X-Priority": "P2"})
+        assert r.status_code == 200 and r.headers["X-Tier"] == "P2"
+        whole, left = blocks(r.content)
+        assert left == b""
+        events, comments, done = read_events(whole)
+        assert done and comments >= 2, (comments, events)
+        assert [e["error"]["code"] for e in events] == ["queue_timeout"], events
+        assert job_hash(c, r.headers["X-Request-Id"])["state"] == "expired"
+
+
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_a_keepalive_interval_that_could_not_serve_is_refused(value):
     from gateway.http.config import HttpConfig
