@@ -48,7 +48,7 @@ def sse(lines) -> tuple[list[dict], bool]:
     """The JSON events of an SSE body and whether it ended with [DONE] (after which nothing may follow)."""
     events, done = [], False
     for line in lines:
-        if not line:
+        if not line or line.startswith(":"):  # an SSE comment: the door's keep-alive while a stream waits
             continue
         assert line.startswith("data: "), line
         assert not done, "an event after [DONE]"
