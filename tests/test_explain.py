@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from common import traces as tm
+from common.spans_file import AppendStream
 from common.traces import otlp_json
 from scripts import explain
 from tests.jaeger_helpers import FakeJaeger, jaeger_from_file, not_found, resource_spans_of
@@ -50,6 +51,20 @@ def ns(t: float) -> int:
 
 # --------------------------------------------------------------------------------------------
 # Building traces with the SDK
+
+
+class AppendExporter(FileSpanExporter):
+    """The cluster's exporter (common/tracing.py: FileSpanExporter over an AppendStream), closing its stream when its
+    provider shuts down: the SDK's exporter does not close a stream it was given, and each writer a test made held the
+    spans file open in the pytest process for the rest of the run."""
+
+    def __init__(self, path) -> None:
+        self.stream = AppendStream(path)
+        super().__init__(stream=self.stream)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        super().shutdown(timeout_millis, **kwargs)
+        self.stream.close()
 
 
 class Cluster:

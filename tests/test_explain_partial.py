@@ -9,21 +9,20 @@ from __future__ import annotations
 import json
 
 import pytest
-from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from common.spans_file import AppendStream, rotate, rotated_files
+from common.spans_file import rotate, rotated_files
 from scripts import explain
-from tests.test_explain import admission, closed, ns, req_attrs, start
+from tests.test_explain import AppendExporter, admission, closed, ns, req_attrs, start
 
 
 def tracers(path, *names):
     out, providers = [], []
     for name in names:
         provider = TracerProvider(resource=Resource.create({"service.name": name}))
-        provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(stream=AppendStream(path))))
+        provider.add_span_processor(SimpleSpanProcessor(AppendExporter(path)))
         providers.append(provider)
         out.append(provider.get_tracer("test"))
     return out, providers

@@ -13,15 +13,13 @@ import json
 import os
 import shutil
 
-from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from common.spans_file import AppendStream
 from common.traces import id_lines, otlp_json
 from scripts import explain
-from tests.test_explain import build_spans_file, closed, req_attrs
+from tests.test_explain import AppendExporter, build_spans_file, closed, req_attrs
 
 REQUEST = "req-p3"  # preempted twice: its decisions are spans of other traces, kept by the second pass
 
@@ -48,7 +46,7 @@ def explain_json(path) -> dict:
 def write_others(path, n: int, first: int = 0) -> None:
     """``n`` other requests' spans, one batch each, appended as a process of the cluster does (O_APPEND)."""
     provider = TracerProvider(resource=Resource.create({"service.name": "tiered-serve-worker"}))
-    provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(stream=AppendStream(path))))
+    provider.add_span_processor(SimpleSpanProcessor(AppendExporter(path)))
     wk = provider.get_tracer("test")
     for i in range(first, first + n):
         closed(wk, "worker.request", 40 + i * 0.01, 40 + i * 0.01 + 0.005, None, req_attrs(f"late-{i}", "P2", "x"))
