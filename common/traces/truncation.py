@@ -3,7 +3,12 @@ file, so nothing by name or identity tells it (common/spans_file.open_rotated do
 goes on at its new end. A read went on past the end (nothing more), or, once the file had grown again, from the
 middle of other lines; the second pass found none of the first pass's lines. It is told here by the file being
 shorter than what was already read of it, or by its first bytes no longer being those read at first (truncated,
-then written past where the reader was)."""
+then written past where the reader was); a file that was shorter than those bytes at first (empty: just rotated or
+cut) has them kept again once a check has passed.
+
+It is not exact, and no cheap check is: a cut in place keeps the inode, the size can end larger than what was read,
+and mtime and ctime move at each append as they do at a cut; only all the bytes read, compared again, would tell a
+cut that left the first ones as they were (a partial ``truncate -s``, not logrotate's cut to nothing)."""
 
 from __future__ import annotations
 
@@ -48,6 +53,10 @@ class TruncationWatch:
         self._seen[fd] = (reach, head)
         if os.fstat(fd).st_size < reach or os.pread(fd, len(head), 0) != head:
             raise FileTruncated(path, read)
+        if len(head) < min(reach, _HEAD_BYTES):
+            # Kept when the file was shorter (empty, just rotated or cut): those bytes matched whatever it held later.
+            # What it holds now was read by the pass just checked.
+            self._seen[fd] = (reach, os.pread(fd, min(reach, _HEAD_BYTES), 0))
 
 
 def _regular_fd(f: TextIO) -> int | None:
