@@ -30,6 +30,8 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from common.sockets import monitor_socket
+
 _UP = (zmq.EVENT_HANDSHAKE_SUCCEEDED,)
 _DOWN = (zmq.EVENT_DISCONNECTED,)
 HEARTBEAT_IVL_MS = 1000
@@ -46,7 +48,8 @@ class GatewayRoutes:
         events = 0
         for e in (*_UP, *_DOWN):
             events |= e
-        self.monitors = {sock.get_monitor_socket(events): sock for sock in sockets}
+        # Read between steps: unbounded (monitor_socket), as a full queue froze the worker's every socket in a step.
+        self.monitors = {monitor_socket(sock, events): sock for sock in sockets}
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
         self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
         self._silent_since: dict[zmq.Socket, float] = {}  # ``heard`` when the connection last dropped

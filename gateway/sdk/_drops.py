@@ -5,9 +5,10 @@ monitor tells."""
 from __future__ import annotations
 
 import struct
-import uuid
 
 import zmq
+
+from common.sockets import monitor_socket
 
 DROPPED = object()  # a wait for an answer: the connection that took the request dropped before an answer came
 
@@ -15,16 +16,12 @@ DROPPED = object()  # a wait for an answer: the connection that took the request
 class DropWatch:
     """The disconnections of one socket, read without blocking, from blocking and asyncio code alike (the events
     come over a blocking PAIR socket on the same libzmq context, so an asyncio client reads them at once too, not
-    when its loop gets round to a reader task). libzmq drops events nobody reads rather than block: a socket left
-    idle through many reconnects costs a bounded queue."""
+    when its loop gets round to a reader task). A blocking client reads them only during its calls: the queue has no
+    bound (common/sockets.monitor_socket), as a full one froze every ZeroMQ socket of the process."""
 
     def __init__(self, sock: zmq.Socket) -> None:
-        address = f"inproc://ts-sdk-drops-{uuid.uuid4().hex}"
-        sock.monitor(address, zmq.EVENT_DISCONNECTED)
         self._sock = sock
-        self._events = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
-        self._events.setsockopt(zmq.LINGER, 0)
-        self._events.connect(address)
+        self._events = monitor_socket(sock, zmq.EVENT_DISCONNECTED)
 
     @property
     def events(self) -> zmq.Socket:
