@@ -130,26 +130,40 @@ class GivingWay:
         slots = self.config.max_num_seqs - len(self.running)
         low_slots = self._low_slots_free()  # the P0 slot reserve is not theirs
         spare = 0  # blocks already promised to earlier waiting requests in this pass
-        tokens_left = self.config.max_num_batched_tokens - sum(r.num_uncomputed_tokens for r in self.running)
+        budget = self.config.max_num_batched_tokens
+        # What phases 1 and 2 leave of the budget, at the most: running work takes at most what it has left to
+        # compute, a promised request at most its remainder. In an isolated P0 prefill step the lower tiers take
+        # none of it (None: this step will not isolate).
+        tokens_left = budget - sum(r.num_uncomputed_tokens for r in self.running)
+        isolated_left = (budget - sum(r.num_uncomputed_tokens for r in self.running if r.tier is Tier.P0)
+                         if self._isolation_ahead() else None)
         for w in list(self.waiting):
             if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:
                 continue
             missing = self._missing(w, self._tokens_this_step(w, self.config.max_num_batched_tokens) or 1,
                                     starting=True)
-            usable = self._usable_free(w) - spare
             urgent = w.tier is Tier.P0
-            short = self._budget_short(w, tokens_left)
+            short, victims_help = self._budget_short(w, tokens_left, isolated_left)
+            isolating = isolated_left is not None and urgent and not w.started
+            taken = spare + self._growth_unbound(w, isolating)  # free blocks that will not be there for w
+            usable = self._usable_free(w) - taken
 
             def free_slots() -> int:
                 return slots if urgent else min(slots, low_slots)
 
-            if free_slots() >= 1 and missing <= usable and short <= 0:
+            # With chunked prefill the budget is an upper bound (phase 1 may hold lower prompts back for the
+            # head, _kept_for_head): promising takes nothing from anyone, so a chunk may still find room.
+            if free_slots() >= 1 and missing <= usable and (short <= 0 or self.config.enable_chunked_prefill):
                 slots -= 1
                 low_slots -= not urgent
                 spare += missing
                 self._promised.append((w, missing))
                 tokens_left -= w.num_uncomputed_tokens
+                if isolated_left is not None:
+                    isolated_left -= w.num_uncomputed_tokens
                 continue
+            if short > 0 and not victims_help:
+                return  # no victim frees budget it can use this step; it waits a step (_budget_short)
             if not any(self.preemption.config.may_preempt(w.tier, r.tier) for r in self.running):
                 if any(r.tier.rank > w.tier.rank for r in self.running):
                     self._decide(w, Trigger.SLOT if free_slots() < 1 else Trigger.KV_MEMORY if missing > usable
@@ -183,14 +197,31 @@ class GivingWay:
             spare += missing
             self._promised.append((w, missing))
             tokens_left -= w.num_uncomputed_tokens
+            if isolated_left is not None:
+                isolated_left -= w.num_uncomputed_tokens
 
-    def _budget_short(self, w: Request, tokens_left: int) -> int:
-        """Tokens ``w`` lacks in this step's budget after the running work (> 0: it cannot start). Only without
-        chunked prefill, where a remainder runs whole or not at all (a chunk takes what is left); and not for a P0
-        that an isolated prefill step (_isolate_p0_prefill) gives the whole budget without preempting anyone."""
-        if self.config.enable_chunked_prefill or w.tier is Tier.P0 and self.config.isolate_p0_prefill:
-            return 0
-        return w.num_uncomputed_tokens - tokens_left
+    def _budget_short(self, w: Request, tokens_left: int, isolated_left: int | None) -> tuple[int, bool]:
+        """Tokens ``w`` lacks in this step's budget after the running work and the requests promised before it
+        (> 0: it cannot start), and whether victims' tokens count towards them. Its whole remainder without
+        chunked prefill, one token with it: without this check, a chunked step whose budget running work took
+        preempted for a request that then did not start, and the victim gave way for nothing.
+
+        In a step that isolates a P0's prefill (``isolated_left`` not None) only running P0s take the budget, so
+        a lower victim frees none of it; and only a new P0 starts. In the step after one, a new P0 waits for the
+        next, which gives it the budget without preempting anyone for it."""
+        need = w.num_uncomputed_tokens if not self.config.enable_chunked_prefill else 1
+        new_p0 = w.tier is Tier.P0 and not w.started
+        if isolated_left is None:
+            return need - tokens_left, not (new_p0 and self.config.isolate_p0_prefill)
+        return (need - isolated_left, False) if new_p0 else (need, False)
+
+    def _isolation_ahead(self) -> bool:
+        """Whether this step may isolate a P0's prefill, told before phase 0 as _isolate_p0_prefill tells it after:
+        the head it judges is this one (victims queue behind it), and where phase 0 lets it start, the rest holds or
+        leaves no lower tier running, which runs phase 1 on the P0s all the same."""
+        c = self.config
+        return (c.isolate_p0_prefill and self._last_isolated_step != self.step_index - 1 and bool(self.waiting)
+                and self.waiting[0].tier is Tier.P0 and not self.waiting[0].started)
 
     def _keep_donors(self, beneficiary: Request) -> list[Request]:
         """Suspended requests still holding blocks, which ``beneficiary`` outranks: cheapest to take from."""

@@ -42,9 +42,27 @@ class KvAccounting:
             return 0, 0
         if self.preemption.guard(req, self.step_index) is not None:
             return 0, 0
-        pc, key = self.preemption.config, self.policy.key(req)
-        to = [(w.tier, n) for w, n in self._promised if self.policy.key(w) < key and pc.may_preempt(w.tier, req.tier)]
+        to = [(w.tier, n) for w, n in self._promised if self._promise_binds(w, req)]
         return sum(n for t, n in to if t is Tier.P0), sum(n for t, n in to if t is not Tier.P0)
+
+    def _promise_binds(self, waiting: Request, running: Request) -> bool:
+        """Whether blocks promised to ``waiting`` are kept from ``running``'s growth (its guard aside)."""
+        return (self.policy.key(waiting) < self.policy.key(running)
+                and self.preemption.config.may_preempt(waiting.tier, running.tier))
+
+    def _growth_unbound(self, w: Request, isolating: bool) -> int:
+        """Free blocks running work may take in phase 1 whatever phase 0 promises ``w``: the growth of running
+        requests its promise does not bind (a guard protects them, or ``w`` may not preempt them). Without this, a
+        victim gave way for blocks such a request then took, and ``w`` did not start. None grows into the P0
+        reserve (a P0 reserves its footprint when it starts), and in an isolated step only P0s run."""
+        if isolating:
+            return 0
+        budget = self.config.max_num_batched_tokens
+        grow = sum(self._missing(r, min(r.num_uncomputed_tokens, budget)) for r in self.running
+                   if not self._promise_binds(w, r) or self.preemption.guard(r, self.step_index) is not None)
+        if w.tier is Tier.P0:
+            grow = min(grow, max(0, self.blocks.num_free - self.preemption.config.p0_reserve_blocks))
+        return grow
 
     def _blocks_held(self, which: Callable[[Request], bool]) -> int:
         held = [r for r in self.running if which(r)]

@@ -148,6 +148,11 @@ def _check_step(s: Scheduler, out: SchedulerOutput, violations: list[str]) -> No
         if not pc.preemptible(d.victim_tier):
             violations.append(f"step {s.step_index}: {d.victim_tier.value} request {d.victim_id} preempted")
     gave_way_itself = {d.victim_id for d in out.decisions if d.victim_id == d.beneficiary_id}
+    ran = {c.request.request_id for c in out.chunks}
+    for d in out.decisions:  # a victim gives way only in a step its beneficiary runs: else it gave way for nothing
+        if (not d.declined and d.trigger is not Trigger.MANUAL and d.victim_id not in (d.beneficiary_id, None)
+                and d.beneficiary_id not in ran):
+            violations.append(f"step {s.step_index}: {d.victim_id} gave way for {d.beneficiary_id}, which did not run")
     for r in out.preempted:
         if (r.last_resume_step is not None and r.request_id not in gave_way_itself
                 and len(r.output_token_ids) - r.resume_output_tokens < pc.min_residency_steps):
