@@ -9,8 +9,8 @@ import random
 from common.tiers import Tier
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
-from worker.policy import PriorityPolicy
-from worker.preemption import PreemptionConfig, Trigger
+from worker.policy import FifoPolicy, PriorityPolicy
+from worker.preemption import DeclineReason, PreemptionConfig, Trigger
 from worker.request import FinishReason, Request, RequestStatus, SamplingParams
 from worker.scheduler import Scheduler
 from worker.simulator import random_case, run_case
@@ -35,10 +35,11 @@ class Run:
     """One scheduler, stepped with every block counted: held + free == total after every step, and each
     preemption for another request counted with whether that request ran in the same step."""
 
-    def __init__(self, num_blocks: int, budget: int, **pc) -> None:
+    def __init__(self, num_blocks: int, budget: int, block_size: int = 4, max_num_seqs: int = 4, policy=None,
+                 **pc) -> None:
         pc = dict(min_residency_steps=0, guard_remaining_tokens=0, bytes_per_block=1) | pc
-        self.s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64),
-                           BlockManager(num_blocks, 4), PriorityPolicy(), PreemptionConfig(**pc))
+        self.s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64),
+                           BlockManager(num_blocks, block_size), policy or PriorityPolicy(), PreemptionConfig(**pc))
         self.reqs: list[Request] = []
         self.preempted = self.started_by_victim = self.steps = 0
 
@@ -46,7 +47,7 @@ class Run:
         self.s.add(r)
         self.reqs.append(r)
 
-    def step(self) -> None:
+    def step(self):
         s = self.s
         out = s.schedule()
         self.steps += 1
@@ -60,6 +61,7 @@ class Run:
         s.blocks.check_invariants()
         held = sum(len(s.blocks.block_table(r.request_id)) for r in self.reqs)
         assert held + s.blocks.num_free == s.blocks.num_blocks
+        return out
 
     def finish(self) -> None:
         while self.s.has_unfinished():
@@ -101,6 +103,40 @@ def test_no_victim_gives_way_for_blocks_a_running_request_it_may_not_preempt_tak
     assert v.status is RequestStatus.RUNNING and v.num_preemptions == 0
     run.finish()
     assert run.preempted == run.started_by_victim
+
+
+def test_a_p0_reserve_too_small_for_the_p0_does_not_hide_the_growth_its_victim_makes_room_for():
+    # The P0 reserve keeps lower growth off its last block only; the block a victim frees is anyone's.
+    run = Run(num_blocks=3, budget=3, block_size=2, max_num_seqs=2, p0_reserve_blocks=1, guard_remaining_tokens=2)
+    g = req("g", Tier.P2, 2, 2)  # near completion (guarded): grows into its 2nd block next step, promise or not
+    v = req("v", Tier.P2, 2, 1)  # mid-prefill, 1 block: the victim
+    run.add(g), run.add(v)
+    run.step()
+    assert run.s.blocks.num_free == 1 and v.num_uncomputed_tokens == 1
+    p0 = req("p0", Tier.P0, 2, 1)  # reserves 3 tokens: 2 blocks, and both slots are taken
+    run.add(p0)
+    out = run.step()  # v's block and the free one make 2, g takes one: p0 cannot start, v must not give way for it
+    assert [d.declined_reason for d in out.decisions if d.beneficiary_id == "p0"] == [DeclineReason.INSUFFICIENT]
+    assert p0.status is RequestStatus.WAITING
+    run.finish()
+    assert run.preempted == run.started_by_victim
+
+
+def test_a_growing_low_tier_request_evicts_nobody_whose_blocks_the_low_tier_share_keeps_from_it():
+    # Under fifo (a later arrival gives its blocks to an earlier one's growth), with a matrix that lets P1 be
+    # preempted: a P1's blocks do not raise the low tiers' share, so evicting it lets the P3 grow no further.
+    wide = {Tier.P0: frozenset({Tier.P1, Tier.P2, Tier.P3}), Tier.P1: frozenset({Tier.P2, Tier.P3}),
+            Tier.P2: frozenset({Tier.P3}), Tier.P3: frozenset()}
+    run = Run(num_blocks=6, budget=64, block_size=2, policy=FifoPolicy(), matrix=wide, low_tier_kv_share=0.5)
+    r = req("r", Tier.P2, 1, 2)  # 1 block (of the low tiers' 3), and no growth next step
+    g = req("g", Tier.P3, 4, 2)  # 2 blocks; its next token needs a 3rd, over the share
+    v = req("v", Tier.P1, 2, 2)  # 1 block, behind g: evictable for it, but no help
+    run.add(r), run.add(g), run.add(v)
+    run.step()
+    assert run.s.blocks.num_free == 2 and len(run.s.blocks.block_table("g")) == 2
+    run.step()  # g gives way itself; v must not give way for it first
+    assert v.num_preemptions == 0 and g.num_preemptions == 1
+    run.finish()
 
 
 def test_random_cases_preempt_only_for_requests_that_run():

@@ -145,7 +145,7 @@ class GivingWay:
             urgent = w.tier is Tier.P0
             short, victims_help = self._budget_short(w, tokens_left, isolated_left)
             isolating = isolated_left is not None and urgent and not w.started
-            taken = spare + self._growth_unbound(w, isolating)  # free blocks that will not be there for w
+            taken = spare + self._growth_unbound(w, isolating, missing, spare)  # free blocks not there for w
             usable = self._usable_free(w) - taken
 
             def free_slots() -> int:
@@ -229,13 +229,6 @@ class GivingWay:
         return [r for r in reversed(self.waiting) if r.preempt_mode == PreemptMode.KEEP.value
                 and self.policy.key(r) > key and self.blocks.has_blocks(r.request_id)]
 
-    def _held(self, req: Request) -> int:
-        return len(self.blocks.block_table(req.request_id))
-
-    def _lacking(self, req: Request, n: int, starting: bool = False) -> int:
-        """Blocks ``req`` still lacks for its next ``n`` tokens after taking every usable free one."""
-        return max(0, self._missing(req, n, starting) - self._usable_free(req))
-
     def _may_evict(self, beneficiary: Request, victim: Request) -> bool:
         """Whether running ``victim`` may give its blocks to ``beneficiary``'s growth: it is queued behind
         it, preemptible, and (tiered policy) of the same tier or one the matrix lets the beneficiary preempt.
@@ -254,7 +247,7 @@ class GivingWay:
         matrix allows, so demoting it is not a new preemption across tiers, and it must be possible:
         a keep-suspended request behind the queue head cannot resume before it (strict order)."""
         donors = self._keep_donors(req)
-        if self._lacking(req, n, starting=True) > sum(map(self._held, donors)):
+        if self._missing(req, n, starting=True) > self._usable_free(req, donors):
             return False
         for d in donors:
             self._preempt(d, req, Trigger.KV_MEMORY, blocks_needed=True)
@@ -269,7 +262,8 @@ class GivingWay:
         donors = self._keep_donors(req)
         victims = [r for r in self.running if r is not req and self._may_evict(req, r)
                    and self.preemption.guard(r, self.step_index) is not DeclineReason.RESIDENCY]
-        if self._lacking(req, n) <= sum(map(self._held, donors)) + sum(map(self._held, victims)):
+        # All of them together must make room, under the low-tier share too: a P1 victim's blocks do not raise it.
+        if self._missing(req, n) <= self._usable_free(req, donors + victims):
             for v in donors + victims[::-1]:  # suspended first (cheapest), then the last in policy order
                 self._preempt(v, req, Trigger.KV_MEMORY, blocks_needed=True)
                 if self._allocate(req, n):

@@ -21,16 +21,19 @@ class KvAccounting:
             target = max(target, min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len))
         return target
 
-    def _usable_free(self, req: Request) -> int:
-        """Free blocks ``req`` may take: less the P0 reserve, and within the low-tier share."""
+    def _usable_free(self, req: Request, evicted: list[Request] = ()) -> int:
+        """Free blocks ``req`` may take: less the P0 reserve, and within the low-tier share; ``evicted``: once those
+        have freed their blocks (the share gains only what low-tier ones free)."""
         pc = self.preemption.config
-        free = self.blocks.num_free
+        free = self.blocks.num_free + sum(len(self.blocks.block_table(r.request_id)) for r in evicted)
         if req.tier is not Tier.P0:  # (nothing preempts a P0, so nothing is promised away from one)
             to_p0, to_others = self._promised_away(req)
             free -= max(pc.p0_reserve_blocks, to_p0) + to_others  # a P0 starts on the reserve first
         if req.tier in (Tier.P2, Tier.P3) and pc.low_tier_kv_share < 1.0:
             cap = int(pc.low_tier_kv_share * self.blocks.num_blocks)
-            free = min(free, cap - self._blocks_held(lambda r: r.tier in (Tier.P2, Tier.P3)))
+            low = self._blocks_held(lambda r: r.tier in (Tier.P2, Tier.P3))
+            low -= sum(len(self.blocks.block_table(r.request_id)) for r in evicted if r.tier in (Tier.P2, Tier.P3))
+            free = min(free, cap - low)
         return free
 
     def _promised_away(self, req: Request) -> tuple[int, int]:
@@ -50,19 +53,19 @@ class KvAccounting:
         return (self.policy.key(waiting) < self.policy.key(running)
                 and self.preemption.config.may_preempt(waiting.tier, running.tier))
 
-    def _growth_unbound(self, w: Request, isolating: bool) -> int:
+    def _growth_unbound(self, w: Request, isolating: bool, missing: int, spare: int) -> int:
         """Free blocks running work may take in phase 1 whatever phase 0 promises ``w``: the growth of running
         requests its promise does not bind (a guard protects them, or ``w`` may not preempt them). Without this, a
-        victim gave way for blocks such a request then took, and ``w`` did not start. None grows into the P0
-        reserve (a P0 reserves its footprint when it starts), and in an isolated step only P0s run."""
-        if isolating:
+        victim gave way for blocks such a request then took, and ``w`` did not start. In an isolated step only P0s
+        run, and a P0 never grows (it reserves its footprint when it starts); nothing else grows into the P0
+        reserve, so a P0 that the reserve holds (beside the ``spare`` blocks promised before it) loses nothing.
+        Else all of it counts: the blocks victims free widen what the others may take, up to all of it."""
+        pc = self.preemption.config
+        if isolating or w.tier is Tier.P0 and pc.p0_reserve_blocks - spare >= missing:
             return 0
         budget = self.config.max_num_batched_tokens
-        grow = sum(self._missing(r, min(r.num_uncomputed_tokens, budget)) for r in self.running
+        return sum(self._missing(r, min(r.num_uncomputed_tokens, budget)) for r in self.running
                    if not self._promise_binds(w, r) or self.preemption.guard(r, self.step_index) is not None)
-        if w.tier is Tier.P0:
-            grow = min(grow, max(0, self.blocks.num_free - self.preemption.config.p0_reserve_blocks))
-        return grow
 
     def _blocks_held(self, which: Callable[[Request], bool]) -> int:
         held = [r for r in self.running if which(r)]
