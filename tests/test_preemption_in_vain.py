@@ -10,7 +10,7 @@ from common.tiers import Tier
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
 from worker.policy import FifoPolicy, PriorityPolicy
-from worker.preemption import DeclineReason, PreemptionConfig, Trigger
+from worker.preemption import DeclineReason, PreemptionConfig, PreemptMode, Trigger
 from worker.request import FinishReason, Request, RequestStatus, SamplingParams
 from worker.scheduler import Scheduler
 from worker.simulator import random_case, run_case
@@ -137,6 +137,24 @@ def test_a_growing_low_tier_request_evicts_nobody_whose_blocks_the_low_tier_shar
     run.step()  # g gives way itself; v must not give way for it first
     assert v.num_preemptions == 0 and g.num_preemptions == 1
     run.finish()
+
+
+def test_nobody_gives_way_for_a_request_suspended_by_hand_since_the_last_step():
+    # Phase 2 does not resume a request suspended since the last step (that would undo the suspend), so phase 0
+    # must not make room for it either.
+    wide = {Tier.P0: frozenset({Tier.P1, Tier.P2, Tier.P3}), Tier.P1: frozenset({Tier.P2, Tier.P3}),
+            Tier.P2: frozenset({Tier.P3}), Tier.P3: frozenset()}
+    run = Run(num_blocks=3, budget=64, block_size=2, matrix=wide, min_residency_steps=2)
+    w = req("w", Tier.P2, 3, 3)  # 2 blocks; resuming by recompute needs 3 (its 4 tokens and 2 of residency)
+    v = req("v", Tier.P3, 2, 3)  # 1 block: P2 may preempt it
+    run.add(w), run.add(v)
+    run.step()
+    assert run.s.blocks.num_free == 0
+    run.s.suspend(w, PreemptMode.RECOMPUTE)
+    run.step()
+    assert v.num_preemptions == 0 and w.status is RequestStatus.SUSPENDED
+    run.finish()
+    assert run.preempted == run.started_by_victim
 
 
 def test_random_cases_preempt_only_for_requests_that_run():

@@ -140,6 +140,8 @@ class GivingWay:
         for w in list(self.waiting):
             if w.status is not RequestStatus.WAITING and w.status is not RequestStatus.SUSPENDED:
                 continue
+            if any(w is p for p in self._preempted):
+                return  # suspended by hand since the last step: phase 2 does not resume it now, nor what follows
             missing = self._missing(w, self._tokens_this_step(w, self.config.max_num_batched_tokens) or 1,
                                     starting=True)
             urgent = w.tier is Tier.P0
