@@ -24,6 +24,13 @@ from tests.uneven_cluster import uneven_cluster
 pytestmark = pytest.mark.faults  # real clusters: `make test-faults` runs these alone
 
 
+def heard_draining(c) -> None:
+    """Until the gateway has read a report of wk-big's that says it drains: it notes that in Redis (the cluster's
+    memory, gateway/drained.py) in the handler that tells its own copy. A fixed wait of three reports, before,
+    depended on a loaded machine's pace."""
+    wait_for(lambda: c.redis.hexists("ts:{c}:drained-workers", "wk-big"), 30, "the gateway to hear that wk-big drains")
+
+
 def test_a_gateway_restarted_while_the_big_worker_redeploys_keeps_its_job_waiting_for_it(tmp_path, tiny_model_dir):
     """The big worker drains and exits while a job only it fits is queued; then the gateway restarts (it is redeployed
     too). The memory of the drained worker was the old gateway's alone: the new one saw only the small worker, took
@@ -35,7 +42,7 @@ def test_a_gateway_restarted_while_the_big_worker_redeploys_keeps_its_job_waitin
         big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True)  # fits wk-big only
         lab.close()
         u.big.draining.set()
-        time.sleep(1.5)  # its reports say so
+        heard_draining(c)
         u.big.stop()  # drained: it exits
         c.kill("gw-0")
         c.restart("gw-0")
@@ -64,7 +71,7 @@ def test_a_retry_of_a_job_admitted_before_the_drain_gets_its_job_not_overloaded(
         lab = c.client("lab-co", timeout_s=60.0)
         big = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
         u.big.draining.set()
-        time.sleep(1.5)  # its reports say so
+        heard_draining(c)
         again = lab.submit(prompt_token_ids=[5] * 100, max_tokens=100, ignore_eos=True, idempotency_key="big-1")
         assert again.id == big.id and again.duplicate
         jobs = set(c.redis.keys("ts:{c}:job:*"))
