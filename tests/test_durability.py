@@ -374,6 +374,9 @@ def test_5_a_lost_lease_sends_its_job_elsewhere_not_back_to_the_silent_worker(tm
         silent.close()
 
 
+REST = 400  # tokens test_5_a_completion... leaves its job to run once its gateway is lost
+
+
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_path, tiny_model_dir,
                                                                              reference, how):  # noqa: F811
@@ -394,22 +397,36 @@ def test_5_a_completion_whose_gateway_is_gone_for_good_is_stored_by_another(tmp_
         wait_for(lambda: c.state(job.id) == "dispatched", 60, "the job to be dispatched")
         victim = c.job(job.id)["gateway"].decode()
         # Running, not only claimed: killed before it sent the dispatch, the gateway would leave nothing running.
+        # And near its end: frozen, the gateway keeps its connection for the heartbeats' 5 s, and only a completion
+        # sent within them goes to it unconfirmed; the whole job (about 2 s on a quiet machine) outlasted them on a
+        # loaded one, and nothing was sent again. Its last REST tokens take a second or two at the most.
         with c.client("lab-co", victim, timeout_s=10.0) as via_victim:
-            next(via_victim.job(job.id).stream(timeout=60))
-        if how == "killed":
-            c.kill(victim)
-        else:
-            os.kill(c.procs[victim].pid, signal.SIGSTOP)
+            seen = 0
+            for chunk in via_victim.job(job.id).stream(timeout=60):
+                seen += len(chunk.token_ids)
+                if seen >= spec[1] - REST:
+                    break
+        # The worker stands still while the gateway is lost and the job's state is read, so that it cannot end
+        # in between unseen.
+        worker = c.procs["wk-0"].pid
+        os.kill(worker, signal.SIGSTOP)
         try:
-            assert c.state(job.id) == "dispatched", "the job ended before its gateway was lost: nothing was tested"
+            try:
+                if how == "killed":
+                    c.kill(victim)
+                else:
+                    os.kill(c.procs[victim].pid, signal.SIGSTOP)
+                assert c.state(job.id) == "dispatched", "the job ended before its gateway was lost: nothing tested"
+            finally:
+                os.kill(worker, signal.SIGCONT)
             survivor = next(g for g in c.gateways if g != victim)
             with c.client("lab-co", survivor, timeout_s=10.0) as other:
                 result = other.job(job.id).result(timeout=120)
             assert result.token_ids == reference([(spec[0], spec[1], 0.0, spec[2])])[0]
             assert c.job(job.id)["attempt"] == b"1", c.job(job.id)
             if how == "frozen":
-                # Here the job (2000 tokens, about 2 s) ends before the heartbeats give up on the frozen gateway:
-                # its completion is sent again, and the worker says so, for an operator.
+                # Here the job ends before the heartbeats give up on the frozen gateway: its completion is sent
+                # again, and the worker says so, for an operator.
                 resent = [float(line.split()[-1]) for line in httpx.get(f"http://{metrics}/metrics").text.splitlines()
                           if line.startswith('ts_unconfirmed_completions_total{event="resent"}')]
                 assert resent and resent[0] >= 1, resent
@@ -505,8 +522,16 @@ def test_8_an_aged_job_preempts_by_its_admitted_tier(tmp_path, tiny_model_dir):
     with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=1, max_running=1,
                         aging_interval_s=0.2) as c:
         lab = c.client("lab-co")
-        running = lab.submit(prompt_token_ids=[5, 1], max_tokens=300, ignore_eos=True)
-        wait_for(lambda: c.state(running.id) == "dispatched", 60, "the first P3 job to run")
+        # Long enough to be running still when the worker stops, however late the poll sees it run: 300 tokens took
+        # well under a second, and a test held up that long stopped an idle worker.
+        running = lab.submit(prompt_token_ids=[5, 1], max_tokens=2000, ignore_eos=True)
+
+        def runs() -> bool:
+            state = c.state(running.id)
+            assert state in ("queued", "dispatched"), f"the first P3 job ended before it was seen running: {state}"
+            return state == "dispatched"
+
+        wait_for(runs, 60, "the first P3 job to run")
         # Frozen, the worker stays registered as full of one preemptible P3 (its last report) however fast
         # this machine generates: only the gateway's dispatch decision is left to observe. Kept below the
         # gateway's 5 s worker timeout.
