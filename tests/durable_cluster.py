@@ -146,7 +146,11 @@ class DurableCluster:
                     return len(c.info().workers) >= len(self.worker_ids)
                 except Exception:
                     return False
-            wait_for(ready, timeout, f"{gw} to see every worker", interval=0.2)
+            try:
+                wait_for(ready, timeout, f"{gw} to see every worker", interval=0.2)
+            except AssertionError as e:  # what each process said, read once the wait is over
+                logs = "\n".join(f"--- {name}:\n{self.log_tail(name, 1500)}" for name in [gw, *self.worker_ids])
+                raise AssertionError(f"{e}\n{logs}") from None
         finally:
             c.close()
 
