@@ -42,6 +42,14 @@ def logged_tokens(c: DurableCluster, job_id: str) -> int:
     return sum(len(msgpack.unpackb(f[b"t"])) for _, f in c.redis.xrange(f"ts:{{c}}:tok:{job_id}"))
 
 
+def streaming(c: DurableCluster, job_id: str, more_than: int = 0) -> bool:
+    """Whether the job runs and has logged more than ``more_than`` tokens. A job that ended first leaves nothing to
+    kill: that fails now, not when a wait for a kill's effect runs out."""
+    state = c.state(job_id)
+    assert state in ("queued", "dispatched"), f"job {job_id} ended ({state}) before it was seen streaming"
+    return state == "dispatched" and logged_tokens(c, job_id) > more_than
+
+
 def test_an_expired_and_a_dead_lettered_job_are_counted_once_each_attempt_observed(tmp_path, tiny_model_dir):
     """A P2 job that waits out its queue timeout, and a P3 job whose worker is killed on each of its two attempts,
     through one gateway: each is counted finished once, by its state; the dead one's two dispatches each observe a
@@ -56,8 +64,7 @@ def test_an_expired_and_a_dead_lettered_job_are_counted_once_each_attempt_observ
         before = counts(urls)
         with c.client("batch-co", timeout_s=30.0) as batch:
             dying = batch.submit(prompt_token_ids=[5, 6], max_tokens=2000, ignore_eos=True, tier="P3", seed=3)
-            wait_for(lambda: c.state(dying.id) == "dispatched" and logged_tokens(c, dying.id) > 0, 60,
-                     "the job to stream")
+            wait_for(lambda: streaming(c, dying.id), 60, "the job to stream")
             c.kill("wk-0")
             # No worker left (it timed out): the wait estimate refuses nothing, and the P2 job waits out its 1 s.
             wait_for(lambda: not batch.info().workers, 30, "the killed worker to time out")
@@ -66,8 +73,7 @@ def test_an_expired_and_a_dead_lettered_job_are_counted_once_each_attempt_observ
             expiring = batch.submit(prompt_token_ids=[7], max_tokens=1, tier="P2")
             wait_for(lambda: c.state(expiring.id) == "expired", 30, "the P2 job to expire")
             c.restart("wk-0")
-            wait_for(lambda: c.state(dying.id) == "dispatched" and logged_tokens(c, dying.id) > first, 120,
-                     "the second attempt to stream")
+            wait_for(lambda: streaming(c, dying.id, first), 120, "the second attempt to stream")
             c.kill("wk-0")
             wait_for(lambda: c.state(dying.id) == "dead", 30, "the job to be dead-lettered")
             time.sleep(0.5)  # a scrape's worth: anything counted twice is counted by now
