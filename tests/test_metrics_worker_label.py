@@ -31,6 +31,12 @@ def labelled(url: str) -> dict[str, float]:
     return out
 
 
+# The test's thread beats every peer every 0.5 s; under load (other suites and three busy loops beside it) the
+# longest gap between two beats of a flock was 0.92 s, so a 2 s timeout could drop a wave the test still holds,
+# and with it the series it checks. Its waves' own time-out waits this long.
+WORKER_TIMEOUT_S = 5
+
+
 class Flock:
     """Peers that say hello under ids of their own, each taking one job and reporting its prefill start."""
 
@@ -39,8 +45,8 @@ class Flock:
         self.beat(free=1)
 
     def beat(self, free: int = 0, served: set[str] = frozenset()) -> None:
-        """A load report from each (the gateway times a worker out after 2 s unheard); ``free`` slots each, but none
-        for the ``served``."""
+        """A load report from each (the gateway times a worker out after WORKER_TIMEOUT_S unheard); ``free`` slots
+        each, but none for the ``served``."""
         for w, p in self.peers.items():
             p.load([], free=0 if w in served else free)
 
@@ -78,7 +84,7 @@ def test_only_registered_workers_have_handoff_series_and_at_most_a_bounded_numbe
     bind = f"127.0.0.1:{free_port()}"
     url = f"http://{bind}/metrics"
     wave = 40
-    env = {"TS_GATEWAY_METRICS_BIND": bind, "TS_GATEWAY_WORKER_TIMEOUT_S": "2"}
+    env = {"TS_GATEWAY_METRICS_BIND": bind, "TS_GATEWAY_WORKER_TIMEOUT_S": str(WORKER_TIMEOUT_S)}
     with DurableCluster(tmp_path, tiny_model_dir, gateways=1, workers=0, process_env={"gw-0": env}) as c:
         endpoint = c.gateways["gw-0"][1]
         flocks: list[Flock] = []
