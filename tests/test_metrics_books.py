@@ -59,7 +59,7 @@ class Run:
 
 def test_the_counts_match_the_books_after_a_mixed_run(tmp_path, tiny_model_dir):
     binds = {g: f"127.0.0.1:{free_port()}" for g in ("gw-0", "gw-1")}
-    env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 10}', "TS_GATEWAY_MAX_ATTEMPTS": "3"}
+    env = {"TS_GATEWAY_TIER_TIMEOUTS_S": '{"P0": 30, "P1": 60, "P2": 3}', "TS_GATEWAY_MAX_ATTEMPTS": "3"}
     urls = {g: f"http://{b}/metrics" for g, b in binds.items()}
     with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=1, max_running=2, lease_s=2.0,
                         gateway_env=env, process_env={g: {"TS_GATEWAY_METRICS_BIND": b}
@@ -82,23 +82,26 @@ def test_the_counts_match_the_books_after_a_mixed_run(tmp_path, tiny_model_dir):
             cancelled = run.submit(lab, prompt_token_ids=[9, 10], max_tokens=200, ignore_eos=True, tier="P3")
             cancelled.cancel()
             wait_states(c, list(run.jobs), FINAL, 120)
-            # Two long jobs hold both slots; the worker stands still while a P2 job waits out its timeout. Long: 400
-            # tokens ran in about a second, so a test process held up that long between seeing them stream and
-            # stopping the worker found a slot free, and the P2 job ran rather than expire (in a loaded run). Not too
-            # long: a P2 job whose estimated wait (their rest, at the worker's step cost) passes its 10 s timeout is
-            # refused, not queued.
+            # Two long jobs hold both slots, and the worker stands still: their leases run out meanwhile (a
+            # re-dispatch), and a P2 job waits out its timeout. Long: 400 tokens ran in about a second, and a test
+            # process held up that long between seeing them stream and stopping the worker stopped an idle one.
             long = [run.submit(lab, prompt_token_ids=[11, i], max_tokens=2000, ignore_eos=True, tier="P3", seed=i)
                     for i in range(2)]
 
             def both_streaming() -> bool:
                 states = [c.state(j.id) for j in long]
-                # One ended first: a slot is free, and the P2 job would run rather than expire. Say so now.
                 assert not FINAL & set(states), f"a long job ended before both were seen streaming: {states}"
                 return all(s == "dispatched" and c.job(j.id).get("first_token_ms") for s, j in zip(states, long))
 
             wait_for(both_streaming, 60, "both long jobs to stream")
             os.kill(c.procs["wk-0"].pid, signal.SIGSTOP)
             try:
+                # The P2 job comes once both gateways have timed the worker out: then none can send it there (a
+                # slot its last report left free, were it a job short), and no wait estimate refuses it (one of
+                # the long jobs' rest passed its timeout on a loaded machine).
+                with c.client("batch-co", "gw-1", timeout_s=30.0) as via_gw1:
+                    wait_for(lambda: not batch.info().workers and not via_gw1.info().workers, 30,
+                             "both gateways to time the stopped worker out")
                 expiring = run.submit(batch, prompt_token_ids=[12], max_tokens=2, tier="P2")
                 queued = run.submit(batch, prompt_token_ids=[13], max_tokens=3, tier="P3")
                 assert expiring is not None, f"the P2 job was refused: {dict(run.refused)}"
