@@ -52,28 +52,39 @@ class Beside:
 
 
 @contextlib.asynccontextmanager
-async def stream_beside(client: AsyncGatewayClient, n: int, settle_s: float = 0.2):
-    """A job of ``n`` tokens streamed on ``client``'s connection while the block makes other calls on it. Leaving
-    the block waits for the stream to end (its error, if it failed) and fills in the job's result."""
+async def stream_beside(client: AsyncGatewayClient, n: int, worker_pid: int):
+    """A job of ``n`` tokens streamed on ``client``'s connection while the block makes other calls on it. Once it
+    streams, the worker (``worker_pid``) stands still until the block is left: the tiny model ran a short job
+    through before the block's first call, and a test of calls beside a stream passed beside none. Leaving the block
+    checks the stream was still live, waits for it to end (its error, if it failed) and fills in the job's result."""
     beside = Beside(await client.submit(prompt_token_ids=[5, 6, 7], max_tokens=n, ignore_eos=True, seed=3))
     task = asyncio.create_task(beside._read())
-    await asyncio.sleep(settle_s)
+    deadline = time.monotonic() + 60
+    while not beside.streamed:
+        assert not task.done() and time.monotonic() < deadline, "the job beside never streamed"
+        await asyncio.sleep(0.005)
+    os.kill(worker_pid, signal.SIGSTOP)
     try:
+        assert len(beside.streamed) < n, f"the job beside streamed all {n} tokens before the worker stood still"
         yield beside
+        live = not task.done()
     except BaseException:
         task.cancel()
         raise
+    finally:
+        os.kill(worker_pid, signal.SIGCONT)
+    assert live, "the stream beside ended before the block's calls did: nothing ran beside it"
     await asyncio.wait_for(task, 60)
     beside.result = (await beside.job.result()).token_ids
 
 
 async def refused_beside(client: AsyncGatewayClient, n: int, too_big: list[dict], odd: Callable[[], Awaitable],
-                         then: Callable[[], Awaitable]):
+                         then: Callable[[], Awaitable], worker_pid: int):
     """Each of ``too_big`` submitted, then ``odd()``, each refused with InvalidRequest, while a stream of ``n``
-    tokens goes on beside them on the same client; then ``then()``. Returns ([(field, message, seconds to the
-    refusal)], what ``then()`` gave, the Beside)."""
+    tokens goes on beside them on the same client (its worker ``worker_pid`` held still meanwhile); then
+    ``then()``. Returns ([(field, message, seconds to the refusal)], what ``then()`` gave, the Beside)."""
     refusals = []
-    async with stream_beside(client, n) as beside:
+    async with stream_beside(client, n, worker_pid) as beside:
         for kwargs in too_big:
             started = time.monotonic()
             with pytest.raises(InvalidRequest) as e:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 
@@ -16,7 +18,7 @@ import pytest
 
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, InvalidRequest
-from tests.cluster_helpers import job_ids, local_cluster
+from tests.cluster_helpers import job_ids, local_cluster, state_pids, wait_for
 from tests.sdk_helpers import stream_beside
 
 
@@ -36,12 +38,12 @@ def test_a_request_too_big_for_a_frame_is_refused_alone_and_streams_beside_it_go
     beside it ended in 'protocol: ... exceeds max_array_len'. A prompt over the frame size made ZeroMQ drop the
     connection: no answer (a TimeoutError after every retry), every stream beside it silent until it failed over."""
     before = set(job_ids(cluster))
-    n = 120
+    n = 400
 
     async def main():
         async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=30, retries=1) as client:
             refusals = []
-            async with stream_beside(client, n) as beside:
+            async with stream_beside(client, n, state_pids(cluster)["wk-0"]) as beside:
                 for kwargs in ({"prompt_token_ids": [3] * (P.MAX_LIST_LEN + 1)},
                                {"prompt": "x" * P.MAX_MESSAGE_BYTES}):
                     started = time.monotonic()
@@ -62,21 +64,32 @@ def test_the_doors_other_requests_of_a_tenant_are_untouched_by_one_too_long_prom
     of the same tenant running beside it with that request's error (and left the stream's job running); the bad
     request itself got a 502 'upstream_error' instead of a 400 naming the prompt."""
     h = {"Authorization": f"Bearer {key(cluster)}"}
-    n = 200
-    out: dict = {}
+    n = 400
+    out: dict = {"events": []}
 
     def stream():
         with httpx.stream("POST", cluster["http"] + "/v1/completions", headers=h, timeout=120, json={
                 "prompt": [5, 6, 7], "max_tokens": n, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}) as r:
             out["status"] = r.status_code
-            out["events"] = [line for line in r.iter_lines() if line and not line.startswith(":")]  # no keep-alives
+            for line in r.iter_lines():
+                if line and not line.startswith(":"):  # no keep-alives
+                    out["events"].append(line)
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.5)
-    big = httpx.post(cluster["http"] + "/v1/completions", headers=h, timeout=120,
-                     content=json.dumps({"prompt": [3] * (P.MAX_LIST_LEN + 1), "max_tokens": 4}).encode())
+    # Streaming, then the worker stands still while the bad request comes: the tiny model ran a short stream
+    # through before it, and the test passed beside no stream at all.
+    wait_for(lambda: out["events"] or not t.is_alive(), 60, "the stream beside to start")
+    worker = state_pids(cluster)["wk-0"]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        assert t.is_alive(), "the stream beside ended before the bad request came"
+        big = httpx.post(cluster["http"] + "/v1/completions", headers=h, timeout=120,
+                         content=json.dumps({"prompt": [3] * (P.MAX_LIST_LEN + 1), "max_tokens": 4}).encode())
+        assert t.is_alive(), "the stream beside ended while the worker stood still"
+    finally:
+        os.kill(worker, signal.SIGCONT)
     t.join(120)
     assert big.status_code == 400, big.text
     assert big.json()["error"]["param"] == "prompt"

@@ -17,7 +17,7 @@ import pytest
 
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job, ServingError
-from tests.cluster_helpers import local_cluster
+from tests.cluster_helpers import local_cluster, state_pids
 from tests.sdk_helpers import SdkWarnings, stream_beside
 
 # Over one frame: the gateway's ZeroMQ drops the connection that carries it, and every stream on it with it.
@@ -44,7 +44,7 @@ def test_a_bad_job_id_is_refused_at_once_and_the_streams_beside_it_go_on(cluster
     async def main():
         async with AsyncGatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1) as client:
             refusals = []
-            async with stream_beside(client, 60, settle_s=0.05) as beside:
+            async with stream_beside(client, 400, state_pids(cluster)["wk-0"]) as beside:
                 for job_id in bad_ids:
                     for call in (client.status, client.cancel, client.job):
                         started = time.monotonic()
@@ -62,7 +62,7 @@ def test_a_bad_job_id_is_refused_at_once_and_the_streams_beside_it_go_on(cluster
         refusals, streamed, result = asyncio.run(main())
     assert {field for field, _ in refusals} == {"job_id"}
     assert all(took < 1 for _, took in refusals), refusals
-    assert streamed == result and len(result) == 60
+    assert streamed == result and len(result) == 400
     assert not warned.messages, warned.messages  # no stream lost its gateway
 
     client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=3, retries=1)

@@ -13,7 +13,7 @@ import pytest
 
 from common.errors import InvalidRequest
 from gateway.sdk import AsyncGatewayClient, GatewayClient
-from tests.cluster_helpers import job_ids, local_cluster
+from tests.cluster_helpers import job_ids, local_cluster, state_pids
 from tests.sdk_helpers import SdkWarnings, refused_beside, refused_blocking
 
 LIMIT = 64 * 2**10
@@ -35,7 +35,7 @@ def test_a_frame_over_the_gateways_own_limit_is_refused_by_size_and_streams_besi
     gateway's ZeroMQ dropped the connection, the call failed after every retry with a TimeoutError (blaming a
     gateway that was up), and the stream beside it went silent until it failed over."""
     before = set(job_ids(cluster))
-    n = 60
+    n = 400
     too_big = [{"prompt_token_ids": [3] * 100_000}, {"prompt": "x" * 100_000}]
 
     async def main():
@@ -48,7 +48,8 @@ def test_a_frame_over_the_gateways_own_limit_is_refused_by_size_and_streams_besi
                 return str(e.value)
 
             refusals, under, beside = await refused_beside(client, n, too_big,
-                                                           lambda: client.status("j" * 100_000), under)
+                                                           lambda: client.status("j" * 100_000), under,
+                                                           state_pids(cluster)["wk-0"])
             return refusals, under, beside.streamed, beside.result, beside.job.id
 
     with SdkWarnings() as warned:

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from gateway.sdk import AsyncGatewayClient
-from tests.cluster_helpers import job_ids, local_cluster
+from tests.cluster_helpers import job_ids, local_cluster, state_pids
 from tests.sdk_helpers import SdkWarnings, refused_beside, refused_blocking
 
 LIMIT = 4096
@@ -34,7 +34,7 @@ def test_a_frame_between_a_small_limit_and_16_KiB_is_refused_by_size_and_streams
     dropped the connection, the stream beside it went silent until it failed over, and the call failed after every
     retry with a TimeoutError instead of an InvalidRequest naming the limit."""
     before = set(job_ids(cluster))
-    n = 60
+    n = 400
     too_big = [{"prompt_token_ids": [3] * 8000}, {"prompt": "x" * 8000}]
 
     async def main():
@@ -42,7 +42,8 @@ def test_a_frame_between_a_small_limit_and_16_KiB_is_refused_by_size_and_streams
             # Under the gateway's limit: sent once asked about, and admitted.
             refusals, taken, beside = await refused_beside(
                 client, n, too_big, lambda: client.cancel("j" * 8000),
-                lambda: client.submit(max_tokens=2, prompt_token_ids=[3] * 1500))
+                lambda: client.submit(max_tokens=2, prompt_token_ids=[3] * 1500),
+                state_pids(cluster)["wk-0"])
             return refusals, taken.id, beside.streamed, beside.result, beside.job.id
 
     with SdkWarnings() as warned:
