@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def make_socket(ctx: zmq.Context, kind: int, limits: SocketLimits = SocketLimits
     return sock
 
 
+_READERS: weakref.WeakKeyDictionary[zmq.Socket, zmq.Socket] = weakref.WeakKeyDictionary()
+
+
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     """The socket ``sock``'s ``events`` arrive on: a blocking PAIR (as pyzmq's get_monitor_socket, which for an
     asyncio socket gives one only its loop reads) whose queue has no bound. libzmq sends each event from the
@@ -69,6 +73,9 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     mon.setsockopt(zmq.RCVHWM, 0)  # before connecting: the inproc pipe's bound is fixed as it is made
     mon.setsockopt(zmq.LINGER, 0)
     mon.connect(address)
+    # Kept while ``sock`` is: collected first, the reader would close under a live monitor, and the next event
+    # would block the I/O thread for good (close it only after disable_monitor(), or after ``sock``).
+    _READERS[sock] = mon
     return mon
 
 

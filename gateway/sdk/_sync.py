@@ -283,7 +283,9 @@ class GatewayClient:
             socks, self._open = list(self._open), weakref.WeakSet()
             self._closes += 1
             self._frames = FrameSizes()  # unwatched from now on: a gateway may restart unseen
-        for sock in socks:
+        # The watched sockets before their drop watches' readers: a reader closed while its socket is open and
+        # monitored blocks libzmq's I/O thread at the socket's next drop, and every socket of the process with it.
+        for sock in sorted(socks, key=lambda s: not s.closed and s.type == zmq.PAIR):
             sock.close(linger=0)
         self._local = threading.local()
 
