@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import uuid
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,29 +52,6 @@ def make_socket(ctx: zmq.Context, kind: int, limits: SocketLimits = SocketLimits
         # An unroutable reply (peer gone) raises instead of vanishing silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return sock
-
-
-_READERS: weakref.WeakKeyDictionary[zmq.Socket, zmq.Socket] = weakref.WeakKeyDictionary()
-
-
-def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
-    """The socket ``sock``'s ``events`` arrive on: a blocking PAIR (as pyzmq's get_monitor_socket, which for an
-    asyncio socket gives one only its loop reads) whose queue has no bound. libzmq sends each event from the
-    context's I/O thread and blocks that thread, and with it every socket of the context, once the monitor's queue
-    is full (2,000 events unread): a socket left unread while its peer's address accepted and dropped connections
-    (a port reused by another server, a load balancer with no backend, a CURVE key mismatch) froze the process's
-    ZeroMQ after some 2,000 drops. An unread event now costs memory (about a hundred bytes) instead; the owner reads
-    them when it next looks."""
-    address = f"inproc://ts-monitor-{uuid.uuid4().hex}"
-    sock.monitor(address, events)
-    mon = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
-    mon.setsockopt(zmq.RCVHWM, 0)  # before connecting: the inproc pipe's bound is fixed as it is made
-    mon.setsockopt(zmq.LINGER, 0)
-    mon.connect(address)
-    # Kept while ``sock`` is: collected first, the reader would close under a live monitor, and the next event
-    # would block the I/O thread for good (close it only after disable_monitor(), or after ``sock``).
-    _READERS[sock] = mon
-    return mon
 
 
 def curve_server(sock: zmq.Socket, secret_file: str | Path, domain: str) -> None:

@@ -104,7 +104,7 @@ WORKER_ROUTES = PRELUDE + textwrap.dedent("""
 # blocked libzmq's I/O thread for good. A process whose clients were collected in the wrong order froze so.
 READER_COLLECTED = PRELUDE + textwrap.dedent("""
     import gc
-    from common.sockets import monitor_socket
+    from common.monitors import monitor_socket
 
     router = ctx.socket(zmq.ROUTER)
     p = router.bind_to_random_port("tcp://127.0.0.1")
@@ -122,8 +122,51 @@ READER_COLLECTED = PRELUDE + textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("script, floods", [(SDK_DROPWATCH, True), (WORKER_ROUTES, True), (READER_COLLECTED, False)],
-                         ids=["sdk-dropwatch", "worker-routes", "reader-collected"])
+# A socket lives on in libzmq after Python closes it (its linger, here with a frame it still tries to deliver),
+# reconnecting and reporting each drop to its monitor: a reader closed then (by the client's close(), which closed
+# sockets before readers, or by a collection) blocked the I/O thread at the next drop. The reader must stay open
+# until libzmq says the monitor stopped, and be closed then (checked: no reader is left behind).
+SOCKET_CLOSED_FIRST = PRELUDE + textwrap.dedent("""
+    from gateway.sdk._drops import DropWatch
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1500)
+    watch = DropWatch(sock)
+    flapping(sock)
+    sock.send(b"x")  # never delivered: the closed socket lingers, reconnecting
+    reader = watch.events
+    sock.close()
+    watch.close()
+    watch_for(3)
+    DropWatch(ctx.socket(zmq.DEALER)).close()  # any later monitor looks at the retired readers again
+    assert reader.closed, "the reader was never closed once its socket was gone"
+    print("OK 0", flush=True)
+""")
+
+SOCKET_COLLECTED = PRELUDE + textwrap.dedent("""
+    import gc, weakref
+    from gateway.sdk._drops import DropWatch
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1500)
+    watch = DropWatch(sock)
+    flapping(sock)
+    sock.send(b"x")
+    reader = weakref.ref(watch.events)
+    del watch, sock  # a client dropped unclosed: pyzmq closes the socket as it collects it
+    gc.collect()
+    watch_for(3)
+    DropWatch(ctx.socket(zmq.DEALER)).close()
+    left = reader()
+    assert left is None or left.closed, "the reader was never closed once its socket was collected"
+    print("OK 0", flush=True)
+""")
+
+
+@pytest.mark.parametrize("script, floods", [(SDK_DROPWATCH, True), (WORKER_ROUTES, True), (READER_COLLECTED, False),
+                                            (SOCKET_CLOSED_FIRST, False), (SOCKET_COLLECTED, False)],
+                         ids=["sdk-dropwatch", "worker-routes", "reader-collected", "socket-closed-first",
+                              "socket-collected"])
 def test_an_unread_monitor_does_not_freeze_the_process_zeromq(script, floods):
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

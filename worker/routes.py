@@ -28,9 +28,8 @@ sent went into nothing for another SILENT_RECONNECT_S after Redis came back (the
 from __future__ import annotations
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from common.sockets import monitor_socket
+from common.monitors import close_monitor, monitor_events, monitor_socket
 
 _UP = (zmq.EVENT_HANDSHAKE_SUCCEEDED,)
 _DOWN = (zmq.EVENT_DISCONNECTED,)
@@ -48,7 +47,7 @@ class GatewayRoutes:
         events = 0
         for e in (*_UP, *_DOWN):
             events |= e
-        # Read between steps: unbounded (monitor_socket), as a full queue froze the worker's every socket in a step.
+        # Read between steps: unbounded (common/monitors), as a full queue froze the worker's every socket in a step.
         self.monitors = {monitor_socket(sock, events): sock for sock in sockets}
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
         self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
@@ -64,8 +63,7 @@ class GatewayRoutes:
         frames that came with them: a frame read after a drop counts as heard since (see ``silent``)."""
         sock = self.monitors[mon]
         went_down = False
-        while mon.poll(0):
-            event = recv_monitor_message(mon)["event"]
+        for event in monitor_events(mon):
             if event in _UP and sock not in self.up:
                 self.up.append(sock)
             elif event in _DOWN:
@@ -99,9 +97,5 @@ class GatewayRoutes:
 
     def close(self) -> None:
         for mon, sock in self.monitors.items():
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass  # the socket is already closed
-            mon.close(linger=0)
+            close_monitor(sock, mon)
         self.monitors.clear()

@@ -4,11 +4,9 @@ monitor tells."""
 
 from __future__ import annotations
 
-import struct
-
 import zmq
 
-from common.sockets import monitor_socket
+from common.monitors import close_monitor, monitor_events, monitor_socket
 
 DROPPED = object()  # a wait for an answer: the connection that took the request dropped before an answer came
 
@@ -17,7 +15,7 @@ class DropWatch:
     """The disconnections of one socket, read without blocking, from blocking and asyncio code alike (the events
     come over a blocking PAIR socket on the same libzmq context, so an asyncio client reads them at once too, not
     when its loop gets round to a reader task). A blocking client reads them only during its calls: the queue has no
-    bound (common/sockets.monitor_socket), as a full one froze every ZeroMQ socket of the process."""
+    bound (common/monitors), as a full one froze every ZeroMQ socket of the process."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self._sock = sock
@@ -30,20 +28,9 @@ class DropWatch:
 
     def dropped(self) -> bool:
         """Has the connection dropped since the last call? (Reads every event waiting.)"""
-        seen = False
-        while True:
-            try:
-                frames = self._events.recv_multipart(zmq.NOBLOCK)
-            except (zmq.Again, zmq.ZMQError):
-                return seen
-            event, = struct.unpack_from("=H", frames[0])
-            seen = seen or event == zmq.EVENT_DISCONNECTED
+        return zmq.EVENT_DISCONNECTED in monitor_events(self._events)
 
     def close(self) -> None:
-        """Stop watching (before or after the watched socket is closed)."""
-        if not self._sock.closed:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        self._events.close(linger=0)
+        """Stop watching, before or after the watched socket is closed: common/monitors closes the reader only once
+        libzmq has let go of it (a reader closed under a live monitor froze the process's ZeroMQ)."""
+        close_monitor(self._sock, self._events)

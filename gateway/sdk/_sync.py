@@ -79,7 +79,8 @@ class GatewayClient:
         self._tracer = trace.get_tracer(SDK_TRACER, tracer_provider=tracer_provider)
         self._ctx = zmq.Context.instance()
         self._local = threading.local()  # each thread's sockets for calls, one per gateway; each stream has its own
-        self._open: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()  # every thread's, for close()
+        # Every thread's sockets and their drop watches, for close().
+        self._open: weakref.WeakSet[zmq.Socket | DropWatch] = weakref.WeakSet()
         self._open_lock = threading.Lock()
         self._moving = threading.Lock()  # one thread at a time moves the client to the next gateway
         self._pid = os.getpid()
@@ -138,7 +139,7 @@ class GatewayClient:
             if closes == self._closes:
                 self._open.add(sock)
                 if watch is not None:
-                    self._open.add(watch.events)
+                    self._open.add(watch)
                     watches[endpoint] = watch
                 return sock
         if watch is not None:
@@ -283,10 +284,13 @@ class GatewayClient:
             socks, self._open = list(self._open), weakref.WeakSet()
             self._closes += 1
             self._frames = FrameSizes()  # unwatched from now on: a gateway may restart unseen
-        # The watched sockets before their drop watches' readers: a reader closed while its socket is open and
-        # monitored blocks libzmq's I/O thread at the socket's next drop, and every socket of the process with it.
-        for sock in sorted(socks, key=lambda s: not s.closed and s.type == zmq.PAIR):
-            sock.close(linger=0)
+        # The drop watches first: their sockets still open, each monitor stops and its reader closes at once
+        # (common/monitors; a reader closed under a live monitor froze every ZeroMQ socket of the process).
+        for item in sorted(socks, key=lambda s: not isinstance(s, DropWatch)):
+            if isinstance(item, DropWatch):
+                item.close()
+            else:
+                item.close(linger=0)
         self._local = threading.local()
 
     def __enter__(self) -> GatewayClient:
