@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_tiny_model import build
-from tests import compose_helpers
+from tests import compose_helpers, zmq_watchdog
 
 CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
 
@@ -26,6 +26,18 @@ def pytest_runtest_setup(item) -> None:
 
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test (its fixtures torn down): end the run if this process's ZeroMQ froze (tests/zmq_watchdog)."""
+    yield
+    if zmq_watchdog.frozen():
+        import faulthandler
+
+        faulthandler.dump_traceback(all_threads=True)
+        pytest.exit(f"this process's ZeroMQ context froze (a fresh socket pair exchanged nothing) during or after "
+                    f"{item.nodeid}: every later ZeroMQ test would time out; thread stacks above", returncode=3)
 
 
 MODEL_FIXTURES = {"tiny_model_dir", "bench_model_dir"}  # every model fixture below depends on one of these
