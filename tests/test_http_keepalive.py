@@ -237,6 +237,24 @@ def test_a_job_that_expires_before_or_after_the_status_line(tiny_model_dir, tmp_
         assert job_hash(c, r.headers["X-Request-Id"])["state"] == "expired"
 
 
+def test_keepalives_off_the_status_line_waits_for_the_first_token(tiny_model_dir, tmp_path):
+    """sse_keepalive_s = 0 turns them off: a stream says nothing, status line included, until its first token or its
+    end, so a P2 that waits out its 3 s queue timeout gets a real 504 however long that is, with no byte before."""
+    with local_cluster(tmp_path, tiny_model_dir, workers=0,
+                       env={"TS_HTTP_SSE_KEEPALIVE_S": "0", "TS_GATEWAY_TIER_TIMEOUTS_S":
+                            '{"P0": 30, "P1": 30, "P2": 3, "P3": null}'}) as c:
+        body = {"prompt": [6], "max_tokens": 2, "stream": True}
+        start = time.monotonic()
+        with httpx.stream("POST", c["http"] + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {key(c, 'batch-co')}", "X-Priority": "P2"}) as r:
+            waited = time.monotonic() - start
+            raw = r.read()
+        assert r.status_code == 504, raw
+        assert json.loads(raw)["error"]["code"] == "queue_timeout" and COMMENT not in raw, raw
+        assert waited >= 2.5, f"the status line came after {waited:.2f} s, before the job could expire"
+        assert job_hash(c, r.headers["X-Request-Id"])["state"] == "expired"
+
+
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_a_keepalive_interval_that_could_not_serve_is_refused(value):
     from gateway.http.config import HttpConfig

@@ -62,10 +62,12 @@ def test_a_reader_outlives_its_lingering_socket_and_is_closed_after_it(ctx, how)
     """The socket still holds a frame it cannot deliver (no peer), so libzmq keeps it, and its monitor, for its
     linger after Python let go: the reader stays open all that time, then closes."""
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.LINGER, 3000)
     reader = monitor_socket(sock, zmq.EVENT_DISCONNECTED)
     sock.connect("tcp://127.0.0.1:9")  # nothing listens: the frame waits
     sock.send(b"x")
+    # Timed from before the close: a collection in a large process takes a good part of a second.
+    lingered_until = time.monotonic() + 1.5
     if how == "closed":
         sock.close()
         close_monitor(sock, reader)
@@ -74,7 +76,6 @@ def test_a_reader_outlives_its_lingering_socket_and_is_closed_after_it(ctx, how)
         del sock
         gc.collect()
         assert ref() is None
-    lingered_until = time.monotonic() + 0.8
     while time.monotonic() < lingered_until:  # libzmq still holds the socket: the reader must stay
         probe = ctx.socket(zmq.DEALER)
         close_monitor(probe, monitor_socket(probe, zmq.EVENT_DISCONNECTED))  # each looks at retired readers again
