@@ -36,6 +36,7 @@ def pytest_runtest_teardown(item, nextitem):
         import faulthandler
 
         faulthandler.dump_traceback(all_threads=True)
+        zmq_watchdog.report()
         pytest.exit(f"this process's ZeroMQ context froze (a fresh socket pair exchanged nothing) during or after "
                     f"{item.nodeid}: every later ZeroMQ test would time out; thread stacks above", returncode=3)
 

@@ -7,7 +7,11 @@ naming the test after which it froze, with every thread's stack."""
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
+import subprocess
+import sys
 
 import zmq
 import zmq.asyncio
@@ -40,3 +44,27 @@ def answers(ctx: zmq.Context, timeout_ms: int) -> bool:
 def frozen() -> bool:
     """Does a global context fail to answer, twice (the second time with a generous wait: a loaded machine)?"""
     return any(not answers(ctx, 5_000) and not answers(ctx, 20_000) for ctx in _contexts())
+
+
+def report() -> None:
+    """To stderr: the process's live ZeroMQ sockets and, where gdb is installed, every thread's native stack (a
+    frozen I/O thread shows where it blocks, say a monitor's zmq_msg_send)."""
+    out = sys.stderr
+    socks = [o for o in gc.get_objects() if isinstance(o, zmq.Socket)]
+    out.write(f"\n--- {len(socks)} ZeroMQ sockets alive in Python\n")
+    for s in socks:
+        try:
+            if s.closed:
+                out.write("  closed\n")
+            else:
+                out.write(f"  type={s.type} endpoint={s.getsockopt(zmq.LAST_ENDPOINT)!r} "
+                          f"rcvhwm={s.getsockopt(zmq.RCVHWM)}\n")
+        except zmq.ZMQError as e:
+            out.write(f"  unreadable: {e}\n")
+    gdb = shutil.which("gdb")
+    if gdb:
+        out.write("--- native stacks (gdb)\n")
+        out.flush()
+        subprocess.run([gdb, "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 12"], stdout=out,
+                       stderr=subprocess.STDOUT, timeout=120, check=False)
+    out.flush()
