@@ -20,9 +20,9 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
+from common.monitors import close_monitor, monitor_events, monitor_socket
 from common.ports import free_port
 from common.sockets import curve_client, make_socket
 from gateway.sdk import GatewayClient
@@ -501,15 +501,16 @@ def test_fuzzed_frames_leave_every_process_up_and_serving(tmp_path, tiny_model_d
                     drain_workers()
             # Over the 8 MiB limit: the gateway's ZeroMQ drops the connection, and nothing else happens.
             oversize = make_socket(ctx, zmq.DEALER)
-            monitor = oversize.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            monitor = monitor_socket(oversize, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             oversize.connect(gw["endpoint"])
             oversize.send(b"\x00" * (P.MAX_MESSAGE_BYTES + 1))
             events = []
-            while zmq.EVENT_DISCONNECTED not in events:
-                assert monitor.poll(10_000), f"the gateway kept an oversized frame's connection: {events}"
-                events.append(recv_monitor_message(monitor)["event"])
-            oversize.disable_monitor()
-            monitor.close(linger=0)
+            try:
+                while zmq.EVENT_DISCONNECTED not in events:
+                    assert monitor.poll(10_000), f"the gateway kept an oversized frame's connection: {events}"
+                    events += monitor_events(monitor)
+            finally:
+                close_monitor(oversize, monitor)
             # A round trip on each worker socket proves everything before it was processed.
             for n, s in enumerate(worker_socks):
                 s.send(_pack({"v": P.SCHEMA_VERSION, "k": f"Marker-{n}", "b": {}}))
