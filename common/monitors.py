@@ -5,8 +5,8 @@ thread serves every socket of the context. Two ways that send never returns, and
 - the reader's queue is full (2,000 events unread by default): readers here have no receive bound;
 - the reader is closed while libzmq still monitors its socket: a socket closed in Python lives on in libzmq (its
   linger, its reaper) and still reports, say, a peer that drops during its linger. So a reader is closed only once
-  libzmq has said, with EVENT_MONITOR_STOPPED, that it let go of it: at once after ``disable_monitor()`` (which
-  sends it before returning), or, for a socket closed or collected first, once libzmq has destroyed the socket.
+  libzmq has let go of it: at once after ``disable_monitor()`` (libzmq closes its end before returning), or, for a
+  socket closed or collected first, once libzmq has destroyed the socket and said so (EVENT_MONITOR_STOPPED).
   Until then the reader is kept, and each later monitor opened or closed in the process looks again.
 """
 
@@ -76,6 +76,12 @@ def close_monitor(sock: zmq.Socket, reader: zmq.Socket) -> None:
             sock.disable_monitor()
         except zmq.ZMQError:
             pass  # the socket was closed meanwhile: libzmq stops its monitor when it destroys it
+        else:
+            # libzmq closed its end before returning: nothing more can come, so the reader goes at once, unread (a
+            # thread may be polling it still, as a stream does while its client is closed; two readers abort libzmq).
+            reader.close(linger=0)
+            _reap()
+            return
     _retire(reader, os.getpid())
 
 
