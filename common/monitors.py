@@ -23,9 +23,9 @@ import weakref
 import zmq
 
 _lock = threading.Lock()
-# (reader, pid): owners let go of them; libzmq may still send. A deque: a collection may retire one (a finalizer)
-# in the middle of a reap, on the reaping thread; its append needs no lock.
-_retiring: collections.deque[tuple[zmq.Socket, int]] = collections.deque()
+# Readers their owners let go of; libzmq may still send. A deque: a collection may retire one (a finalizer) in the
+# middle of a reap, on the reaping thread; its append needs no lock.
+_retiring: collections.deque[zmq.Socket] = collections.deque()
 _stopped: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()  # readers that have read EVENT_MONITOR_STOPPED
 # Each reader's process: in a forked child, the parent's sockets are never touched (libzmq's threads did not follow;
 # a read there spun for ever). pyzmq leaves them alone there too.
@@ -46,7 +46,7 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     reader.connect(address)
     _pids[reader] = os.getpid()
     # The finalizer holds the reader until then, so the reader is never collected (closed) before its socket.
-    weakref.finalize(sock, _retire, reader, os.getpid()).atexit = False
+    weakref.finalize(sock, _retire, reader).atexit = False
     return reader
 
 
@@ -82,13 +82,13 @@ def close_monitor(sock: zmq.Socket, reader: zmq.Socket) -> None:
             reader.close(linger=0)
             _reap()
             return
-    _retire(reader, os.getpid())
+    _retire(reader)
 
 
-def _retire(reader: zmq.Socket, pid: int) -> None:
+def _retire(reader: zmq.Socket) -> None:
     if sys.is_finalizing():
         return  # the process is ending (and pyzmq's errors can no longer even be imported)
-    _retiring.append((reader, pid))
+    _retiring.append(reader)
     _reap()
 
 
@@ -101,14 +101,14 @@ def _reap() -> None:
     try:
         keep = []
         while _retiring:
-            reader, pid = _retiring.popleft()
-            if pid != os.getpid() or reader.closed:
+            reader = _retiring.popleft()
+            if _pids.get(reader) != os.getpid() or reader.closed:
                 continue  # a parent's, in a forked child, is never touched (pyzmq does not close it there either)
             monitor_events(reader)
             if reader in _stopped:
                 reader.close(linger=0)
             else:
-                keep.append((reader, pid))
+                keep.append(reader)
         _retiring.extend(keep)
     finally:
         _lock.release()

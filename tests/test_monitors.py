@@ -57,6 +57,13 @@ def test_a_monitor_stopped_on_an_open_socket_closes_its_reader_at_once(ctx):
     router.close(linger=0)
 
 
+def _probe(ctx) -> None:
+    """Open and close another monitor: each looks at the retired readers again."""
+    probe = ctx.socket(zmq.DEALER)
+    close_monitor(probe, monitor_socket(probe, zmq.EVENT_DISCONNECTED))
+    probe.close(linger=0)
+
+
 @pytest.mark.parametrize("how", ["closed", "collected"])
 def test_a_reader_outlives_its_lingering_socket_and_is_closed_after_it(ctx, how):
     """The socket still holds a frame it cannot deliver (no peer), so libzmq keeps it, and its monitor, for its
@@ -77,18 +84,10 @@ def test_a_reader_outlives_its_lingering_socket_and_is_closed_after_it(ctx, how)
         gc.collect()
         assert ref() is None
     while time.monotonic() < lingered_until:  # libzmq still holds the socket: the reader must stay
-        probe = ctx.socket(zmq.DEALER)
-        close_monitor(probe, monitor_socket(probe, zmq.EVENT_DISCONNECTED))  # each looks at retired readers again
-        probe.close(linger=0)
+        _probe(ctx)
         assert not reader.closed, "the reader was closed while libzmq still monitored its socket"
         time.sleep(0.1)
-
-    def closed() -> bool:
-        probe = ctx.socket(zmq.DEALER)
-        close_monitor(probe, monitor_socket(probe, zmq.EVENT_DISCONNECTED))
-        probe.close(linger=0)
-        return reader.closed
-    wait_for(closed, 10, "the reader to be closed once libzmq destroyed its socket")
+    wait_for(lambda: _probe(ctx) or reader.closed, 10, "the reader to be closed once libzmq destroyed its socket")
 
 
 def test_a_forked_child_leaves_its_parents_monitors_alone(ctx):
@@ -98,9 +97,7 @@ def test_a_forked_child_leaves_its_parents_monitors_alone(ctx):
     if pid == 0:
         try:
             close_monitor(sock, reader)  # the parent's: must neither hang nor touch it
-            probe = zmq.Context().socket(zmq.DEALER)
-            close_monitor(probe, monitor_socket(probe, zmq.EVENT_DISCONNECTED))
-            probe.close(linger=0)
+            _probe(zmq.Context())
         finally:
             os._exit(0 if not reader.closed else 1)
     deadline = time.monotonic() + 20

@@ -286,11 +286,10 @@ class GatewayClient:
             self._frames = FrameSizes()  # unwatched from now on: a gateway may restart unseen
         # The drop watches first: their sockets still open, each monitor stops and its reader closes at once
         # (common/monitors; a reader closed under a live monitor froze every ZeroMQ socket of the process).
-        for item in sorted(socks, key=lambda s: not isinstance(s, DropWatch)):
-            if isinstance(item, DropWatch):
-                item.close()
-            else:
-                item.close(linger=0)
+        for watch in [s for s in socks if isinstance(s, DropWatch)]:
+            watch.close()
+        for sock in [s for s in socks if not isinstance(s, DropWatch)]:
+            sock.close(linger=0)
         self._local = threading.local()
 
     def __enter__(self) -> GatewayClient:
