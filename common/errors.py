@@ -39,6 +39,13 @@ class Unauthorized(ServingError):
     """Unknown or missing API key."""
 
 
+class HandshakeFailed(ServingError, TimeoutError):
+    """The gateway's end refused this client's connection handshake: the client's CURVE settings do not match
+    the gateway's (``server_public_key`` missing, wrong, or given for a socket that is not encrypted), or the
+    address is not a gateway's client port. A TimeoutError too, as before it had a name: no gateway took the
+    request, and like a silent gateway it is tried again on the next one while retries last."""
+
+
 class Forbidden(ServingError):
     """The tenant is not entitled to what it asked for (e.g. a higher tier)."""
 

@@ -52,17 +52,22 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
 
 def monitor_events(reader: zmq.Socket) -> list[int]:
     """The events waiting on ``reader``, oldest first, read without blocking (none once it is closed)."""
+    return [event for event, _ in monitor_event_values(reader)]
+
+
+def monitor_event_values(reader: zmq.Socket) -> list[tuple[int, int]]:
+    """As monitor_events, each with its value (a handshake failure's error code or ZAP status, a descriptor...)."""
     out = []
     while True:
         try:
             frames = reader.recv_multipart(zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             return out
-        event, = struct.unpack_from("=H", frames[0])
+        event, value = struct.unpack_from("=HI", frames[0])
         if event == zmq.EVENT_MONITOR_STOPPED:
             _stopped.add(reader)
         else:
-            out.append(event)
+            out.append((event, value))
 
 
 def close_monitor(sock: zmq.Socket, reader: zmq.Socket) -> None:

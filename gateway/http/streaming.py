@@ -54,8 +54,8 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
         done = True
         if isinstance(e, TimeoutError):  # every gateway silent: the door gives it up, as a whole request's
             cancel()
-        err = errors.from_serving_error(e) if isinstance(e, ServingError) else HttpError(
-            504, "timeout_error", str(e), code="upstream_timeout")
+        err = HttpError(504, "timeout_error", str(e), code="upstream_timeout") if isinstance(e, TimeoutError) \
+            else errors.from_serving_error(e)  # (HandshakeFailed is a TimeoutError: the door's doing, not the caller's)
         metrics.STREAM_ERRORS.labels(request.scope["path"], err.code or err.type).inc()
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
     finally:

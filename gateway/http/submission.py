@@ -63,10 +63,10 @@ class Submitter:
         except Unauthorized as e:
             self.upstream.forget(key)
             raise errors.from_serving_error(e) from None
+        except TimeoutError:  # HandshakeFailed too: the door's settings for the gateways, not the caller's doing
+            raise no_gateway() from None
         except ServingError as e:
             raise errors.from_serving_error(e, prompt_param, body.max_tokens_param()) from None
-        except TimeoutError:
-            raise no_gateway() from None
 
     async def _past_serving_limits(self, key: str, body, ids: list[int], tier: str | None, asked: int | None,
                                    idem: str | None, no_room: HttpError):

@@ -11,7 +11,9 @@
 number of coroutines share one client and its one connection per gateway. Refusals raise typed errors:
 ``Unauthorized``, ``Forbidden``, ``InvalidRequest``, ``QuotaExceeded`` (``.retry_after_s``), ``Overloaded``
 (``.estimated_wait_s``), ``NotFound``; ``Unavailable`` (the cluster's Redis is unreachable) and
-``TimeoutError`` (no gateway answered) once the client's retries are spent. A job that ends without a
+``TimeoutError`` (no gateway answered) once the client's retries are spent; ``HandshakeFailed``, a
+``TimeoutError`` told at once, when a gateway refuses the connection itself (``server_public_key`` missing,
+wrong, or given for a gateway that does not encrypt). A job that ends without a
 result raises ``JobFailed`` (``JobCancelled``, a subclass, if it was cancelled) or ``JobExpired`` from
 ``result()``, and at the end of ``stream()``: a stream
 never ends quietly short of its tokens. Threads may share a ``GatewayClient`` (each gets its own
@@ -27,13 +29,13 @@ carries an idempotency key (the caller's, or one made for the call), so its retr
 Importing this package does not import torch, transformers or redis.
 """
 
-from common.errors import (Forbidden, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
+from common.errors import (Forbidden, HandshakeFailed, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
                            QuotaExceeded, ServingError, Unauthorized, Unavailable)
 from gateway.sdk._async import AsyncGatewayClient, AsyncJob
 from gateway.sdk._common import SDK_TRACER
 from gateway.sdk._results import Chunk, JobResult, JobStatus
 from gateway.sdk._sync import GatewayClient, Job
 
-__all__ = ["AsyncGatewayClient", "AsyncJob", "Chunk", "Forbidden", "GatewayClient", "InvalidRequest", "Job",
+__all__ = ["AsyncGatewayClient", "AsyncJob", "Chunk", "Forbidden", "GatewayClient", "HandshakeFailed", "InvalidRequest", "Job",
            "JobCancelled", "JobExpired", "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded",
            "QuotaExceeded", "SDK_TRACER", "ServingError", "Unauthorized", "Unavailable"]

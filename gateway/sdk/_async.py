@@ -19,7 +19,7 @@ from common import protocol as P
 from common.errors import ServingError
 from gateway.sdk._async_connection import _check_open, _Connection
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
-from gateway.sdk._drops import DROPPED
+from gateway.sdk._drops import DROPPED, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    sized_submit_request, wait_limit, with_request_id)
@@ -154,14 +154,18 @@ class AsyncGatewayClient:
                 conn.inboxes[rid] = inbox
                 sent[rid] = conn
                 drops = conn.seen_drops()  # a drop before the send is not this request's
-                await conn.send(with_request_id(msg, rid))
-                reply = await conn.next_frame(inbox, self.timeout_s, drops)
-                _check_open(reply)
+                # A refused handshake no reconnection cures: nothing sent would reach the gateway.
+                if (blocked := conn.watch.blocked(conn.endpoint)) is None:
+                    await conn.send(with_request_id(msg, rid))
+                    reply = await conn.next_frame(inbox, self.timeout_s, drops)
+                    _check_open(reply)
                 try:
+                    if blocked is not None:
+                        raise blocked
                     if reply is DROPPED:
-                        raise TimeoutError(f"gateway {conn.endpoint} dropped the connection that took this request")
+                        raise failure(conn.watch, conn.endpoint, "dropped the connection that took this request")
                     if reply is None:
-                        raise TimeoutError(f"gateway {conn.endpoint} did not answer within {self.timeout_s}s")
+                        raise failure(conn.watch, conn.endpoint, f"did not answer within {self.timeout_s}s")
                     raise_for(reply)
                 except RETRYABLE as e:
                     await asyncio.sleep(budget.pause_s(e))
@@ -188,12 +192,15 @@ class AsyncGatewayClient:
         closes = self._closes
         try:
             while st.done is None:
+                blocked = None
                 if conn is None:
                     conn, req = self._conn(closes), st.request()
                     conn.inboxes[req.request_id] = inbox
                     drops = conn.seen_drops()  # a drop before the subscription went is not its own
-                    await conn.send(req)
-                msg = await conn.next_frame(inbox, st.wait_s(), drops)
+                    # A refused handshake no reconnection cures: the subscription would never reach the gateway.
+                    if (blocked := conn.watch.blocked(conn.endpoint)) is None:
+                        await conn.send(req)
+                msg = DROPPED if blocked is not None else await conn.next_frame(inbox, st.wait_s(), drops)
                 _check_open(msg)
                 if msg is None:
                     if st.on_silence():
@@ -206,8 +213,7 @@ class AsyncGatewayClient:
                     if msg is DROPPED:
                         # As the blocking client's: the subscription went with the connection; resubscribe now from
                         # the next index not delivered (frames still coming under the old request id are dropped).
-                        raise TimeoutError(f"gateway {conn.endpoint} dropped the connection of the stream of job "
-                                           f"{job.id}")
+                        raise failure(conn.watch, conn.endpoint, f"dropped the connection of the stream of job {job.id}")
                     chunk = st.on_frame(msg)
                 except RETRYABLE as e:
                     pause = st.on_failure(e)

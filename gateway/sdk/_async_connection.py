@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import zmq
@@ -15,7 +16,7 @@ import zmq.asyncio
 from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
-from gateway.sdk._drops import DROPPED, DropWatch
+from gateway.sdk._drops import DROPPED, Doubt, DropWatch
 
 log = logging.getLogger("gateway.sdk")
 CLOSED = object()  # put in every inbox of a connection the client closes: its waiters end rather than time out
@@ -32,7 +33,7 @@ class _Connection:
         self.sock = make_socket(ctx, zmq.DEALER)
         if server_public_key is not None:  # CURVE: the API key and prompts cross the network encrypted
             curve_client(self.sock, server_public_key)
-        self.watch = DropWatch(self.sock)
+        self.watch = DropWatch(self.sock, curve=server_public_key is not None)
         self.sock.connect(endpoint)
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.dropped = 0  # frames for no waiting request (late answers) or unreadable
@@ -59,25 +60,36 @@ class _Connection:
 
     async def next_frame(self, inbox: asyncio.Queue, timeout_s: float, drops: int):
         """The next frame in ``inbox``; DROPPED if the connection dropped after ``drops`` drops (seen_drops, read
-        before the request went), unless an answer came first; None after ``timeout_s``."""
-        try:
-            return inbox.get_nowait()
-        except asyncio.QueueEmpty:
-            pass
-        if self.seen_drops() > drops:
-            return DROPPED
-        frame = asyncio.ensure_future(inbox.get())
-        dropped = self.loop.create_future()
-        self._drop_waiters.add(dropped)
-        try:
-            await asyncio.wait([frame, dropped], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._drop_waiters.discard(dropped)
-            if not frame.done():
-                frame.cancel()  # a frame it did not take stays in the inbox, for the call's next attempt
-        if frame.done() and not frame.cancelled():
-            return frame.result()
-        return DROPPED if dropped.done() else None
+        before the request went), unless an answer came first (a drop in doubt, a handshake failed without a reason,
+        only if it is still failing a moment later: Doubt); None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        doubt = Doubt(self.watch)
+        while True:
+            try:
+                return inbox.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
+            now = time.monotonic()
+            if (seen := self.seen_drops()) > drops:
+                drops = seen
+                if doubt.on_drop(now):
+                    return DROPPED
+            if doubt.ended(now):
+                return DROPPED
+            if now >= deadline:
+                return None if doubt.until is None else DROPPED
+            frame = asyncio.ensure_future(inbox.get())
+            dropped = self.loop.create_future()
+            self._drop_waiters.add(dropped)
+            try:
+                await asyncio.wait([frame, dropped], timeout=doubt.wake(deadline) - now,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._drop_waiters.discard(dropped)
+                if not frame.done():
+                    frame.cancel()  # a frame it did not take stays in the inbox, for the call's next attempt
+            if frame.done() and not frame.cancelled():
+                return frame.result()
 
     async def _read(self) -> None:
         while True:

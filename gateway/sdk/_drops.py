@@ -1,25 +1,40 @@
 """Whether a gateway's connection dropped since last asked: its gateway may have restarted (with a smaller frame
 limit than it said before), or dropped a frame over its limit. ZeroMQ reconnects out of sight; only its socket
-monitor tells."""
+monitor tells. The monitor also tells why a connection never came up: the gateway's end refused the handshake
+(CURVE settings that do not match), which no retry cures and which the caller is told by name."""
 
 from __future__ import annotations
 
 import zmq
 
-from common.monitors import close_monitor, monitor_events, monitor_socket
+from common.errors import HandshakeFailed
+from common.monitors import close_monitor, monitor_event_values, monitor_socket
 
 DROPPED = object()  # a wait for an answer: the connection that took the request dropped before an answer came
+# How long a wait for an answer goes on after a drop that was a handshake failed without a reason (in_doubt): long
+# enough for a gateway that refuses to fail two more (libzmq reconnects every 0.1-0.2 s), and the request is still
+# queued in the socket meanwhile, for the next handshake that succeeds.
+DOUBT_S = 1.0
+REFUSED_AFTER = 3  # handshakes failed without a reason in a row that make a refusal (a wrong key fails every ~0.1 s)
+
+_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _REFUSALS
 
 
 class DropWatch:
     """The disconnections of one socket, read without blocking, from blocking and asyncio code alike (the events
     come over a blocking PAIR socket on the same libzmq context, so an asyncio client reads them at once too, not
     when its loop gets round to a reader task). A blocking client reads them only during its calls: the queue has no
-    bound (common/monitors), as a full one froze every ZeroMQ socket of the process."""
+    bound (common/monitors), as a full one froze every ZeroMQ socket of the process. ``curve``: whether the socket
+    was given the gateway's public key (it decides what a refused handshake says)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, curve: bool = False) -> None:
         self._sock = sock
-        self._events = monitor_socket(sock, zmq.EVENT_DISCONNECTED)
+        self._curve = curve
+        self._events = monitor_socket(sock, _EVENTS)
+        self._dropped = False
+        self._failed: tuple[int, int] | None = None  # the last handshake failure (event, value), until one succeeds
+        self._failures = 0  # handshakes failed since the last that succeeded
 
     @property
     def events(self) -> zmq.Socket:
@@ -28,9 +43,105 @@ class DropWatch:
 
     def dropped(self) -> bool:
         """Has the connection dropped since the last call? (Reads every event waiting.)"""
-        return zmq.EVENT_DISCONNECTED in monitor_events(self._events)
+        self._read()
+        dropped, self._dropped = self._dropped, False
+        return dropped
+
+    def refused(self, endpoint: str) -> HandshakeFailed | None:
+        """The error to raise if ``endpoint`` refuses this connection's handshake: its last one failed and none
+        has succeeded since. A gateway that closes the connection mid-handshake without a reason may be one going
+        down (a connection its kernel accepted for a process that is being killed), not one that refuses: that
+        counts once REFUSED_AFTER handshakes in a row ended so."""
+        self._read()
+        if self._failed is None or self._doubtful():
+            return None
+        return HandshakeFailed(f"gateway {endpoint} {_why(*self._failed, self._curve)}")
+
+    def in_doubt(self) -> bool:
+        """The last handshake failed without a reason, fewer than three times in a row: a gateway that refuses,
+        or one going down? (A request sent meanwhile still waits in the socket for the next good handshake.)"""
+        self._read()
+        return self._doubtful()
+
+    def failing(self) -> bool:
+        """The last handshake failed and none has succeeded since."""
+        self._read()
+        return self._failed is not None
+
+    def blocked(self, endpoint: str) -> HandshakeFailed | None:
+        """As refused, for refusals no reconnection cures (a mechanism or key refused with a reason): a request
+        sent now would never reach the gateway, and the caller need not wait to be told."""
+        refused = self.refused(endpoint)
+        return refused if refused is not None and self._failed[0] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else None
+
+    def _doubtful(self) -> bool:
+        return self._failed is not None and self._failed[0] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL \
+            and self._failures < REFUSED_AFTER
+
+    def _read(self) -> None:
+        for event, value in monitor_event_values(self._events):
+            if event == zmq.EVENT_DISCONNECTED:
+                self._dropped = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failed, self._failures = None, 0
+            else:
+                self._failed, self._failures = (event, value), self._failures + 1
 
     def close(self) -> None:
         """Stop watching, before or after the watched socket is closed: common/monitors closes the reader only once
         libzmq has let go of it (a reader closed under a live monitor froze the process's ZeroMQ)."""
         close_monitor(self._sock, self._events)
+
+
+class Doubt:
+    """One wait for an answer on a watched connection, told of its drops: a drop that was a handshake failed
+    without a reason (DropWatch.in_doubt) is called a drop only if the handshakes still fail DOUBT_S later, or
+    fail often enough meanwhile to be a refusal; if one succeeds, the request went on it and the wait goes on."""
+
+    def __init__(self, watch: DropWatch | None) -> None:
+        self.watch = watch
+        self.until: float | None = None
+
+    def on_drop(self, now: float) -> bool:
+        """The connection dropped: is that the wait's end (DROPPED)?"""
+        if self.watch is None or not self.watch.in_doubt():
+            return True
+        self.until = self.until or now + DOUBT_S
+        return False
+
+    def ended(self, now: float) -> bool:
+        """Has a doubt run out with the handshakes still failing (DROPPED)? Clears one a handshake resolved."""
+        if self.until is None or now < self.until:
+            return False
+        if self.watch.failing():
+            return True
+        self.until = None
+        return False
+
+    def wake(self, deadline: float) -> float:
+        """When the wait must look again: its deadline, or the end of a doubt before it."""
+        return deadline if self.until is None else min(deadline, self.until)
+
+
+def failure(watch: DropWatch | None, endpoint: str, why: str) -> TimeoutError:
+    """The error of an attempt on ``endpoint`` that got no answer (``why``): HandshakeFailed if the gateway refused
+    the handshake of ``watch``'s connection, else a TimeoutError saying ``why``."""
+    refused = None if watch is None else watch.refused(endpoint)
+    return refused or TimeoutError(f"gateway {endpoint} {why}")
+
+
+def _why(event: int, value: int, curve: bool) -> str:
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("does not encrypt its client socket, and this client was given server_public_key: leave it out "
+                "for this gateway" if curve else
+                "encrypts its client socket (CURVE): give the client the gateway's public key as server_public_key "
+                "(its gateway.key file, or the key's z85 text)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"refused this client's CURVE key (ZAP status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"broke off the ZeroMQ handshake (protocol error {value:#x}): is this a gateway's client port?"
+    return ("closed the connection during the CURVE handshake: server_public_key is not this gateway's public key, "
+            "or the gateway does not encrypt its client socket (then leave server_public_key out), or this is not "
+            "a gateway's client port" if curve else
+            "closed the connection during the ZeroMQ handshake: is this a gateway's client port, and does it need "
+            "server_public_key?")

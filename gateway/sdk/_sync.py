@@ -17,7 +17,7 @@ from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
-from gateway.sdk._drops import DROPPED, DropWatch
+from gateway.sdk._drops import DROPPED, DropWatch, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    sized_submit_request, wait_limit, with_request_id)
@@ -128,7 +128,7 @@ class GatewayClient:
         drops (into ``watches``) if given."""
         self._after_fork()
         sock = make_socket(self._ctx, zmq.DEALER)
-        watch = None if watches is None else DropWatch(sock)
+        watch = None if watches is None else DropWatch(sock, curve=self.server_public_key is not None)
         # A gateway that refused our handshake (say, CURVE without its key) leaves no pipe to queue on: a send
         # would block for ever. Bounded, it fails like a silent gateway.
         sock.setsockopt(zmq.SNDTIMEO, max(1, math.ceil(1000 * self.timeout_s)))
@@ -207,20 +207,25 @@ class GatewayClient:
             watch = self._socks.watches.get(endpoint)  # None: another thread closed the client just now
             if watch is not None and watch.dropped():
                 self._frames.forget(endpoint)
-            request_ids.add(rid := new_request_id())
+            (reply, answered_by), silence = (None, None), "took no request"
+            # A refused handshake no reconnection cures: nothing sent would reach the gateway.
+            if (blocked := watch.blocked(endpoint) if watch is not None else None) is None:
+                request_ids.add(rid := new_request_id())
+                try:
+                    sock.send(P.encode(with_request_id(msg, rid)))
+                except zmq.Again:  # no pipe to the gateway: as silent as one that never answers
+                    pass
+                else:
+                    (reply, answered_by), silence = reply_to(self._socks, request_ids, self.timeout_s, watch), \
+                        "did not answer"
             try:
-                sock.send(P.encode(with_request_id(msg, rid)))
-            except zmq.Again:  # no pipe to the gateway: as silent as one that never answers
-                (reply, answered_by), silence = (None, None), "took no request"
-            else:
-                (reply, answered_by), silence = reply_to(self._socks, request_ids, self.timeout_s, watch), \
-                    "did not answer"
-            try:
+                if blocked is not None:
+                    raise blocked
                 if reply is DROPPED:
                     self._frames.forget(endpoint)
-                    raise TimeoutError(f"gateway {endpoint} dropped the connection that took this request")
+                    raise failure(watch, endpoint, "dropped the connection that took this request")
                 if reply is None:
-                    raise TimeoutError(f"gateway {endpoint} {silence} within {self.timeout_s}s")
+                    raise failure(watch, endpoint, f"{silence} within {self.timeout_s}s")
                 raise_for(reply)
             except RETRYABLE as e:
                 time.sleep(budget.pause_s(e))

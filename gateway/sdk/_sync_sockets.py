@@ -10,7 +10,7 @@ import zmq
 
 from common import protocol as P
 from common.errors import ServingError
-from gateway.sdk._drops import DROPPED, DropWatch
+from gateway.sdk._drops import DROPPED, Doubt, DropWatch
 
 
 def closed_under(sock: zmq.Socket, use, job_id: str, watch: DropWatch | None = None):
@@ -32,14 +32,16 @@ def stream_frame(sock: zmq.Socket, watch: DropWatch, timeout_s: float):
     poller.register(sock, zmq.POLLIN)
     poller.register(watch.events, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
+    doubt = Doubt(watch)
     while True:
-        ready = dict(poller.poll(math.ceil(1000 * max(0.0, deadline - time.monotonic()))))
+        ready = dict(poller.poll(math.ceil(1000 * max(0.0, doubt.wake(deadline) - time.monotonic()))))
         if sock in ready:
             return sock.recv()
-        if watch.events in ready and watch.dropped():
+        now = time.monotonic()
+        if watch.events in ready and watch.dropped() and doubt.on_drop(now) or doubt.ended(now):
             return DROPPED
-        if time.monotonic() >= deadline:
-            return None
+        if now >= deadline:
+            return None if doubt.until is None else DROPPED
 
 
 def close_stream_socket(sock: zmq.Socket, watch: DropWatch) -> None:
@@ -74,9 +76,15 @@ def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: flo
     if watch is not None:
         poller.register(watch.events, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
+    doubt = Doubt(watch)
+    while True:
+        now = time.monotonic()
+        if doubt.ended(now):
+            return DROPPED, None
+        if now >= deadline:
+            return (None, None) if doubt.until is None else (DROPPED, None)
         try:
-            ready = poller.poll(math.ceil(1000 * left))
+            ready = poller.poll(math.ceil(1000 * (doubt.wake(deadline) - now)))
         except zmq.ZMQError:
             if not any(sock.closed for sock in [*socks.values(), *([watch.events] if watch else [])]):
                 raise
@@ -94,6 +102,5 @@ def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: flo
                 # No request id: a protocol error about a frame the gateway could not read, i.e. this one.
                 if msg.request_id in request_ids or msg.request_id is None:
                     return msg, gateway_of[sock]
-        if dropped:
+        if dropped and doubt.on_drop(time.monotonic()):
             return DROPPED, None
-    return None, None

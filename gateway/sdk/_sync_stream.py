@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from common import protocol as P
-from gateway.sdk._drops import DROPPED
+from gateway.sdk._drops import DROPPED, failure as failure_of
 from gateway.sdk._results import Chunk, to_result
 from gateway.sdk._retry import RETRYABLE
 from gateway.sdk._stream_state import StreamState
@@ -36,14 +36,14 @@ def stream(client: GatewayClient, job: Job, from_index: int, *, chunk_timeout: f
                 try:
                     sock.send(P.encode(st.request()))
                 except zmq.Again:
-                    failure = TimeoutError(f"gateway {at} took no stream request")
+                    failure = failure_of(watch, at, "took no stream request")
             if failure is None:
                 frame = closed_under(sock, lambda: stream_frame(sock, watch, st.wait_s()), job.id, watch)
                 if frame is DROPPED:
                     # The gateway sends a stream's frames on the connection its subscription came on: once that
                     # drops (the gateway died, or restarted on its port), none can come. Resubscribe now, from
                     # the next index not delivered, rather than wait out timeout_s of silence.
-                    failure = TimeoutError(f"gateway {at} dropped the connection of the stream of job {job.id}")
+                    failure = failure_of(watch, at, f"dropped the connection of the stream of job {job.id}")
                 elif frame is None:
                     if st.on_silence():
                         close_stream_socket(sock, watch)
