@@ -44,7 +44,7 @@ def test_a_cancel_read_before_its_dispatch_still_stops_the_job(tmp_path, bench_m
             os.kill(worker, signal.SIGSTOP)
             stopped.append(worker)
             job = lab1.submit(prompt_token_ids=[4, 5, 6], max_tokens=1100, seed=3, ignore_eos=True)  # ~18 s of work
-            wait_for(lambda: c.state(job.id) == "dispatched", 3, "gw-1 to dispatch the job")
+            wait_for(lambda: c.state(job.id) == "dispatched", 10, "gw-1 to dispatch the job")
             assert c.job(job.id)["gateway"] == b"gw-1"
             os.kill(first, signal.SIGCONT)
             stopped.remove(first)

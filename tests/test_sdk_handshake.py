@@ -21,7 +21,8 @@ from common import keys as curve_keys
 from common.ports import free_port
 from common.redis_server import RedisServer
 from gateway.sdk import AsyncGatewayClient, GatewayClient, HandshakeFailed
-from gateway.sdk._drops import DOUBT_S, REFUSED_AFTER, Doubt, DropWatch
+from common.handshakes import REFUSED_AFTER
+from gateway.sdk._drops import DOUBT_S, Doubt, DropWatch
 from scripts.up import write_tenants
 from tests.cluster_helpers import stop_process, wait_for
 

@@ -16,12 +16,13 @@ import pytest
 import zmq
 
 from common import protocol as P
+from common import keys as curve_keys
 from common.keys import load_public
 from common.ports import free_port
 from common.redis_server import RedisServer
 from common.sockets import curve_client, make_socket
 from gateway.sdk import GatewayClient, NotFound
-from tests.cluster_helpers import local_cluster, wait_for
+from tests.cluster_helpers import local_cluster, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = 600  # tokens: a job that is still running when the test acts on it
@@ -330,3 +331,39 @@ def test_a_wrong_redis_password_is_not_printed(tmp_path):
                             env={"TS_GATEWAY_REDIS_URL": url})
     assert done.returncode == 2 and "cannot reach Redis" in done.stderr, done.stderr
     assert "wrong-password-5678" not in done.stderr + done.stdout and "***" in done.stderr
+
+
+@pytest.mark.parametrize("case", ["unlisted key", "wrong gateway key", "no keys"])
+def test_a_worker_whose_keys_do_not_match_says_why_in_its_log(cluster, tiny_model_dir, tmp_path, case):
+    """A worker a gateway refuses at the handshake used to idle with nothing in its log: the operator learnt of it
+    only from the gateway's side, if at all. Its log now names the gateway and the setting to fix; it gets no job."""
+    own = curve_keys.generate(tmp_path / "keys", ["wk-odd"])
+    secret, gateway_key = {
+        "unlisted key": (own["worker:wk-odd"], cluster["keys"]["gateway_public"]),
+        "wrong gateway key": (cluster["keys"]["worker_secrets"]["wk-0"], own["gateway_public"]),
+        "no keys": ("", ""),
+    }[case]
+    says = {"unlisted key": "refused this worker's CURVE key",
+            "wrong gateway key": "closed the connection during the CURVE handshake",
+            "no keys": "requires CURVE on its worker socket"}[case]
+    endpoint = cluster["gateways"][0]["worker_endpoint"]
+    log_path = tmp_path / "worker.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TS_WORKER_CURVE_SECRET_KEY_FILE=str(secret),
+               TS_WORKER_GATEWAY_PUBLIC_KEY=str(gateway_key), TS_WORKER_TORCH_THREADS="1")
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "--worker-id", "wk-odd", "--model",
+                                 str(tiny_model_dir), "--gateway", endpoint], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        def told() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            return says in log_path.read_text()
+        wait_for(told, 60, f"the worker to say {says!r}")
+        line = next(ln for ln in log_path.read_text().splitlines() if says in ln)
+        assert endpoint in line, line
+        time.sleep(2)  # a refusing gateway is reconnected to every ~0.1 s: ~20 refusals more
+        assert log_path.read_text().count(says) == 1, log_path.read_text()  # said once (a minute), not each time
+        with _client(cluster, "lab-co") as client:
+            assert client.info().workers == ["wk-0"]
+    finally:
+        stop_process(proc, timeout=15)

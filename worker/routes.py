@@ -27,28 +27,38 @@ sent went into nothing for another SILENT_RECONNECT_S after Redis came back (the
 
 from __future__ import annotations
 
+import logging
+
 import zmq
 
-from common.monitors import close_monitor, monitor_events, monitor_socket
+from common import handshakes
+from common.handshakes import Handshakes
+from common.monitors import close_monitor, monitor_event_values, monitor_socket
+
+log = logging.getLogger("worker.routes")
 
 _UP = (zmq.EVENT_HANDSHAKE_SUCCEEDED,)
 _DOWN = (zmq.EVENT_DISCONNECTED,)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 SILENT_RECONNECT_S = 15.0  # three hellos unanswered
+REFUSAL_LOG_S = 60.0  # a gateway that goes on refusing this worker's handshake is named again this often
 
 
 class GatewayRoutes:
-    def __init__(self, sockets: list[zmq.Socket]) -> None:
-        """Before the sockets connect: the heartbeats are set, and the first handshakes seen."""
+    def __init__(self, sockets: list[zmq.Socket], endpoints: list[str] | None = None, curve: bool = False) -> None:
+        """Before the sockets connect: the heartbeats are set, and the first handshakes seen. ``endpoints`` (the
+        sockets' gateways, in order) and ``curve`` (this worker holds the gateways' public key) name a gateway that
+        refuses the handshake in the log (common/handshakes): a worker whose keys do not match idled unexplained."""
         for sock in sockets:
             sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        events = 0
-        for e in (*_UP, *_DOWN):
-            events |= e
         # Read between steps: unbounded (common/monitors), as a full queue froze the worker's every socket in a step.
-        self.monitors = {monitor_socket(sock, events): sock for sock in sockets}
+        self.monitors = {monitor_socket(sock, zmq.EVENT_DISCONNECTED | handshakes.EVENTS): sock for sock in sockets}
+        self.endpoints = dict(zip(sockets, endpoints or [], strict=False))
+        self.curve = curve
+        self.handshakes = {sock: Handshakes() for sock in sockets}
+        self._refusal_logged: dict[zmq.Socket, tuple[tuple[int, int], float]] = {}  # what was said, and when
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
         self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
         self._silent_since: dict[zmq.Socket, float] = {}  # ``heard`` when the connection last dropped
@@ -63,7 +73,8 @@ class GatewayRoutes:
         frames that came with them: a frame read after a drop counts as heard since (see ``silent``)."""
         sock = self.monitors[mon]
         went_down = False
-        for event in monitor_events(mon):
+        for event, value in monitor_event_values(mon):
+            self.handshakes[sock].on_event(event, value)
             if event in _UP and sock not in self.up:
                 self.up.append(sock)
             elif event in _DOWN:
@@ -73,7 +84,22 @@ class GatewayRoutes:
                 self._silent_since[sock] = self.heard.setdefault(sock, now)
                 if sock in self.up:
                     self.up.remove(sock)
+        self._log_refusal(sock, now)
         return [sock] if went_down and sock not in self.up else []
+
+    def _log_refusal(self, sock: zmq.Socket, now: float) -> None:
+        h = self.handshakes[sock]
+        said = self._refusal_logged.get(sock)
+        endpoint = self.endpoints.get(sock, "?")
+        if not h.refused:
+            if said is not None and h.failed is None:
+                log.info("gateway %s took this worker's handshake", endpoint)
+                del self._refusal_logged[sock]
+            return
+        if said is not None and said[0] == h.failed and now - said[1] < REFUSAL_LOG_S:
+            return
+        self._refusal_logged[sock] = (h.failed, now)
+        log.warning("gateway %s %s", endpoint, refusal_reason(h, self.curve))
 
     def other_than(self, sock: zmq.Socket) -> zmq.Socket | None:
         """A gateway socket connected now, not ``sock``; the one connected longest (likely the steadiest)."""
@@ -99,3 +125,23 @@ class GatewayRoutes:
         for mon, sock in self.monitors.items():
             close_monitor(sock, mon)
         self.monitors.clear()
+
+
+def refusal_reason(h: Handshakes, curve: bool) -> str:
+    """What a worker is told when a gateway refuses its handshake (``curve``: it holds the gateways' public key)."""
+    event, value = h.failed
+    if h.mechanism_mismatch:
+        return ("does not use CURVE on its worker socket, and this worker has gateway_public_key: leave it and "
+                "curve_secret_key_file out for this gateway" if curve else
+                "requires CURVE on its worker socket: set gateway_public_key (the gateways' .key file) and "
+                "curve_secret_key_file (this worker's .key_secret, whose .key is in the gateway's "
+                "authorized_workers_dir)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"refused this worker's CURVE key (ZAP status {value}): put the public half of its "
+                f"curve_secret_key_file (its .key file) in the gateway's authorized_workers_dir")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"broke off the ZeroMQ handshake (protocol error {value:#x}): is this a gateway's worker port?"
+    return (f"closed the connection during the CURVE handshake {h.failures} times in a row: is gateway_public_key "
+            f"this gateway's public key, and this a gateway's worker port?" if curve else
+            f"closed the connection during the ZeroMQ handshake {h.failures} times in a row: is this a gateway's "
+            f"worker port, and does it need gateway_public_key?")

@@ -45,7 +45,8 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
         self.ctx = zmq.Context.instance()
         ident = config.worker_id.encode()
         self.sockets = [make_socket(self.ctx, zmq.DEALER, identity=ident) for _ in config.gateways]
-        self.routes = GatewayRoutes(self.sockets)  # which gateways are connected (worker/routes.py)
+        # Which gateways are connected (worker/routes.py), and which refuse this worker's handshake.
+        self.routes = GatewayRoutes(self.sockets, list(config.gateways), curve=bool(config.gateway_public_key))
         self.jobs: dict[str, RunningJob] = {}
         self.counters: Counter = Counter()
         # Every socket use, from the step loop and the heartbeat thread; reentrant: a dispatch read under it may be

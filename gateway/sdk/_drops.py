@@ -7,34 +7,32 @@ from __future__ import annotations
 
 import zmq
 
+from common import handshakes
 from common.errors import HandshakeFailed
+from common.handshakes import Handshakes
 from common.monitors import close_monitor, monitor_event_values, monitor_socket
 
 DROPPED = object()  # a wait for an answer: the connection that took the request dropped before an answer came
-# How long a wait for an answer goes on after a drop that was a handshake failed without a reason (in_doubt): long
-# enough for a gateway that refuses to fail two more (libzmq reconnects every 0.1-0.2 s), and the request is still
+# How long a wait for an answer goes on after a drop that was a handshake in doubt (common/handshakes): long enough
+# for a gateway that refuses to fail REFUSED_AFTER times (libzmq reconnects every 0.1-0.2 s); the request is still
 # queued in the socket meanwhile, for the next handshake that succeeds.
 DOUBT_S = 1.0
-REFUSED_AFTER = 3  # handshakes failed without a reason in a row that make a refusal (a wrong key fails every ~0.1 s)
-
-_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _REFUSALS
 
 
 class DropWatch:
     """The disconnections of one socket, read without blocking, from blocking and asyncio code alike (the events
     come over a blocking PAIR socket on the same libzmq context, so an asyncio client reads them at once too, not
     when its loop gets round to a reader task). A blocking client reads them only during its calls: the queue has no
-    bound (common/monitors), as a full one froze every ZeroMQ socket of the process. ``curve``: whether the socket
-    was given the gateway's public key (it decides what a refused handshake says)."""
+    bound (common/monitors), as a full one froze every ZeroMQ socket of the process. And its handshakes
+    (common/handshakes): ``curve``, whether the socket was given the gateway's public key, decides what a refusal
+    says."""
 
     def __init__(self, sock: zmq.Socket, curve: bool = False) -> None:
         self._sock = sock
         self._curve = curve
-        self._events = monitor_socket(sock, _EVENTS)
+        self._events = monitor_socket(sock, zmq.EVENT_DISCONNECTED | handshakes.EVENTS)
         self._dropped = False
-        self._failed: tuple[int, int] | None = None  # the last handshake failure (event, value), until one succeeds
-        self._failures = 0  # handshakes failed since the last that succeeded
+        self._handshakes = Handshakes()
 
     @property
     def events(self) -> zmq.Socket:
@@ -48,44 +46,34 @@ class DropWatch:
         return dropped
 
     def refused(self, endpoint: str) -> HandshakeFailed | None:
-        """The error to raise if ``endpoint`` refuses this connection's handshake: its last one failed and none
-        has succeeded since. A gateway that closes the connection mid-handshake without a reason may be one going
-        down (a connection its kernel accepted for a process that is being killed), not one that refuses: that
-        counts once REFUSED_AFTER handshakes in a row ended so."""
+        """The error to raise if ``endpoint`` refuses this connection's handshake (common/handshakes)."""
         self._read()
-        if self._failed is None or self._doubtful():
-            return None
-        return HandshakeFailed(f"gateway {endpoint} {_why(*self._failed, self._curve)}")
+        h = self._handshakes
+        return HandshakeFailed(f"gateway {endpoint} {_why(h, self._curve)}") if h.refused else None
 
     def in_doubt(self) -> bool:
-        """The last handshake failed without a reason, fewer than three times in a row: a gateway that refuses,
-        or one going down? (A request sent meanwhile still waits in the socket for the next good handshake.)"""
+        """The last handshake failed without a reason, too few times in a row to be a refusal: a gateway that
+        refuses, or one going down? (A request sent meanwhile still waits in the socket for the next good one.)"""
         self._read()
-        return self._doubtful()
+        return self._handshakes.in_doubt
 
     def failing(self) -> bool:
         """The last handshake failed and none has succeeded since."""
         self._read()
-        return self._failed is not None
+        return self._handshakes.failed is not None
 
     def blocked(self, endpoint: str) -> HandshakeFailed | None:
-        """As refused, for refusals no reconnection cures (a mechanism or key refused with a reason): a request
-        sent now would never reach the gateway, and the caller need not wait to be told."""
+        """As refused, for refusals with a reason, which no reconnection cures: a request sent now would never
+        reach the gateway, and the caller need not wait to be told."""
         refused = self.refused(endpoint)
-        return refused if refused is not None and self._failed[0] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else None
-
-    def _doubtful(self) -> bool:
-        return self._failed is not None and self._failed[0] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL \
-            and self._failures < REFUSED_AFTER
+        return refused if self._handshakes.refused_with_reason else None
 
     def _read(self) -> None:
         for event, value in monitor_event_values(self._events):
             if event == zmq.EVENT_DISCONNECTED:
                 self._dropped = True
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._failed, self._failures = None, 0
             else:
-                self._failed, self._failures = (event, value), self._failures + 1
+                self._handshakes.on_event(event, value)
 
     def close(self) -> None:
         """Stop watching, before or after the watched socket is closed: common/monitors closes the reader only once
@@ -130,8 +118,9 @@ def failure(watch: DropWatch | None, endpoint: str, why: str) -> TimeoutError:
     return refused or TimeoutError(f"gateway {endpoint} {why}")
 
 
-def _why(event: int, value: int, curve: bool) -> str:
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+def _why(h: Handshakes, curve: bool) -> str:
+    event, value = h.failed
+    if h.mechanism_mismatch:
         return ("does not encrypt its client socket, and this client was given server_public_key: leave it out "
                 "for this gateway" if curve else
                 "encrypts its client socket (CURVE): give the client the gateway's public key as server_public_key "
