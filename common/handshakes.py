@@ -10,6 +10,8 @@ with the wrong key does so every ~0.1 s (libzmq reconnects at once, with no back
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import zmq
 
 REFUSED_AFTER = 3
@@ -50,3 +52,29 @@ class Handshakes:
     def mechanism_mismatch(self) -> bool:
         """CURVE on one end only."""
         return self.failed == (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+
+    def reason(self, curve: bool, advice: Advice) -> str:
+        """Why the peer refuses, in the words of ``advice`` for the side that connects (``curve``: it was given the
+        peer's public key)."""
+        event, value = self.failed
+        if self.mechanism_mismatch:
+            return advice.plain_peer if curve else advice.curve_peer
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return f"refused this {advice.who}'s CURVE key (ZAP status {value}){advice.key_refused}"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return f"broke off the ZeroMQ handshake (protocol error {value:#x}): is this {advice.port}?"
+        return (f"closed the connection during the {'CURVE' if curve else 'ZeroMQ'} handshake {self.failures} times "
+                f"in a row: {advice.closed_curve if curve else advice.closed_plain}")
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What the side that connects is told to fix, in its own settings' names."""
+
+    who: str  # "client", "worker"
+    port: str  # "a gateway's client port"
+    curve_peer: str  # the peer wants CURVE; this side was not given its key
+    plain_peer: str  # this side was given a key; the peer does not use CURVE
+    key_refused: str  # after "refused this <who>'s CURVE key (ZAP status N)"
+    closed_curve: str  # closed mid-handshake, this side given a key
+    closed_plain: str  # closed mid-handshake, no key

@@ -32,7 +32,7 @@ import logging
 import zmq
 
 from common import handshakes
-from common.handshakes import Handshakes
+from common.handshakes import Advice, Handshakes
 from common.monitors import close_monitor, monitor_event_values, monitor_socket
 
 log = logging.getLogger("worker.routes")
@@ -99,7 +99,7 @@ class GatewayRoutes:
         if said is not None and said[0] == h.failed and now - said[1] < REFUSAL_LOG_S:
             return
         self._refusal_logged[sock] = (h.failed, now)
-        log.warning("gateway %s %s", endpoint, refusal_reason(h, self.curve))
+        log.warning("gateway %s %s", endpoint, h.reason(self.curve, _ADVICE))
 
     def other_than(self, sock: zmq.Socket) -> zmq.Socket | None:
         """A gateway socket connected now, not ``sock``; the one connected longest (likely the steadiest)."""
@@ -127,21 +127,14 @@ class GatewayRoutes:
         self.monitors.clear()
 
 
-def refusal_reason(h: Handshakes, curve: bool) -> str:
-    """What a worker is told when a gateway refuses its handshake (``curve``: it holds the gateways' public key)."""
-    event, value = h.failed
-    if h.mechanism_mismatch:
-        return ("does not use CURVE on its worker socket, and this worker has gateway_public_key: leave it and "
-                "curve_secret_key_file out for this gateway" if curve else
-                "requires CURVE on its worker socket: set gateway_public_key (the gateways' .key file) and "
-                "curve_secret_key_file (this worker's .key_secret, whose .key is in the gateway's "
-                "authorized_workers_dir)")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"refused this worker's CURVE key (ZAP status {value}): put the public half of its "
-                f"curve_secret_key_file (its .key file) in the gateway's authorized_workers_dir")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return f"broke off the ZeroMQ handshake (protocol error {value:#x}): is this a gateway's worker port?"
-    return (f"closed the connection during the CURVE handshake {h.failures} times in a row: is gateway_public_key "
-            f"this gateway's public key, and this a gateway's worker port?" if curve else
-            f"closed the connection during the ZeroMQ handshake {h.failures} times in a row: is this a gateway's "
-            f"worker port, and does it need gateway_public_key?")
+_ADVICE = Advice(
+    who="worker", port="a gateway's worker port",
+    curve_peer="requires CURVE on its worker socket: set gateway_public_key (the gateways' .key file) and "
+               "curve_secret_key_file (this worker's .key_secret, whose .key is in the gateway's "
+               "authorized_workers_dir)",
+    plain_peer="does not use CURVE on its worker socket, and this worker has gateway_public_key: leave it and "
+               "curve_secret_key_file out for this gateway",
+    key_refused=": put the public half of its curve_secret_key_file (its .key file) in the gateway's "
+                "authorized_workers_dir",
+    closed_curve="is gateway_public_key this gateway's public key, and this a gateway's worker port?",
+    closed_plain="is this a gateway's worker port, and does it need gateway_public_key?")

@@ -9,7 +9,7 @@ import zmq
 
 from common import handshakes
 from common.errors import HandshakeFailed
-from common.handshakes import Handshakes
+from common.handshakes import Advice, Handshakes
 from common.monitors import close_monitor, monitor_event_values, monitor_socket
 
 DROPPED = object()  # a wait for an answer: the connection that took the request dropped before an answer came
@@ -49,7 +49,7 @@ class DropWatch:
         """The error to raise if ``endpoint`` refuses this connection's handshake (common/handshakes)."""
         self._read()
         h = self._handshakes
-        return HandshakeFailed(f"gateway {endpoint} {_why(h, self._curve)}") if h.refused else None
+        return HandshakeFailed(f"gateway {endpoint} {h.reason(self._curve, _ADVICE)}") if h.refused else None
 
     def in_doubt(self) -> bool:
         """The last handshake failed without a reason, too few times in a row to be a refusal: a gateway that
@@ -118,19 +118,13 @@ def failure(watch: DropWatch | None, endpoint: str, why: str) -> TimeoutError:
     return refused or TimeoutError(f"gateway {endpoint} {why}")
 
 
-def _why(h: Handshakes, curve: bool) -> str:
-    event, value = h.failed
-    if h.mechanism_mismatch:
-        return ("does not encrypt its client socket, and this client was given server_public_key: leave it out "
-                "for this gateway" if curve else
-                "encrypts its client socket (CURVE): give the client the gateway's public key as server_public_key "
-                "(its gateway.key file, or the key's z85 text)")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return f"refused this client's CURVE key (ZAP status {value})"
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return f"broke off the ZeroMQ handshake (protocol error {value:#x}): is this a gateway's client port?"
-    return ("closed the connection during the CURVE handshake: server_public_key is not this gateway's public key, "
-            "or the gateway does not encrypt its client socket (then leave server_public_key out), or this is not "
-            "a gateway's client port" if curve else
-            "closed the connection during the ZeroMQ handshake: is this a gateway's client port, and does it need "
-            "server_public_key?")
+_ADVICE = Advice(
+    who="client", port="a gateway's client port",
+    curve_peer="encrypts its client socket (CURVE): give the client the gateway's public key as server_public_key "
+               "(its gateway.key file, or the key's z85 text)",
+    plain_peer="does not encrypt its client socket, and this client was given server_public_key: leave it out for "
+               "this gateway",
+    key_refused="",
+    closed_curve="server_public_key is not this gateway's public key, or the gateway does not encrypt its client "
+                 "socket (then leave server_public_key out), or this is not a gateway's client port",
+    closed_plain="is this a gateway's client port, and does it need server_public_key?")
