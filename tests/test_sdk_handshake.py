@@ -145,7 +145,7 @@ def _close_mid_handshake(listener, watch, endpoint: str, times: int) -> None:
         conn.close()  # mid-handshake: before the greeting
         wait_for(watch.dropped, 10, "the drop of the connection closed mid-handshake")
         if closes < REFUSED_AFTER:
-            assert watch.in_doubt() and watch.refused(endpoint) is None, f"{closes} close(s) mid-handshake taken for a refusal"
+            assert watch.in_doubt() and watch.refused(endpoint) is None, f"{closes} close(s) mid-handshake: refused"
 
 
 def test_a_connection_closed_mid_handshake_is_a_refusal_only_three_times_in_a_row():

@@ -29,13 +29,13 @@ carries an idempotency key (the caller's, or one made for the call), so its retr
 Importing this package does not import torch, transformers or redis.
 """
 
-from common.errors import (Forbidden, HandshakeFailed, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound, Overloaded,
-                           QuotaExceeded, ServingError, Unauthorized, Unavailable)
+from common.errors import (Forbidden, HandshakeFailed, InvalidRequest, JobCancelled, JobExpired, JobFailed, NotFound,
+                           Overloaded, QuotaExceeded, ServingError, Unauthorized, Unavailable)
 from gateway.sdk._async import AsyncGatewayClient, AsyncJob
 from gateway.sdk._common import SDK_TRACER
 from gateway.sdk._results import Chunk, JobResult, JobStatus
 from gateway.sdk._sync import GatewayClient, Job
 
-__all__ = ["AsyncGatewayClient", "AsyncJob", "Chunk", "Forbidden", "GatewayClient", "HandshakeFailed", "InvalidRequest", "Job",
-           "JobCancelled", "JobExpired", "JobFailed", "JobResult", "JobStatus", "NotFound", "Overloaded",
-           "QuotaExceeded", "SDK_TRACER", "ServingError", "Unauthorized", "Unavailable"]
+__all__ = ["AsyncGatewayClient", "AsyncJob", "Chunk", "Forbidden", "GatewayClient", "HandshakeFailed",
+           "InvalidRequest", "Job", "JobCancelled", "JobExpired", "JobFailed", "JobResult", "JobStatus", "NotFound",
+           "Overloaded", "QuotaExceeded", "SDK_TRACER", "ServingError", "Unauthorized", "Unavailable"]

@@ -213,7 +213,8 @@ class AsyncGatewayClient:
                     if msg is DROPPED:
                         # As the blocking client's: the subscription went with the connection; resubscribe now from
                         # the next index not delivered (frames still coming under the old request id are dropped).
-                        raise failure(conn.watch, conn.endpoint, f"dropped the connection of the stream of job {job.id}")
+                        raise failure(conn.watch, conn.endpoint,
+                                      f"dropped the connection of the stream of job {job.id}")
                     chunk = st.on_frame(msg)
                 except RETRYABLE as e:
                     pause = st.on_failure(e)
