@@ -67,7 +67,7 @@ def curve_server(sock: zmq.Socket, secret_file: str | Path, domain: str) -> None
 def curve_client(sock: zmq.Socket, server_public_key: bytes | str, secret_file: str | Path | None = None) -> None:
     """Make ``sock`` (before connect) a CURVE client of the server whose public key is given (z85, or a
     ``.key`` file path). Without ``secret_file`` an ephemeral pair is used: encryption, no identity."""
-    server_key = _public_key(server_public_key)
+    server_key = public_key(server_public_key)
     if secret_file is not None:
         public, secret = load_pair(secret_file)
     else:
@@ -77,7 +77,8 @@ def curve_client(sock: zmq.Socket, server_public_key: bytes | str, secret_file: 
     sock.curve_serverkey = server_key
 
 
-def _public_key(value: bytes | str) -> bytes:
+def public_key(value: bytes | str) -> bytes:
+    """The z85 CURVE public key ``value`` is (40 z85 characters) or names (the path of a .key file)."""
     raw = value.encode() if isinstance(value, str) else value
     if len(raw) == 40:
         try:
@@ -85,9 +86,11 @@ def _public_key(value: bytes | str) -> bytes:
             return raw
         except (ValueError, KeyError):
             pass
-    if isinstance(value, str) and Path(value).is_file():
+    if isinstance(value, str) and value and Path(value).is_file():
         return load_public(value)
-    raise KeyFileError("a CURVE public key is 40 z85 characters or the path of a .key file")
+    what = "no such file" if isinstance(value, str) and ("/" in value or value.endswith(".key")) else \
+        f"{len(raw)} characters, not a key"
+    raise KeyFileError(f"a CURVE public key is 40 z85 characters or the path of a .key file ({what})")
 
 
 def check_worker_keys(secret_file: str, gateway_public_key: str) -> None:
@@ -96,7 +99,7 @@ def check_worker_keys(secret_file: str, gateway_public_key: str) -> None:
         raise KeyFileError("CURVE needs both curve_secret_key_file and gateway_public_key (or neither)")
     if secret_file:
         load_pair(secret_file)
-        _public_key(gateway_public_key)
+        public_key(gateway_public_key)
 
 
 def secure_worker_sockets(socks: list[zmq.Socket], secret_file: str, gateway_public_key: str) -> None:

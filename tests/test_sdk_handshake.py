@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -263,3 +264,40 @@ def test_a_front_door_with_the_wrong_gateway_key_says_so_in_health_and_answers_5
                        headers={"Authorization": f"Bearer {gateways['api_key']}"}, timeout=TIMEOUT_S * 4)
         assert r.status_code == 503 and r.json()["error"]["code"] == "gateway_unavailable", r.text
         assert time.monotonic() - t0 < TIMEOUT_S / 2
+
+
+@pytest.mark.parametrize("bad", ["garbage", "/no/such/dir/gateway.key", "", b"\x00" * 32, 5, 4.0, ["k"]])
+def test_a_bad_server_public_key_is_refused_at_construction_by_name(bad, tmp_path):
+    """It was read only when a call opened a socket: a KeyFileError (or a TypeError for a number) at the first
+    call, from neither client's list of errors."""
+    from common.errors import InvalidRequest
+
+    for make in (GatewayClient, AsyncGatewayClient):
+        with pytest.raises(InvalidRequest) as refused:
+            make("tcp://127.0.0.1:9", "k", server_public_key=bad)
+        assert refused.value.field == "server_public_key" and "server_public_key" in str(refused.value)
+
+
+def test_a_server_public_key_file_is_read_once_at_construction(gateways, tmp_path):
+    """The key file's z85 text or its path both serve; the file is read when the client is made (a file moved or
+    rotated afterwards does not fail the client's later connections with a KeyFileError)."""
+    key_file = tmp_path / "gateway.key"
+    key_file.write_text(f'metadata\ncurve\n    public-key = "{gateways["public"]}"\n')
+    with GatewayClient(gateways["curve"], gateways["api_key"], timeout_s=10, server_public_key=str(key_file)) as c:
+        key_file.unlink()
+        assert c.info().gateway_id
+        other: list = []  # a second thread opens sockets of its own, after the file is gone
+        t = threading.Thread(target=lambda: other.append(c.info().gateway_id))
+        t.start()
+        t.join(30)
+        assert other and other[0], other
+
+
+@pytest.mark.parametrize("bad", ["garbage", "/no/such/gateway.key"])
+def test_a_front_door_with_a_bad_gateway_key_says_which_setting_and_exits_2(bad, tiny_model_dir):
+    """It started, and the first request of each API key failed as a 400 (the SDK's refusal of its argument)."""
+    done = subprocess.run([sys.executable, "-m", "gateway.http", "--tokenizer", str(tiny_model_dir), "--port", "0"],
+                          cwd=ROOT, env=dict(os.environ, TS_HTTP_GATEWAY_PUBLIC_KEY=bad), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "gateway_public_key" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

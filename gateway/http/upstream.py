@@ -20,6 +20,9 @@ from contextlib import asynccontextmanager
 
 from common import protocol as P
 from common.errors import Unauthorized
+from common.keys import KeyFileError
+from common.settings import ConfigError
+from common.sockets import public_key
 from gateway.sdk import AsyncGatewayClient, GatewayClient
 
 # How long a gateway's word that it knows a key stands (its latest info answer for the key): a tenant removed from
@@ -44,7 +47,10 @@ class Upstream:
             raise ValueError("at least one gateway endpoint is needed")
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
-        self.server_public_key = server_public_key or None
+        try:  # read once, at start: a bad one failed each API key's first request, as a 400 of the SDK's
+            self.server_public_key = public_key(server_public_key) if server_public_key else None
+        except KeyFileError as e:
+            raise ConfigError(f"gateway_public_key: {e}") from None
         self.max_clients = max_clients
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 

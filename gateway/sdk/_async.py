@@ -22,7 +22,7 @@ from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_spa
 from gateway.sdk._drops import DROPPED, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
-                                   sized_submit_request, wait_limit, with_request_id)
+                                   server_key, sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
                                   without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
@@ -61,7 +61,7 @@ class AsyncGatewayClient:
     def __init__(self, endpoint: str | Sequence[str], api_key: str, timeout_s: float = 30.0,
                  tracer_provider: trace.TracerProvider | None = None, *, retries: int = 2,
                  server_public_key: str | bytes | None = None) -> None:
-        self.server_public_key = server_public_key  # as GatewayClient's
+        self.server_public_key = server_key(server_public_key)  # as GatewayClient's
         self.endpoints = endpoint_list(endpoint)
         self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0

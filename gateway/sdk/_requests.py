@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from common import protocol as P
 from common import tracing
 from common.errors import InvalidRequest
+from common.keys import KeyFileError
+from common.sockets import public_key
 from gateway.sdk._frames import check_frame_size
 
 
@@ -57,6 +59,21 @@ def client_settings(api_key, timeout_s, retries) -> tuple[str, float, int]:
     if type(retries) is not int or retries < 0:
         raise InvalidRequest(f"retries must be an integer >= 0, got {retries!r}", field="retries")
     return api_key, float(timeout_s), retries
+
+
+def server_key(value) -> bytes | None:
+    """The gateways' CURVE public key a client was given (z85 text or bytes, or the path of their .key file), read
+    once, as the client is made: a bad one was found only when a call opened a socket (a KeyFileError, or a
+    TypeError for a number), and a file moved later failed each new thread's first call."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, bytes)):
+        raise InvalidRequest(f"server_public_key must be the gateways' z85 public key or the path of their .key "
+                             f"file, got {type(value).__name__}", field="server_public_key")
+    try:
+        return public_key(value)
+    except KeyFileError as e:
+        raise InvalidRequest(f"server_public_key: {e}", field="server_public_key") from None
 
 
 def wait_limit(timeout) -> float | None:

@@ -20,7 +20,7 @@ from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_spa
 from gateway.sdk._drops import DROPPED, DropWatch, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
-                                   sized_submit_request, wait_limit, with_request_id)
+                                   server_key, sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
                                   without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
@@ -71,7 +71,7 @@ class GatewayClient:
         """``tracer_provider``: where the submit spans go (default: the global one, a no-op unless set).
         ``server_public_key``: the gateways' CURVE public key (z85, or their ``gateway.key`` file) when their
         client socket is encrypted (``client_curve``)."""
-        self.server_public_key = server_public_key
+        self.server_public_key = server_key(server_public_key)  # z85 bytes, read once
         self.endpoints = endpoint_list(endpoint)
         self.api_key, self.timeout_s, self.retries = client_settings(api_key, timeout_s, retries)
         self._current = 0
