@@ -103,3 +103,42 @@ def test_a_call_paused_between_attempts_when_the_blocking_client_closes_ends_and
     assert len(out) == 1 and type(out[0]) is ServingError and "closed" in str(out[0]), out
     assert took < 5, took
     assert not list(client._open), list(client._open)
+
+
+def test_calls_and_streams_waiting_in_other_threads_end_soon_after_close_every_time(cluster):
+    """close() from one thread ended another thread's wait only if that thread's poll happened to look at its
+    sockets after they were closed; otherwise the wait ran out its whole poll (up to timeout_s) before the
+    ServingError. A frozen gateway sends nothing, so nothing else wakes the waits here: each round must end
+    within a second of the close."""
+    import signal
+
+    c = cluster
+    with GatewayClient(c.endpoint(), c.key("lab-co"), timeout_s=30) as warm:
+        job_id = warm.submit(prompt_token_ids=[3, 4, 5], max_tokens=2, ignore_eos=True).id
+    gateway = c.procs["gw-0"].pid
+    for _ in range(5):
+        client = GatewayClient(c.endpoint(), c.key("lab-co"), timeout_s=30)
+        job = client.job(job_id)  # re-attached while the gateway answers
+        outcome: list = []
+
+        def wait(call):
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - the test compares it
+                outcome.append(type(e))
+
+        os.kill(gateway, signal.SIGSTOP)
+        try:
+            waiters = [threading.Thread(target=wait, args=(call,), daemon=True)
+                       for call in (client.info, lambda: list(job.stream()))]
+            for w in waiters:
+                w.start()
+            time.sleep(0.5)  # both in their polls
+            closed = time.monotonic()
+            client.close()
+            for w in waiters:
+                w.join(40)
+            took = time.monotonic() - closed
+        finally:
+            os.kill(gateway, signal.SIGCONT)
+        assert outcome == [ServingError, ServingError] and took < 1.0, (outcome, took)

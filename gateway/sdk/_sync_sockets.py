@@ -25,6 +25,16 @@ def closed_under(sock: zmq.Socket, use, job_id: str, watch: DropWatch | None = N
         raise ServingError(f"the client was closed while this stream of job {job_id} waited") from None
 
 
+# The longest a wait polls before it looks whether another thread closed its sockets (GatewayClient.close()): a poll
+# under way when they close wakes only if it looks at them after the close; one that looked just before slept out
+# its whole timeout (up to timeout_s) before the caller heard of the close.
+WAKE_S = 0.25
+
+
+def _wait_ms(until: float) -> int:
+    return math.ceil(1000 * min(WAKE_S, max(0.0, until - time.monotonic())))
+
+
 def stream_frame(sock: zmq.Socket, watch: DropWatch, timeout_s: float):
     """The next frame on a stream's ``sock`` within ``timeout_s``; None if none came; DROPPED if its connection
     dropped, once every frame that came before is read (they are the stream's, and save it asking again)."""
@@ -34,7 +44,9 @@ def stream_frame(sock: zmq.Socket, watch: DropWatch, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     doubt = Doubt(watch)
     while True:
-        ready = dict(poller.poll(math.ceil(1000 * max(0.0, doubt.wake(deadline) - time.monotonic()))))
+        if sock.closed or watch.events.closed:  # closed by another thread (close()): see WAKE_S
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        ready = dict(poller.poll(_wait_ms(doubt.wake(deadline))))
         if sock in ready:
             return sock.recv()
         now = time.monotonic()
@@ -77,6 +89,7 @@ def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: flo
         poller.register(watch.events, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
     doubt = Doubt(watch)
+    polled = [*socks.values(), *([watch.events] if watch else [])]
     while True:
         now = time.monotonic()
         if doubt.ended(now):
@@ -84,9 +97,11 @@ def reply_to(socks: dict[str, zmq.Socket], request_ids: set[str], timeout_s: flo
         if now >= deadline:
             return (None, None) if doubt.until is None else (DROPPED, None)
         try:
-            ready = poller.poll(math.ceil(1000 * (doubt.wake(deadline) - now)))
+            if any(sock.closed for sock in polled):  # closed by another thread (close()): see WAKE_S
+                raise zmq.ZMQError(zmq.ENOTSOCK)
+            ready = poller.poll(_wait_ms(doubt.wake(deadline)))
         except zmq.ZMQError:
-            if not any(sock.closed for sock in [*socks.values(), *([watch.events] if watch else [])]):
+            if not any(sock.closed for sock in polled):
                 raise
             raise ServingError("the client was closed while this call waited for its answer") from None
         dropped = False
