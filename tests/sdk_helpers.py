@@ -134,3 +134,29 @@ def unread_bytes(endpoint: str) -> int:
             if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # ESTABLISHED, the gateway's side
                 total += int(queues.split(":")[1], 16)
     return total
+
+
+def close_under_waiters(client: GatewayClient, calls, settle_s: float = 0.5, join_s: float = 40.0
+                        ) -> tuple[list[type], float]:
+    """Start each of ``calls`` in a thread of its own, let them reach their waits (``settle_s``), close ``client``
+    from this thread: (the error types the calls ended with, in the order they ended; seconds from the close until
+    every call had ended)."""
+    import threading
+
+    outcome: list[type] = []
+
+    def wait(call) -> None:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the caller compares it
+            outcome.append(type(e))
+
+    waiters = [threading.Thread(target=wait, args=(call,), daemon=True) for call in calls]
+    for w in waiters:
+        w.start()
+    time.sleep(settle_s)
+    closed = time.monotonic()
+    client.close()
+    for w in waiters:
+        w.join(join_s)
+    return outcome, time.monotonic() - closed

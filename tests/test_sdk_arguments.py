@@ -18,7 +18,7 @@ import pytest
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job, ServingError
 from tests.cluster_helpers import local_cluster, state_pids
-from tests.sdk_helpers import SdkWarnings, stream_beside
+from tests.sdk_helpers import SdkWarnings, close_under_waiters, stream_beside
 
 # Over one frame: the gateway's ZeroMQ drops the connection that carries it, and every stream on it with it.
 HUGE = "x" * P.MAX_MESSAGE_BYTES
@@ -187,27 +187,11 @@ def test_closing_a_blocking_client_ends_a_stream_waiting_in_another_thread_with_
     such streams with ServingError since 3a2076a. The job itself is left alone."""
     worker = cluster["workers"][0]["pid"]
     client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=5)
-    outcome: list = []
-
-    def wait(call):
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - the test compares it
-            outcome.append(type(e))
-
     os.kill(worker, signal.SIGSTOP)  # the job waits: the stream is in its poll when the client closes
     try:
         job = client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
-        calls = (job.result, lambda: list(job.stream()))
-        waiters = [threading.Thread(target=wait, args=(c,), daemon=True) for c in calls]
-        for w in waiters:
-            w.start()
-        time.sleep(1.0)
-        started = time.monotonic()
-        client.close()
-        for w in waiters:
-            w.join(8)
-        took = time.monotonic() - started
+        outcome, took = close_under_waiters(client, (job.result, lambda: list(job.stream())), settle_s=1.0,
+                                            join_s=8)
     finally:
         os.kill(worker, signal.SIGCONT)
     assert outcome == [ServingError, ServingError] and took < 2, (outcome, took)

@@ -16,6 +16,7 @@ import pytest
 from common.errors import ServingError, Unavailable
 from gateway.sdk import AsyncGatewayClient, GatewayClient
 from tests.durable_cluster import DurableCluster
+from tests.sdk_helpers import close_under_waiters
 
 
 @pytest.fixture(scope="module")
@@ -119,26 +120,9 @@ def test_calls_and_streams_waiting_in_other_threads_end_soon_after_close_every_t
     for _ in range(5):
         client = GatewayClient(c.endpoint(), c.key("lab-co"), timeout_s=30)
         job = client.job(job_id)  # re-attached while the gateway answers
-        outcome: list = []
-
-        def wait(call):
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - the test compares it
-                outcome.append(type(e))
-
         os.kill(gateway, signal.SIGSTOP)
         try:
-            waiters = [threading.Thread(target=wait, args=(call,), daemon=True)
-                       for call in (client.info, lambda: list(job.stream()))]
-            for w in waiters:
-                w.start()
-            time.sleep(0.5)  # both in their polls
-            closed = time.monotonic()
-            client.close()
-            for w in waiters:
-                w.join(40)
-            took = time.monotonic() - closed
+            outcome, took = close_under_waiters(client, (client.info, lambda: list(job.stream())))
         finally:
             os.kill(gateway, signal.SIGCONT)
         assert outcome == [ServingError, ServingError] and took < 1.0, (outcome, took)
