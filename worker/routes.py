@@ -58,7 +58,7 @@ class GatewayRoutes:
         self.endpoints = dict(zip(sockets, endpoints or [], strict=False))
         self.curve = curve
         self.handshakes = {sock: Handshakes() for sock in sockets}
-        self._refusal_logged: dict[zmq.Socket, tuple[tuple[int, int], float]] = {}  # what was said, and when
+        self._refusal_logged: dict[zmq.Socket, tuple[int, float]] = {}  # the refusal's event said, and when
         self.up: list[zmq.Socket] = []  # connected now, in the order they came up
         self.heard: dict[zmq.Socket, float] = {}  # when a frame last came from each gateway (or it was connected)
         self._silent_since: dict[zmq.Socket, float] = {}  # ``heard`` when the connection last dropped
@@ -96,9 +96,9 @@ class GatewayRoutes:
                 log.info("gateway %s took this worker's handshake", endpoint)
                 del self._refusal_logged[sock]
             return
-        if said is not None and said[0] == h.failed and now - said[1] < REFUSAL_LOG_S:
+        if said is not None and said[0] == h.failed[0] and now - said[1] < REFUSAL_LOG_S:
             return
-        self._refusal_logged[sock] = (h.failed, now)
+        self._refusal_logged[sock] = (h.failed[0], now)  # its value (an errno) may vary from one refusal to the next
         log.warning("gateway %s %s", endpoint, h.reason(self.curve, _ADVICE))
 
     def other_than(self, sock: zmq.Socket) -> zmq.Socket | None:
