@@ -220,11 +220,11 @@ class ModelRunner:
         longest = max(c for _, _, c in members)
         width = -(-longest // bs)
         if all(c == longest for _, _, c in members):
-            return DecodeGroup(q, rows, width, longest, None)
+            return DecodeGroup(q, rows, width, longest, None, ctx, longest)
         visible = torch.arange(width * bs, device=self.device)[None, :] < ctx[:, None]
         # Additive mask in the model dtype, built once per step and shared by every layer.
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return DecodeGroup(q, rows, width, None, mask[:, None, None, :])
+        return DecodeGroup(q, rows, width, None, mask[:, None, None, :], ctx, longest)
 
     def _fit_rows(self, needed: int) -> None:
         have = self.block_tables.shape[0]

@@ -22,7 +22,7 @@ expanded to the query heads (flash or efficient).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ class DecodeGroup:
     width: int  # blocks gathered per sequence: the longest member's
     ctx: int | None  # every member sees exactly ctx keys: no mask needed
     mask: torch.Tensor | None  # [n, 1, 1, width * block_size] additive 0 / -inf, when ctx is None
+    contexts: torch.Tensor  # [n] each member's context length (for a sliding window's mask)
+    longest: int  # the longest member's context
 
 
 @dataclass
@@ -64,10 +66,17 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     # Expand KV heads for masked prefill chunks (CUDA): SDPA's fast kernels take a mask or GQA, not both.
     expand_kv: bool = False
+    # Masks for a sliding window, built by the first layer that has it and shared by the others: window -> (a
+    # mask per decode group, a mask per prefill span), None where every key the query sees is in the window.
+    windows: dict[int, tuple[list, list]] = field(default_factory=dict)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            paged_metadata: AttentionMetadata | None = None, **kwargs):
+                            paged_metadata: AttentionMetadata | None = None, sliding_window: int | None = None,
+                            **kwargs):
+    """``sliding_window`` (Mistral, Qwen2's windowed layers...): a query sees only the last ``sliding_window``
+    keys up to its own position, as transformers' masks do. Blocks behind the window stay allocated and are
+    gathered (masked out): the window changes what is attended, not the memory a sequence holds."""
     if paged_metadata is None:
         raise RuntimeError("paged_kv attention needs paged_metadata; run the model through worker.ModelRunner")
     meta = paged_metadata
@@ -81,20 +90,35 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
     out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
     q_tokens = query[0].transpose(0, 1)  # [T, heads, d]
-    for g in meta.decodes:
+    windowed = _window_masks(meta, sliding_window, block_size, query.dtype) if sliding_window else None
+    for i, g in enumerate(meta.decodes):
         n = g.q_index.shape[0]
+        window_mask = windowed and windowed[0][i]
+        ctx, mask = (None, window_mask) if window_mask is not None else (g.ctx, g.mask)
         # Query heads sharing a KV head become that head's query "positions": plain MHA over KV heads.
         qd = q_tokens.index_select(0, g.q_index).view(n, kv_heads, group, head_dim)
         ids = meta.block_tables.index_select(0, g.rows)[:, :g.width].reshape(-1)
-        kd = _gather(k_pool, ids, n, g.width * block_size, g.ctx)
-        vd = _gather(v_pool, ids, n, g.width * block_size, g.ctx)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling)
+        kd = _gather(k_pool, ids, n, g.width * block_size, ctx)
+        vd = _gather(v_pool, ids, n, g.width * block_size, ctx)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scaling)
         out.index_copy_(0, g.q_index, od.reshape(n, heads, head_dim))
 
-    for span in meta.prefills:
+    for i, span in enumerate(meta.prefills):
         sl = slice(span.q_start, span.q_start + span.q_len)
         qp = query[:, :, sl]
-        if span.row is None:
+        window_mask = windowed and windowed[1][i]
+        if window_mask is not None:
+            if span.row is None:
+                kp, vp = key[:, :, sl], value[:, :, sl]
+            else:
+                ids = meta.block_tables[span.row, :-(-span.ctx_len // block_size)]
+                kp = _gather(k_pool, ids, 1, ids.shape[0] * block_size, span.ctx_len)
+                vp = _gather(v_pool, ids, 1, ids.shape[0] * block_size, span.ctx_len)
+            if meta.expand_kv and group > 1:
+                kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=window_mask, scale=scaling,
+                                                enable_gqa=not meta.expand_kv)
+        elif span.row is None:
             op = F.scaled_dot_product_attention(qp, key[:, :, sl], value[:, :, sl], is_causal=True, scale=scaling,
                                                 enable_gqa=True)
         else:
@@ -108,6 +132,32 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                                                 enable_gqa=not meta.expand_kv)
         out[sl] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _window_masks(meta: AttentionMetadata, window: int, block_size: int, dtype: torch.dtype) -> tuple[list, list]:
+    """Each decode group's and prefill span's mask for ``window`` (None where all its keys are inside it)."""
+    if window not in meta.windows:
+        device = meta.slot_mapping.device
+        decodes = []
+        for g in meta.decodes:
+            if g.longest <= window:
+                decodes.append(None)
+                continue
+            slot = torch.arange(g.width * block_size, device=device)[None, :]
+            ctx = g.contexts[:, None]
+            seen = (slot < ctx) & (slot >= ctx - window)
+            mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+            decodes.append(mask[:, None, None, :])
+        prefills = []
+        for span in meta.prefills:
+            if span.ctx_len <= window:
+                prefills.append(None)
+                continue
+            query_at = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=device)[:, None]
+            key_at = torch.arange(span.ctx_len, device=device)[None, :]  # a first chunk's: its own (ctx == q_len)
+            prefills.append((key_at <= query_at) & (key_at > query_at - window))
+        meta.windows[window] = (decodes, prefills)
+    return meta.windows[window]
 
 
 def _gather(pool: torch.Tensor, ids: torch.Tensor, n: int, slots: int, ctx: int | None) -> torch.Tensor:

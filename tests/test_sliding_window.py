@@ -1,0 +1,84 @@
+"""Models whose attention sees only the last ``sliding_window`` keys (Mistral, Qwen2 with ``use_sliding_window``):
+the engine's tokens equal transformers' own once a sequence outgrows the window, in every kind of step (a first
+prefill, a later chunk, decodes of different lengths side by side), and on every layer the window applies to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scripts.make_tiny_model import build
+from tests.engine_helpers import hf_greedy, prompts
+from tests.test_engine_equivalence import run_all
+from worker import Engine, EngineConfig, SamplingParams
+
+WINDOW = 8
+BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+        "tie_word_embeddings": False, "init_seed": 0}
+CONFIGS = {
+    "mistral": {"model_type": "mistral", "sliding_window": WINDOW},
+    # Qwen2: the window on the layers past max_window_layers only, so a model mixes windowed and full layers.
+    "qwen2-mixed": {"model_type": "qwen2", "sliding_window": WINDOW, "use_sliding_window": True,
+                    "max_window_layers": 1},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def windowed(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    root = tmp_path_factory.mktemp(request.param)
+    (root / "config.json").write_text(json.dumps({**BASE, **CONFIGS[request.param]}))
+    model_dir = build(root / "config.json", root / "model")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return model_dir, reference
+
+
+def test_the_window_changes_what_the_reference_generates(windowed):
+    """Without this the tests below could pass with the window ignored: the same weights with a window wider than
+    every sequence give other tokens for prompts longer than the window."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, reference = windowed
+    wide = AutoModelForCausalLM.from_pretrained(model_dir, sliding_window=4096).eval()
+    differ = [p for p in prompts(6, seed=3, lo=20, hi=40) if hf_greedy(reference, p, 16) != hf_greedy(wide, p, 16)]
+    assert len(differ) >= 4
+
+
+@pytest.mark.parametrize("length", [3, WINDOW, WINDOW + 1, 37])
+def test_one_sequence_matches_generate_past_the_window(windowed, length):
+    model_dir, reference = windowed
+    engine = Engine.from_pretrained(model_dir, EngineConfig(num_kv_blocks=128, block_size=4))
+    prompt = prompts(1, seed=length, lo=length, hi=length + 1)[0]
+    out = run_all(engine, {0: [("solo", prompt, SamplingParams(max_tokens=20))]})
+    assert out["solo"] == hf_greedy(reference, prompt, 20)
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+def test_sequences_of_every_length_side_by_side_match_generate(windowed, budget):
+    """Chunked prefill (a 5-token budget splits every prompt past the window) with decodes of different context
+    lengths in one step: each sees its own window."""
+    model_dir, reference = windowed
+    engine = Engine.from_pretrained(model_dir, EngineConfig(num_kv_blocks=256, block_size=4,
+                                                            max_num_batched_tokens=budget))
+    ps = prompts(6, seed=11, lo=1, hi=30)
+    arrivals = {2 * i: [(f"r{i}", p, SamplingParams(max_tokens=18))] for i, p in enumerate(ps)}
+    out = run_all(engine, arrivals)
+    for i, p in enumerate(ps):
+        assert out[f"r{i}"] == hf_greedy(reference, p, 18), f"r{i} ({len(p)} prompt tokens)"
+
+
+def test_the_windowed_attention_agrees_with_eager_attention(windowed):
+    """The reference's own two attentions agree for the window (the ground truth is not one path's bug)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, reference = windowed
+    eager = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    ids = torch.tensor([prompts(1, seed=5, lo=30, hi=31)[0]])
+    with torch.inference_mode():
+        assert torch.allclose(reference(ids).logits, eager(ids).logits, atol=1e-5)
