@@ -82,3 +82,18 @@ def test_the_windowed_attention_agrees_with_eager_attention(windowed):
     ids = torch.tensor([prompts(1, seed=5, lo=30, hi=31)[0]])
     with torch.inference_mode():
         assert torch.allclose(reference(ids).logits, eager(ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("swap_space_mb,mode", [(0, "recompute"), (64, "swap")])
+def test_sequences_pushed_back_under_kv_pressure_resume_within_their_window(windowed, swap_space_mb, mode):
+    """A recomputed sequence prefills its context again in chunks past the window; a swapped one comes back with
+    blocks behind it: either way its next tokens see the same window."""
+    model_dir, reference = windowed
+    ps = prompts(4, seed=4, lo=40, hi=50)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(num_kv_blocks=12, max_num_batched_tokens=64,
+                                                            swap_space_mb=swap_space_mb))
+    out = run_all(engine, {0: [(f"r{i}", p, SamplingParams(max_tokens=30)) for i, p in enumerate(ps)]})
+    for i, p in enumerate(ps):
+        assert out[f"r{i}"] == hf_greedy(reference, p, 30)
+    assert engine.stats().by_mode()[mode] > 0
+    assert engine.kv_usage().num_used == 0
