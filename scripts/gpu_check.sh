@@ -63,7 +63,7 @@ print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__versi
 EOF
 
 log "1. CUDA tests"
-step "1. CUDA tests" 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_step_syncs.py
+step "1. CUDA tests" 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_step_syncs.py tests/test_sliding_window.py
 
 log "2. random Llama-3-8B-shaped model, bf16, built on the GPU"
 MODEL=${MODEL_DIR:-$OUT/llama3-8b-shape}
