@@ -262,8 +262,6 @@ UNHONOURED = [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
-    ("/v1/completions", {"stop": "\n"}, "stop"),
-    ("/v1/chat/completions", {"stop": ["\n"]}, "stop"),
     ("/v1/completions", {"presence_penalty": False}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("/v1/completions", {"logprobs": 0}, "logprobs"),

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from common.errors import ServingError
 from common.tiers import ALL_TIERS
-from gateway.http import errors, health, idempotency, metrics, streaming
+from gateway.http import errors, health, idempotency, metrics, stops, streaming
 from gateway.http.config import HttpConfig
 from gateway.http.errors import HttpError
 from gateway.http.headers import bearer, one_header, refuse_compressed
@@ -163,13 +163,19 @@ class FrontDoor:
         # A client that sent a key is coming back for its job (gateway/http/idempotency.py): it is not cancelled.
         cancel = (lambda: None) if idem is not None else (lambda: self._cancel_later(key, job.id))
         reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
+        strings = stops.stop_strings(body.stop)
+        stop = stops.StopScan(strings, self.prompts.tokenizer) if strings else None
         streaming = False
         try:
             if body.stream:
-                response = await self._stream(request, job, reply, headers, body.include_usage(), cancel, release)
+                response = await self._stream(request, job, reply, headers, body.include_usage(), cancel, release,
+                                              stop)
                 streaming = True  # its events release the client once sent
                 return response
             # No bound of its own on the wait: the job's tier bounds it (queue timeout), the SDK a gateway's silence.
+            if stop is not None:
+                answer = await self._until_disconnect(request, stops.until_stop(job, stop, cancel))
+                return JSONResponse(reply.answer(*answer), headers=headers)
             result = await self._until_disconnect(request, job.result())
             return JSONResponse(reply.whole(result), headers=headers)
         except ClientGone:
@@ -189,7 +195,8 @@ class FrontDoor:
                 release()
 
     async def _stream(self, request: Request, job, reply: Reply, headers: dict[str, str], include_usage: bool,
-                      cancel: Callable[[], None], release: Callable[[], None]) -> Response:
+                      cancel: Callable[[], None], release: Callable[[], None],
+                      stop: stops.StopScan | None) -> Response:
         chunks = job.stream()  # as job.result() above: only a gateway's silence ends it early
         interval = self.config.sse_keepalive_s
         # The first chunk (or the job's end) decides the status line if it comes within sse_keepalive_s: a job that
@@ -201,7 +208,7 @@ class FrontDoor:
             await job.result()  # ended without a token: raises if it expired or failed (a real status line)
 
         body = streaming.events(request, job, chunks, first, late=late, reply=reply, include_usage=include_usage,
-                                keepalive_s=interval, cancel=cancel, release=release)
+                                keepalive_s=interval, cancel=cancel, release=release, stop=stop)
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

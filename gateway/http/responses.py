@@ -42,13 +42,16 @@ class Reply:
         return {"id": self.id, "object": self._object(chunk), "created": self.created, "model": self.model}
 
     def whole(self, result: JobResult) -> dict:
-        finish = finish_reason(result.finish_reason)
+        return self.answer(result.text, len(result.token_ids), finish_reason(result.finish_reason))
+
+    def answer(self, text: str, completion_tokens: int, finish: str) -> dict:
+        """A whole completion (OpenAI's ``finish``: ``stop`` or ``length``)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
-        return self._head(False) | {"choices": [choice], "usage": self.usage(len(result.token_ids))}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._head(False) | {"choices": [choice], "usage": self.usage(completion_tokens)}
 
     def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
               with_usage_field: bool = False) -> bytes:

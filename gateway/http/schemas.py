@@ -1,13 +1,13 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), with the vLLM extras.
 
 Fields that OpenAI's or vLLM's API defines and this server cannot honour (``logit_bias``, tools,
-``response_format``, stop strings, penalties, logprobs, guided decoding, ...) are refused with a
+``response_format``, stop token ids, penalties, logprobs, guided decoding, ...) are refused with a
 400 naming them, never ignored: an ignored one makes the answer silently not the one asked for.
 Each is accepted at the value that asks for nothing, since clients send some by default (an
 empty list, a zero penalty, ``null``). Fields nobody defines are ignored, as OpenAI-compatible
 servers do, so newer clients keep working. ``null`` is the field's default, as in OpenAI's API.
 Types are strict, as OpenAI's are: ``"max_tokens": true`` is not one token, nor ``"stream": 1``
-a stream (an integer is still a float); so are the refused fields' (``"stop": {}`` is no empty list,
+a stream (an integer is still a float); so are the refused fields' (``"logit_bias": []`` is no object,
 ``"min_tokens": 0.0`` no integer).
 """
 
@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field
 from pydantic_core import PydanticCustomError
 
 from common.tiers import ALL_TIERS
-from gateway.http.unhonoured import CHAT, COMPLETION, MESSAGE, SHARED, STREAM_OPTIONS, Unhonoured, first_unhonoured
+from gateway.http import stops
+from gateway.http.unhonoured import (CHAT, COMPLETION, MESSAGE, SHARED, STREAM_OPTIONS, Unhonoured, first_unhonoured,
+                                     json_kind)
 
 # The max_tokens of a /v1/completions body that leaves the field out (OpenAI's, and vLLM's, default).
 OPENAI_COMPLETION_MAX_TOKENS = 16
@@ -96,6 +98,30 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     # The prompt's last so many tokens are served (after the chat template), as in vLLM.
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    # Stop strings (gateway/http/stops.py): a string or up to MAX_STOPS of them.
+    stop: str | list[str] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_typed(cls, stop: Any) -> Any:
+        # pydantic's words for a union ("Input should be a valid string") name one member only.
+        if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
+                                                                and all(isinstance(s, str) for s in stop))):
+            shown = json_kind(stop) if not isinstance(stop, list) else "an array holding " + next(
+                json_kind(s) for s in stop if not isinstance(s, str))
+            raise PydanticCustomError("stop_type", f"must be a string or an array of strings, not {shown}")
+        return stop
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = stops.stop_strings(stop)
+        if len(strings) > stops.MAX_STOPS:
+            raise PydanticCustomError("stop_count", f"at most {stops.MAX_STOPS} stop strings, not {len(strings)}")
+        if any(not 0 < len(s) <= stops.MAX_STOP_CHARS for s in strings):
+            raise PydanticCustomError("stop_length", f"each stop string must be 1 to {stops.MAX_STOP_CHARS} "
+                                      "characters long")
+        return stop
 
     @field_validator("seed")
     @classmethod

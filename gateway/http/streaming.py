@@ -13,6 +13,7 @@ from common.errors import ServingError
 from gateway.http import errors, metrics
 from gateway.http.errors import HttpError
 from gateway.http.responses import DONE_EVENT, KEEPALIVE, Reply, finish_reason, keepalives_until
+from gateway.http.stops import StopScan
 
 
 async def next_chunk(chunks: AsyncIterator):
@@ -22,10 +23,12 @@ async def next_chunk(chunks: AsyncIterator):
 
 async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Future, *, late: bool, reply: Reply,
                  include_usage: bool, keepalive_s: float, cancel: Callable[[], None],
-                 release: Callable[[], None]) -> AsyncIterator[bytes]:
+                 release: Callable[[], None], stop: StopScan | None = None) -> AsyncIterator[bytes]:
     """The SSE body of ``job``: ``first`` is the task reading its first chunk (done unless ``late``: its status line
     did not wait for it). Every wait, for a chunk or for the result, sends KEEPALIVE each ``keepalive_s``. The client
-    gone (this generator closed or cancelled before the end) cancels the job; ``release`` is called in any case."""
+    gone (this generator closed or cancelled before the end) cancels the job; ``release`` is called in any case.
+    ``stop``: the request's stop strings; the text is theirs to release, and one found ends the answer (and the
+    job, by ``cancel``)."""
     count, done, step = 0, False, first
     try:
         if late:  # silent sse_keepalive_s already, headers and all
@@ -38,18 +41,32 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
             chunk = step.result()
             if chunk is None:
                 break
-            count += len(chunk.token_ids)
-            yield reply.chunk(chunk.text, with_usage_field=include_usage)
+            if stop is None:
+                count += len(chunk.token_ids)
+                yield reply.chunk(chunk.text, with_usage_field=include_usage)
+            else:
+                if text := stop.feed(chunk.token_ids):
+                    yield reply.chunk(text, with_usage_field=include_usage)
+                if stop.stopped:
+                    break
             step = asyncio.ensure_future(next_chunk(chunks))
-        step = asyncio.ensure_future(job.result())  # the stream has ended: this reads what it left
-        async for keepalive in keepalives_until(step, keepalive_s):
-            yield keepalive
-        result = step.result()
-        done = True
-        yield reply.chunk(None if reply.chat else "", finish_reason(result.finish_reason),
-                          with_usage_field=include_usage)
+        if stop is not None and stop.stopped:
+            done = True
+            cancel()  # what it makes past the stop is nobody's
+            await chunks.aclose()  # and its gateway stops sending it (the SDK unsubscribes)
+            finish = "stop"
+        else:
+            step = asyncio.ensure_future(job.result())  # the stream has ended: this reads what it left
+            async for keepalive in keepalives_until(step, keepalive_s):
+                yield keepalive
+            result = step.result()
+            done = True
+            if stop is not None and (text := stop.flush()):
+                yield reply.chunk(text, with_usage_field=include_usage)
+            finish = finish_reason(result.finish_reason)
+        yield reply.chunk(None if reply.chat else "", finish, with_usage_field=include_usage)
         if include_usage:
-            yield reply.usage_chunk(count)
+            yield reply.usage_chunk(count if stop is None else stop.tokens)
     except (ServingError, TimeoutError) as e:
         done = True
         if isinstance(e, TimeoutError):  # every gateway silent: the door gives it up, as a whole request's

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 class Kind(NamedTuple):
     """A field's JSON type as OpenAI's (or vLLM's) API defines it: a value of another type is refused as such, even
-    one that looks like nothing (``"stop": {}``, ``"min_tokens": 0.0``), as OpenAI and vLLM refuse it."""
+    one that looks like nothing (``"logit_bias": []``, ``"min_tokens": 0.0``), as OpenAI and vLLM refuse it."""
     name: str
     check: Callable[[Any], bool]
 
@@ -24,13 +24,14 @@ BOOLEAN = Kind("a boolean", _of(bool))
 STRING = Kind("a string", _of(str))
 OBJECT = Kind("an object", _of(dict))
 ARRAY = Kind("an array", _of(list))
-STOP = Kind("a string or an array of strings", _of(str, list))
 CHOICE = Kind("a string or an object", _of(str, dict))
 ANY = Kind("anything", lambda value: True)  # for a field only null asks nothing of: any other value is refused
 
 
 def json_kind(value: Any) -> str:
     """The JSON type of a parsed value, as a refusal names it."""
+    if value is None:
+        return "null"
     for types, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
                         (list, "an array"), (dict, "an object")):
         if isinstance(value, types):
@@ -60,7 +61,6 @@ SHARED: Unhonoured = {
     "presence_penalty": (NUMBER, _equal(0), "0"),
     "frequency_penalty": (NUMBER, _equal(0), "0"),
     "logit_bias": (OBJECT, _equal({}), "{}"),
-    "stop": (STOP, _equal([]), "[]"),
     "echo": (BOOLEAN, _equal(False), "false"),
     # vLLM's extra sampling parameters.
     "min_tokens": (INTEGER, _equal(0), "0"),

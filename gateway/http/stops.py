@@ -1,0 +1,91 @@
+"""Stop strings (OpenAI's ``stop``): the answer ends where the first of them begins in the generated text, which
+is not sent, and ``finish_reason`` is ``stop``.
+
+The door finds them, not the worker: it decodes the job's tokens one at a time (gateway/detokenize.py, as the
+gateway decodes them), so it knows which token completed a stop string, and ``usage.completion_tokens`` counts
+the tokens up to and including that one, as vLLM counts them. A stream holds back the text that may be the start
+of a stop string (at most the longest one's length less a character) until the next tokens say whether it is.
+The job goes on generating until the door cancels it: what it made past the stop is never sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gateway.detokenize import IncrementalText
+from gateway.http.responses import finish_reason
+
+MAX_STOPS = 4  # OpenAI's bound
+MAX_STOP_CHARS = 1000
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The request's stop strings (none for null or [])."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+class StopScan:
+    """The text of one job's tokens, fed as they come, cut at the first stop string."""
+
+    def __init__(self, stops: Sequence[str], tokenizer) -> None:
+        self._stops = tuple(stops)
+        self._hold = max(len(s) for s in self._stops) - 1
+        self._decoded = IncrementalText(tokenizer)
+        # Text not yet released: any stop string lies wholly inside it (released text never ends in one's start),
+        # so a search reads it alone and an answer of any length costs linear time.
+        self._pending = ""
+        self._released: list[str] = []
+        self.tokens = 0  # tokens fed, up to the one that completed a stop string
+        self.stopped = False
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        """The text that may be sent now: never a stop string nor anything after one, nor (while none is found)
+        text that may begin one."""
+        for token in token_ids:
+            if self.stopped:
+                break
+            self.tokens += 1
+            self._decoded.extend([token])
+            piece = self._decoded.pieces[-1]
+            if not piece:
+                continue  # the middle of a character: no text yet
+            start = max(0, len(self._pending) - self._hold)  # a stop completed now may begin in earlier text
+            self._pending += piece
+            found = [at for s in self._stops if (at := self._pending.find(s, start)) >= 0]
+            if found:
+                self._pending, self.stopped = self._pending[:min(found)], True
+        keep = 0 if self.stopped else min(self._hold, len(self._pending))
+        return self._release(len(self._pending) - keep)
+
+    def flush(self) -> str:
+        """The rest of the text, once the job has ended without a stop string."""
+        return self._release(len(self._pending))
+
+    @property
+    def text(self) -> str:
+        """Everything released."""
+        return "".join(self._released)
+
+    def _release(self, n: int) -> str:
+        out, self._pending = self._pending[:n], self._pending[n:]
+        self._released.append(out)
+        return out
+
+
+async def until_stop(job, stop: StopScan, cancel: Callable[[], None]) -> tuple[str, int, str]:
+    """A whole answer with stop strings: (text, completion tokens, finish reason). Read as a stream, so that the
+    job is cancelled (``cancel``) as soon as a stop string ends its answer, not after its last token."""
+    chunks = job.stream()
+    try:
+        async for chunk in chunks:
+            stop.feed(chunk.token_ids)
+            if stop.stopped:
+                cancel()
+                return stop.text, stop.tokens, "stop"
+    finally:
+        await chunks.aclose()
+    result = await job.result()  # raises if the job expired or failed, as without stop strings
+    stop.flush()
+    return stop.text, stop.tokens, finish_reason(result.finish_reason)
