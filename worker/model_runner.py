@@ -60,6 +60,7 @@ def load_model(model_dir: str | Path, config: EngineConfig):
         model_dir, dtype=torch_dtype(config), attn_implementation=paged_attention.ATTN_IMPLEMENTATION,
         **({"device_map": device} if direct else {}),
     )
+    from worker.model_checks import check_model; check_model(model)  # noqa: E702 (one line: see model_checks)
     return model.to(device).eval()  # a no-op when device_map already placed it
 
 

@@ -1,0 +1,67 @@
+"""Refuse, at load, models the paged engine would serve wrongly.
+
+The engine runs every scheduled token of every sequence as one packed row through the model's own modules, with
+attention replaced by ``paged_attention_forward``. That is only exact when attention is plain causal softmax
+attention over K/V computed per token, and nothing else in the model mixes tokens or depends on the batch. Model
+types outside ``VERIFIED_MODEL_TYPES`` have not been compared with transformers' ``generate`` and are refused:
+several load fine and then crash mid-step (StableLM, GPT-2, GPT-NeoX) or return other tokens (BLOOM's ALiBi).
+"""
+
+from __future__ import annotations
+
+from worker.config import ConfigError
+
+# Each has a greedy-equivalence test in tests/test_model_families.py; add a type here only with one.
+VERIFIED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "phi",
+                        "olmo2", "gemma", "gemma2", "gemma3_text", "granite", "cohere"}
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def check_model(model) -> None:
+    """Raise ConfigError naming the first feature of ``model`` the engine would serve wrongly."""
+    cfg = model.config.get_text_config()
+    name = model.config.model_type
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap is not None:
+        _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={softcap}) is not applied by the paged "
+                      f"attention, so its attention would differ from the model's; serve it with another engine")
+    layer_types = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
+    if layer_types:
+        _refuse(name, f"layers that are not attention ({', '.join(sorted(layer_types))}) would carry their state "
+                      f"across all sequences packed into one step; only all-attention models are served")
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            _refuse(name, f"attention sinks ({type(module).__name__}.sinks) are ignored by the paged attention")
+        if getattr(module, "is_causal", True) is False:
+            _refuse(name, f"{type(module).__name__} is not causal (an encoder / embedding model); the paged "
+                          f"attention is causal")
+        if hasattr(module, "rope_type"):
+            _check_rope(name, cfg, module)
+    if name not in VERIFIED_MODEL_TYPES:
+        _refuse(name, f"it is not verified against transformers' generate with the paged engine (verified: "
+                      f"{', '.join(sorted(VERIFIED_MODEL_TYPES))}); serve a verified type or add this one to "
+                      f"worker/model_checks.py with a test in tests/test_model_families.py")
+
+
+def _check_rope(name: str, cfg, rotary) -> None:
+    """RoPE whose frequencies change with the longest position in a forward pass: in a packed step that is the
+    longest sequence in the batch (and a prefill chunk's end, not the prompt's), never what generate() used."""
+    limit = cfg.max_position_embeddings
+    types = rotary.rope_type if isinstance(rotary.rope_type, dict) else {None: rotary.rope_type}
+    for layer_type, rope_type in types.items():
+        prefix = f"{layer_type}_" if layer_type else ""
+        if "dynamic" in rope_type:
+            cached = getattr(rotary, f"{prefix}max_seq_len_cached", getattr(rotary, "max_seq_len_cached", limit))
+            if cached < limit:
+                _refuse(name, f"dynamic RoPE rescales past {cached} positions, inside the model's context of "
+                              f"{limit}, from the longest sequence in each step")
+        elif rope_type == "longrope":
+            params = cfg.rope_parameters[layer_type] if layer_type else cfg.rope_parameters
+            original = params["original_max_position_embeddings"]
+            if original < limit:
+                _refuse(name, f"longrope switches every sequence in a step to its long factors once any one passes "
+                              f"{original} positions (context {limit}); use the model's short-context variant")
+
+
+def _refuse(name: str, why: str) -> None:
+    raise ConfigError(f"cannot serve model type {name!r}: {why}")
