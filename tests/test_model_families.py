@@ -71,8 +71,8 @@ REFUSED = {
 }
 
 # Lengths chosen so one run has a first chunk, later chunks (budget 16), and decodes of different context lengths
-# sharing a step.
-PROMPT_LENGTHS = (3, 40, 17, 90)
+# sharing a step, some in one masked group (17 and 22 tokens: both two blocks).
+PROMPT_LENGTHS = (3, 40, 17, 22, 90)
 NEW_TOKENS = 8
 
 
