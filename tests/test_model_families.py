@@ -17,7 +17,7 @@ from worker.model_checks import VERIFIED_MODEL_TYPES, check_model
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
             initializer_range=0.3)
-NO_WINDOW = dict(sliding_window=None, use_sliding_window=False)  # sliding windows are tested elsewhere
+NO_WINDOW = dict(sliding_window=None, use_sliding_window=False)  # windows: the "-windowed" ones, test_sliding_window
 # Gemma 2/3 cannot leave sliding_window unset (generate's cache needs one): make every layer full instead.
 FULL_LAYERS = dict(layer_types=["full_attention"] * 2)
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -53,6 +53,11 @@ SUPPORTED = {
     "gemma": dict(model_type="gemma"),
     "gemma2-no-softcap": dict(model_type="gemma2", **FULL_LAYERS, attn_logit_softcapping=None),
     "gemma3-text": dict(model_type="gemma3_text", **FULL_LAYERS),
+    # Windows of 8 tokens on prompts of up to 90: Gemma3's sliding layers (with their own RoPE base) beside a full
+    # one; Phi-3's on every layer (Phi-3-mini's is 2047).
+    "gemma3-text-windowed": dict(model_type="gemma3_text", sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"]),
+    "phi3-windowed": dict(model_type="phi3", sliding_window=8),
     "granite": dict(model_type="granite"),
     "cohere": dict(model_type="cohere"),
 }
@@ -131,3 +136,28 @@ def test_dynamic_rope_that_could_grow_inside_the_context_is_refused(tmp_path):
 
 def test_every_verified_model_type_is_tested_here():
     assert VERIFIED_MODEL_TYPES == {c["model_type"] for c in SUPPORTED.values()}
+
+
+def test_longrope_is_served_within_its_original_context(tmp_path):
+    """The longrope model refused above loads with max_model_len at its original context, where no sequence ever
+    switches to the long factors, and its tokens are generate()'s."""
+    from transformers import AutoModelForCausalLM
+
+    overrides, _ = REFUSED["phi3-longrope"]
+    path = model_dir(tmp_path, overrides)
+    engine = Engine.from_pretrained(str(path), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64,
+                                                            max_num_batched_tokens=16, max_model_len=64))
+    prompts = [[5 + (i * 37 + j * 11) % 500 for j in range(n)] for i, n in enumerate((3, 17, 40, 55))]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=64 - len(p)))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(reference, p, 64 - len(p))[:len(out[f"r{i}"])], f"prompt of {len(p)}"
+        assert len(out[f"r{i}"]) == 64 - len(p) or out[f"r{i}"][-1] in engine.runner.info.eos_token_ids
+    with pytest.raises(ConfigError, match="max_model_len to 64 or less"):
+        Engine.from_pretrained(str(path), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=8,
+                                                       max_model_len=65))

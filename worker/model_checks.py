@@ -17,8 +17,9 @@ VERIFIED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qw
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
-def check_model(model) -> None:
-    """Raise ConfigError naming the first feature of ``model`` the engine would serve wrongly."""
+def check_model(model, max_model_len: int | None = None) -> None:
+    """Raise ConfigError naming the first feature of ``model`` the engine would serve wrongly within the context
+    it serves (``max_model_len``; the model's whole context by default)."""
     cfg = model.config.get_text_config()
     name = model.config.model_type
     softcap = getattr(cfg, "attn_logit_softcapping", None)
@@ -36,31 +37,33 @@ def check_model(model) -> None:
             _refuse(name, f"{type(module).__name__} is not causal (an encoder / embedding model); the paged "
                           f"attention is causal")
         if hasattr(module, "rope_type"):
-            _check_rope(name, cfg, module)
+            _check_rope(name, cfg, module, max_model_len or cfg.max_position_embeddings)
     if name not in VERIFIED_MODEL_TYPES:
         _refuse(name, f"it is not verified against transformers' generate with the paged engine (verified: "
                       f"{', '.join(sorted(VERIFIED_MODEL_TYPES))}); serve a verified type or add this one to "
                       f"worker/model_checks.py with a test in tests/test_model_families.py")
 
 
-def _check_rope(name: str, cfg, rotary) -> None:
+def _check_rope(name: str, cfg, rotary, limit: int) -> None:
     """RoPE whose frequencies change with the longest position in a forward pass: in a packed step that is the
-    longest sequence in the batch (and a prefill chunk's end, not the prompt's), never what generate() used."""
-    limit = cfg.max_position_embeddings
+    longest sequence in the batch (and a prefill chunk's end, not the prompt's), never what generate() used.
+    Served only where no sequence reaches the change (``limit``, the context served)."""
     types = rotary.rope_type if isinstance(rotary.rope_type, dict) else {None: rotary.rope_type}
     for layer_type, rope_type in types.items():
         prefix = f"{layer_type}_" if layer_type else ""
         if "dynamic" in rope_type:
             cached = getattr(rotary, f"{prefix}max_seq_len_cached", getattr(rotary, "max_seq_len_cached", limit))
             if cached < limit:
-                _refuse(name, f"dynamic RoPE rescales past {cached} positions, inside the model's context of "
-                              f"{limit}, from the longest sequence in each step")
+                _refuse(name, f"dynamic RoPE rescales past {cached} positions, inside the context served "
+                              f"({limit}), from the longest sequence in each step; set max_model_len to {cached} "
+                              f"or less")
         elif rope_type == "longrope":
             params = cfg.rope_parameters[layer_type] if layer_type else cfg.rope_parameters
             original = params["original_max_position_embeddings"]
             if original < limit:
                 _refuse(name, f"longrope switches every sequence in a step to its long factors once any one passes "
-                              f"{original} positions (context {limit}); use the model's short-context variant")
+                              f"{original} positions (context served: {limit}); set max_model_len to {original} "
+                              f"or less, or use the model's short-context variant")
 
 
 def _refuse(name: str, why: str) -> None:

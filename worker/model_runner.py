@@ -23,6 +23,7 @@ from worker import paged_attention
 from worker.block_manager import BlockManager
 from worker.config import ConfigError, EngineConfig
 from worker.kv_swap import HostPool
+from worker.model_checks import check_model
 from worker.paged_attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from worker.scheduler import BlockCopy, ScheduledChunk
 
@@ -60,7 +61,8 @@ def load_model(model_dir: str | Path, config: EngineConfig):
         model_dir, dtype=torch_dtype(config), attn_implementation=paged_attention.ATTN_IMPLEMENTATION,
         **({"device_map": device} if direct else {}),
     )
-    from worker.model_checks import check_model; check_model(model)  # noqa: E702 (one line: see model_checks)
+    info = model.config.get_text_config()
+    check_model(model, min(config.max_model_len or info.max_position_embeddings, info.max_position_embeddings))
     return model.to(device).eval()  # a no-op when device_map already placed it
 
 

@@ -30,7 +30,7 @@ class WorkerConfig:
     worker_id: str = field(default_factory=lambda: f"wk-{socket.gethostname()}-{os.getpid()}")
     # Worker endpoints of every gateway (ZeroMQ); the worker connects to all of them.
     gateways: list = field(default_factory=lambda: ["tcp://127.0.0.1:5556"])
-    # Model directory or hub name (any Llama/Qwen/Mistral-family causal LM).
+    # Model directory or hub name (a causal LM of a type worker/model_checks.py verifies).
     model: str = ""
     # torch intra-op threads; 0 keeps torch's default (all cores). Several workers on one host's CPUs
     # should split the cores between them, or their thread pools spin against each other.
