@@ -52,6 +52,10 @@ SUPPORTED = {
     "olmo2": dict(model_type="olmo2"),
     "gemma": dict(model_type="gemma"),
     "gemma2-no-softcap": dict(model_type="gemma2", **FULL_LAYERS, attn_logit_softcapping=None),
+    # A cap of 2 squashes these logits hard (every released Gemma2 caps at 50, which tiny models never reach), on a
+    # windowed layer beside a full one.
+    "gemma2-softcap-windowed": dict(model_type="gemma2", attn_logit_softcapping=2.0, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"]),
     "gemma3-text": dict(model_type="gemma3_text", **FULL_LAYERS),
     # Windows of 8 tokens on prompts of up to 90: Gemma3's sliding layers (with their own RoPE base) beside a full
     # one; Phi-3's on every layer (Phi-3-mini's is 2047).
@@ -63,7 +67,6 @@ SUPPORTED = {
 }
 
 REFUSED = {
-    "gemma2": (dict(model_type="gemma2", **FULL_LAYERS), "attn_logit_softcapping"),
     "gpt-oss": (dict(model_type="gpt_oss", **NO_WINDOW, **MOE), "attention sinks"),
     "phi3-longrope": (dict(model_type="phi3", **NO_WINDOW, original_max_position_embeddings=64,
                            rope_parameters=dict(LONGROPE, original_max_position_embeddings=64)), "longrope"),

@@ -22,10 +22,6 @@ def check_model(model, max_model_len: int | None = None) -> None:
     it serves (``max_model_len``; the model's whole context by default)."""
     cfg = model.config.get_text_config()
     name = model.config.model_type
-    softcap = getattr(cfg, "attn_logit_softcapping", None)
-    if softcap is not None:
-        _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={softcap}) is not applied by the paged "
-                      f"attention, so its attention would differ from the model's; serve it with another engine")
     layer_types = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
     if layer_types:
         _refuse(name, f"layers that are not attention ({', '.join(sorted(layer_types))}) would carry their state "
