@@ -62,12 +62,13 @@ SUPPORTED = {
     "gemma3-text-windowed": dict(model_type="gemma3_text", sliding_window=8,
                                  layer_types=["sliding_attention", "full_attention"]),
     "phi3-windowed": dict(model_type="phi3", sliding_window=8),
+    # Attention sinks (a logit per head in each softmax), on a windowed layer beside a full one, as released.
+    "gpt-oss": dict(model_type="gpt_oss", **MOE, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(model_type="granite"),
     "cohere": dict(model_type="cohere"),
 }
 
 REFUSED = {
-    "gpt-oss": (dict(model_type="gpt_oss", **NO_WINDOW, **MOE), "attention sinks"),
     "phi3-longrope": (dict(model_type="phi3", **NO_WINDOW, original_max_position_embeddings=64,
                            rope_parameters=dict(LONGROPE, original_max_position_embeddings=64)), "longrope"),
     "qwen3-next": (dict(model_type="qwen3_next"), "not attention"),

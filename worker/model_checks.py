@@ -13,7 +13,7 @@ from worker.config import ConfigError
 
 # Each has a greedy-equivalence test in tests/test_model_families.py; add a type here only with one.
 VERIFIED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "phi",
-                        "olmo2", "gemma", "gemma2", "gemma3_text", "granite", "cohere"}
+                        "olmo2", "gemma", "gemma2", "gemma3_text", "granite", "cohere", "gpt_oss"}
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -27,8 +27,6 @@ def check_model(model, max_model_len: int | None = None) -> None:
         _refuse(name, f"layers that are not attention ({', '.join(sorted(layer_types))}) would carry their state "
                       f"across all sequences packed into one step; only all-attention models are served")
     for module in model.modules():
-        if hasattr(module, "sinks"):
-            _refuse(name, f"attention sinks ({type(module).__name__}.sinks) are ignored by the paged attention")
         if getattr(module, "is_causal", True) is False:
             _refuse(name, f"{type(module).__name__} is not causal (an encoder / embedding model); the paged "
                           f"attention is causal")

@@ -73,11 +73,12 @@ class AttentionMetadata:
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             paged_metadata: AttentionMetadata | None = None, sliding_window: int | None = None,
-                            softcap: float | None = None, **kwargs):
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """``sliding_window`` (Mistral, Qwen2's windowed layers...): a query sees only the last ``sliding_window``
     keys up to its own position, as transformers' masks do. Blocks behind the window stay allocated and are
     gathered (masked out): the window changes what is attended, not the memory a sequence holds. ``softcap``
-    (Gemma2): logits squashed to ``softcap * tanh(logit / softcap)`` before the softmax (_softcapped)."""
+    (Gemma2): logits squashed to ``softcap * tanh(logit / softcap)`` before the softmax; ``s_aux`` (GPT-OSS's
+    sinks): a logit per query head that takes its share of the softmax and attends to nothing (_in_full)."""
     if paged_metadata is None:
         raise RuntimeError("paged_kv attention needs paged_metadata; run the model through worker.ModelRunner")
     meta = paged_metadata
@@ -101,9 +102,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         ids = meta.block_tables.index_select(0, g.rows)[:, :g.width].reshape(-1)
         kd = _gather(k_pool, ids, n, g.width * block_size, ctx)
         vd = _gather(v_pool, ids, n, g.width * block_size, ctx)
-        od = _attend(qd, kd, vd, mask=mask, scale=scaling, softcap=softcap)
+        sinks = None if s_aux is None else s_aux.view(1, kv_heads, group, 1)
+        od = _attend(qd, kd, vd, mask=mask, scale=scaling, softcap=softcap, sinks=sinks)
         out.index_copy_(0, g.q_index, od.reshape(n, heads, head_dim))
 
+    sinks = None if s_aux is None else s_aux.view(1, heads, 1, 1)
     for i, span in enumerate(meta.prefills):
         sl = slice(span.q_start, span.q_start + span.q_len)
         qp = query[:, :, sl]
@@ -117,9 +120,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                 vp = _gather(v_pool, ids, 1, ids.shape[0] * block_size, span.ctx_len)
             if meta.expand_kv and group > 1:
                 kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
-            op = _attend(qp, kp, vp, mask=window_mask, scale=scaling, gqa=not meta.expand_kv, softcap=softcap)
+            op = _attend(qp, kp, vp, mask=window_mask, scale=scaling, gqa=not meta.expand_kv, softcap=softcap,
+                         sinks=sinks)
         elif span.row is None:
-            op = _attend(qp, key[:, :, sl], value[:, :, sl], causal=True, scale=scaling, gqa=True, softcap=softcap)
+            op = _attend(qp, key[:, :, sl], value[:, :, sl], causal=True, scale=scaling, gqa=True, softcap=softcap,
+                         sinks=sinks)
         else:
             ids = meta.block_tables[span.row, :-(-span.ctx_len // block_size)]
             n_slots = ids.shape[0] * block_size
@@ -127,31 +132,39 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             vp = _gather(v_pool, ids, 1, n_slots, span.ctx_len)
             if meta.expand_kv and group > 1:
                 kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
-            op = _attend(qp, kp, vp, mask=span.mask, scale=scaling, gqa=not meta.expand_kv, softcap=softcap)
+            op = _attend(qp, kp, vp, mask=span.mask, scale=scaling, gqa=not meta.expand_kv, softcap=softcap,
+                         sinks=sinks)
         out[sl] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
 def _attend(q, k, v, *, mask=None, causal: bool = False, scale: float | None = None, gqa: bool = False,
-            softcap: float | None = None) -> torch.Tensor:
-    if softcap is None:
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
-    return _softcapped(q, k, v, mask, causal, scale, softcap)
+    return _in_full(q, k, v, mask, causal, scale, softcap, sinks)
 
 
-def _softcapped(q, k, v, mask, causal: bool, scale: float | None, cap: float) -> torch.Tensor:
-    """Attention with logits soft-capped before the softmax, as transformers' eager attention computes it (float32
-    softmax). No SDPA kernel takes a cap: the scores are computed in full, as the math kernel would."""
+def _in_full(q, k, v, mask, causal: bool, scale: float | None, cap: float | None,
+             sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with what no SDPA kernel takes, computed in full as transformers' eager attention does: logits
+    soft-capped before the softmax (``cap``), and ``sinks``, a logit per query head (broadcast to the scores'
+    [.., heads.., queries, 1]) that joins each softmax and is dropped from it."""
     if k.shape[1] != q.shape[1]:  # grouped-query: each query head its KV head
         k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // k.shape[1], 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     q_len, k_len = scores.shape[-2:]
     if causal or (mask is not None and not isinstance(mask, torch.Tensor)):  # is_causal, or a CausalBias (CUDA)
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril_(k_len - q_len)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    scores = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(v.dtype), v)
 
 
 def _window_masks(meta: AttentionMetadata, window: int, block_size: int, dtype: torch.dtype) -> tuple[list, list]:
