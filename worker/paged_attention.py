@@ -95,13 +95,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     windowed = _window_masks(meta, sliding_window, block_size, query.dtype) if sliding_window else None
     for i, g in enumerate(meta.decodes):
         n = g.q_index.shape[0]
-        window_mask = windowed and windowed[0][i]
-        ctx, mask = (None, window_mask) if window_mask is not None else (g.ctx, g.mask)
         # Query heads sharing a KV head become that head's query "positions": plain MHA over KV heads.
         qd = q_tokens.index_select(0, g.q_index).view(n, kv_heads, group, head_dim)
-        ids = meta.block_tables.index_select(0, g.rows)[:, :g.width].reshape(-1)
-        kd = _gather(k_pool, ids, n, g.width * block_size, ctx)
-        vd = _gather(v_pool, ids, n, g.width * block_size, ctx)
+        if windowed and (w := windowed[0][i]) is not None:
+            ids, slots, ctx, mask = w.ids, w.slots, None, w.mask
+        else:
+            ids = meta.block_tables.index_select(0, g.rows)[:, :g.width].reshape(-1)
+            slots, ctx, mask = g.width * block_size, g.ctx, g.mask
+        kd = _gather(k_pool, ids, n, slots, ctx)
+        vd = _gather(v_pool, ids, n, slots, ctx)
         sinks = None if s_aux is None else s_aux.view(1, kv_heads, group, 1)
         od = _attend(qd, kd, vd, mask=mask, scale=scaling, softcap=softcap, sinks=sinks)
         out.index_copy_(0, g.q_index, od.reshape(n, heads, head_dim))
@@ -110,17 +112,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     for i, span in enumerate(meta.prefills):
         sl = slice(span.q_start, span.q_start + span.q_len)
         qp = query[:, :, sl]
-        window_mask = windowed and windowed[1][i]
-        if window_mask is not None:
+        if windowed and (w := windowed[1][i]) is not None:
             if span.row is None:
                 kp, vp = key[:, :, sl], value[:, :, sl]
-            else:
-                ids = meta.block_tables[span.row, :-(-span.ctx_len // block_size)]
-                kp = _gather(k_pool, ids, 1, ids.shape[0] * block_size, span.ctx_len)
-                vp = _gather(v_pool, ids, 1, ids.shape[0] * block_size, span.ctx_len)
+            else:  # the blocks from the one holding the first key any query of the chunk sees
+                ids = meta.block_tables[span.row, w.first_block:-(-span.ctx_len // block_size)]
+                keys = span.ctx_len - w.first_block * block_size
+                kp = _gather(k_pool, ids, 1, ids.shape[0] * block_size, keys)
+                vp = _gather(v_pool, ids, 1, ids.shape[0] * block_size, keys)
             if meta.expand_kv and group > 1:
                 kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
-            op = _attend(qp, kp, vp, mask=window_mask, scale=scaling, gqa=not meta.expand_kv, softcap=softcap,
+            op = _attend(qp, kp, vp, mask=w.mask, scale=scaling, gqa=not meta.expand_kv, softcap=softcap,
                          sinks=sinks)
         elif span.row is None:
             op = _attend(qp, key[:, :, sl], value[:, :, sl], causal=True, scale=scaling, gqa=True, softcap=softcap,
@@ -167,28 +169,52 @@ def _in_full(q, k, v, mask, causal: bool, scale: float | None, cap: float | None
     return torch.matmul(probs[..., :-1].to(v.dtype), v)
 
 
+@dataclass
+class WindowedDecode:
+    """A decode group's keys under a sliding window: only the blocks that can hold the last ``window`` positions
+    of each member (ceil(window / block_size) + 1), not the whole context."""
+
+    ids: torch.Tensor  # [n * blocks] pool block of each gathered block, member by member
+    slots: int  # gathered slots per member (blocks * block_size)
+    mask: torch.Tensor  # [n, 1, 1, slots] additive 0 / -inf: inside the member's window
+
+
+@dataclass
+class WindowedPrefill:
+    first_block: int  # the block holding the first key any query of the chunk sees (a later chunk's)
+    mask: torch.Tensor  # [q_len, keys from that block's start] bool: inside the query's window
+
+
 def _window_masks(meta: AttentionMetadata, window: int, block_size: int, dtype: torch.dtype) -> tuple[list, list]:
-    """Each decode group's and prefill span's mask for ``window`` (None where all its keys are inside it)."""
+    """Each decode group's and prefill span's keys and mask for ``window`` (None where all its keys are inside it),
+    built by the first layer that has this window and shared by the others."""
     if window not in meta.windows:
         device = meta.slot_mapping.device
-        decodes = []
+        decodes: list[WindowedDecode | None] = []
         for g in meta.decodes:
             if g.longest <= window:
                 decodes.append(None)
                 continue
-            slot = torch.arange(g.width * block_size, device=device)[None, :]
+            blocks = min(g.width, -(-window // block_size) + 1)  # any `window` positions lie in so many blocks
             ctx = g.contexts[:, None]
-            seen = (slot < ctx) & (slot >= ctx - window)
+            first = ((ctx - window).clamp_(min=0) // block_size).clamp_(max=g.width - blocks)
+            cols = first + torch.arange(blocks, device=device)[None, :]
+            ids = meta.block_tables.index_select(0, g.rows).gather(1, cols).reshape(-1)
+            at = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(len(ctx), -1)
+            seen = (at < ctx) & (at >= ctx - window)
             mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
-            decodes.append(mask[:, None, None, :])
-        prefills = []
+            decodes.append(WindowedDecode(ids, blocks * block_size, mask[:, None, None, :]))
+        prefills: list[WindowedPrefill | None] = []
         for span in meta.prefills:
             if span.ctx_len <= window:
                 prefills.append(None)
                 continue
+            first_key = 0 if span.row is None else max(0, span.ctx_len - span.q_len - window + 1)
+            first_block = first_key // block_size
             query_at = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=device)[:, None]
-            key_at = torch.arange(span.ctx_len, device=device)[None, :]  # a first chunk's: its own (ctx == q_len)
-            prefills.append((key_at <= query_at) & (key_at > query_at - window))
+            # A first chunk's keys are its own (ctx == q_len, first_block 0).
+            key_at = torch.arange(first_block * block_size, span.ctx_len, device=device)[None, :]
+            prefills.append(WindowedPrefill(first_block, (key_at <= query_at) & (key_at > query_at - window)))
         meta.windows[window] = (decodes, prefills)
     return meta.windows[window]
 
