@@ -33,8 +33,9 @@ class StopScan:
         self._stops = tuple(stops)
         self._hold = max(len(s) for s in self._stops) - 1
         self._decoded = IncrementalText(tokenizer)
-        # Text not yet released: any stop string lies wholly inside it (released text never ends in one's start),
-        # so a search reads it alone and an answer of any length costs linear time.
+        # Text not yet released: at most the hold and one token's piece, since a stop string completed by the next
+        # token begins in it or after it. Each token's search thus reads a bounded string, however many tokens a
+        # chunk brings (a retry's replay brings all of a finished job's at once): linear time.
         self._pending = ""
         self._released: list[str] = []
         self.tokens = 0  # tokens fed, up to the one that completed a stop string
@@ -43,6 +44,7 @@ class StopScan:
     def feed(self, token_ids: Sequence[int]) -> str:
         """The text that may be sent now: never a stop string nor anything after one, nor (while none is found)
         text that may begin one."""
+        out = []
         for token in token_ids:
             if self.stopped:
                 break
@@ -51,13 +53,16 @@ class StopScan:
             piece = self._decoded.pieces[-1]
             if not piece:
                 continue  # the middle of a character: no text yet
-            start = max(0, len(self._pending) - self._hold)  # a stop completed now may begin in earlier text
-            self._pending += piece
-            found = [at for s in self._stops if (at := self._pending.find(s, start)) >= 0]
+            pending = self._pending + piece
+            found = [at for s in self._stops if (at := pending.find(s)) >= 0]
             if found:
-                self._pending, self.stopped = self._pending[:min(found)], True
-        keep = 0 if self.stopped else min(self._hold, len(self._pending))
-        return self._release(len(self._pending) - keep)
+                pending, self.stopped = pending[:min(found)], True
+            keep = 0 if self.stopped else min(self._hold, len(pending))
+            out.append(pending[:len(pending) - keep])
+            self._pending = pending[len(pending) - keep:]
+        text = "".join(out)
+        self._released.append(text)
+        return text
 
     def flush(self) -> str:
         """The rest of the text, once the job has ended without a stop string."""

@@ -30,6 +30,8 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
     ``stop``: the request's stop strings; the text is theirs to release, and one found ends the answer (and the
     job, by ``cancel``)."""
     count, done, step = 0, False, first
+    clock = asyncio.get_running_loop().time
+    sent = clock()  # when the client last got bytes
     try:
         if late:  # silent sse_keepalive_s already, headers and all
             yield KEEPALIVE
@@ -38,6 +40,7 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
         while True:
             async for keepalive in keepalives_until(step, keepalive_s):
                 yield keepalive
+                sent = clock()
             chunk = step.result()
             if chunk is None:
                 break
@@ -47,6 +50,12 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
             else:
                 if text := stop.feed(chunk.token_ids):
                     yield reply.chunk(text, with_usage_field=include_usage)
+                    sent = clock()
+                elif keepalive_s and clock() - sent >= keepalive_s:
+                    # Chunks keep coming, so keepalives_until never fires, yet the text they bring is held back:
+                    # without this the client (and a proxy's idle timeout) saw nothing for as long as that lasts.
+                    yield KEEPALIVE
+                    sent = clock()
                 if stop.stopped:
                     break
             step = asyncio.ensure_future(next_chunk(chunks))
