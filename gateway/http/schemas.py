@@ -100,6 +100,7 @@ class _Sampling(_Body):
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
     # Stop strings (gateway/http/stops.py): a string or up to MAX_STOPS of them.
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the answer ends where the stop string does, not begins
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -29,8 +29,9 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 class StopScan:
     """The text of one job's tokens, fed as they come, cut at the first stop string."""
 
-    def __init__(self, stops: Sequence[str], tokenizer) -> None:
+    def __init__(self, stops: Sequence[str], tokenizer, include: bool = False) -> None:
         self._stops = tuple(stops)
+        self._include = include  # vLLM's include_stop_str_in_output: the answer ends where the stop string does
         self._hold = max(len(s) for s in self._stops) - 1
         self._decoded = IncrementalText(tokenizer)
         # Text not yet released: at most the hold and one token's piece, since a stop string completed by the next
@@ -54,9 +55,10 @@ class StopScan:
             if not piece:
                 continue  # the middle of a character: no text yet
             pending = self._pending + piece
-            found = [at for s in self._stops if (at := pending.find(s)) >= 0]
-            if found:
-                pending, self.stopped = pending[:min(found)], True
+            found = [(at, i) for i, s in enumerate(self._stops) if (at := pending.find(s)) >= 0]
+            if found:  # the first to begin; of two beginning there, the first listed
+                at, i = min(found)
+                pending, self.stopped = pending[:at + (len(self._stops[i]) if self._include else 0)], True
             keep = 0 if self.stopped else min(self._hold, len(pending))
             out.append(pending[:len(pending) - keep])
             self._pending = pending[len(pending) - keep:]
