@@ -17,7 +17,10 @@ that share a KV head into the query-length axis (plain multi-head attention,
 no ``enable_gqa``), masked only when a group's lengths differ (the efficient
 kernel takes that mask); a first prefill chunk is ``is_causal`` on its own
 K/V (flash, GQA); a later chunk uses a lower-right causal bias over KV heads
-expanded to the query heads (flash or efficient).
+expanded to the query heads (flash or efficient). A sliding window's masks are
+explicit (efficient). A layer with soft-capped logits (Gemma2) or attention
+sinks (GPT-OSS) is computed in full, as transformers' eager attention: no
+SDPA kernel takes either.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     # Expand KV heads for masked prefill chunks (CUDA): SDPA's fast kernels take a mask or GQA, not both.
     expand_kv: bool = False
-    # Masks for a sliding window, built by the first layer that has it and shared by the others: window -> (a
-    # mask per decode group, a mask per prefill span), None where every key the query sees is in the window.
+    # A sliding window's keys and masks, built by the first layer that has it and shared by the others: window ->
+    # (per decode group, per prefill span: None where every key the queries see is in the window).
     windows: dict[int, tuple[list, list]] = field(default_factory=dict)
 
 
@@ -75,8 +78,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                             paged_metadata: AttentionMetadata | None = None, sliding_window: int | None = None,
                             softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """``sliding_window`` (Mistral, Qwen2's windowed layers...): a query sees only the last ``sliding_window``
-    keys up to its own position, as transformers' masks do. Blocks behind the window stay allocated and are
-    gathered (masked out): the window changes what is attended, not the memory a sequence holds. ``softcap``
+    keys up to its own position, as transformers' masks do, and only the blocks that can hold them are gathered
+    (_window_masks); the blocks behind the window stay allocated (the scheduler knows no windows). ``softcap``
     (Gemma2): logits squashed to ``softcap * tanh(logit / softcap)`` before the softmax; ``s_aux`` (GPT-OSS's
     sinks): a logit per query head that takes its share of the softmax and attends to nothing (_in_full)."""
     if paged_metadata is None:
