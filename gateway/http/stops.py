@@ -1,5 +1,5 @@
-"""Stop strings (OpenAI's ``stop``): the answer ends where the first of them begins in the generated text, which
-is not sent, and ``finish_reason`` is ``stop``.
+"""Stop strings (OpenAI's ``stop``): the answer ends where the first of them begins in the generated text (where
+it ends, with vLLM's ``include_stop_str_in_output``), and ``finish_reason`` is ``stop``.
 
 The door finds them, not the worker: it decodes the job's tokens one at a time (gateway/detokenize.py, as the
 gateway decodes them), so it knows which token completed a stop string, and ``usage.completion_tokens`` counts
