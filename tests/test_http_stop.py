@@ -9,6 +9,8 @@ A real local cluster (scripts/up.py: redis-server, a gateway, a worker, ``python
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from urllib.parse import urlsplit
@@ -17,7 +19,8 @@ import httpx
 import pytest
 
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import assert_unchanged, job_hash, job_ids, local_cluster, snapshot, wait_for
+from tests.cluster_helpers import (assert_unchanged, job_hash, job_ids, local_cluster, snapshot, state_pids,
+                                   wait_for)
 from tests.test_http import assert_error, kv_usage, key, post, sse
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31]
@@ -351,3 +354,39 @@ def test_a_stream_holding_its_text_back_still_sends_keep_alives(cluster):
     assert done and len(events[0]["choices"][0]["text"]) < 999  # held back to its end
     assert ": keep-alive" in lines and max(b - a for a, b in zip(times, times[1:])) < 4 * KEEPALIVE_S
 
+
+
+def test_a_stream_that_fails_sends_the_text_it_held_back_before_its_error(cluster, tiny_model_dir):
+    """The job ends in an error (its tenant cancels it elsewhere, the worker frozen so that it cannot finish first)
+    while the stream holds its text back for a stop string of 1000 characters: that text is the answer's as far as
+    it went, and reaches the client before the error event, as every token's text does without stop strings. It
+    was dropped: the client got the error alone."""
+    from tokenizers.decoders import DecodeStream
+    from transformers import AutoTokenizer
+
+    with GatewayClient(cluster["gateway"], key(cluster, "api-co")) as sdk:
+        tokens = sdk.submit(prompt_token_ids=PROMPT, max_tokens=1500, ignore_eos=True).result(timeout=120).token_ids
+    backend = AutoTokenizer.from_pretrained(tiny_model_dir).backend_tokenizer
+    decoder = DecodeStream(skip_special_tokens=True)
+    so_far, texts = "", {""}  # the reference's text through each of its tokens
+    for t in tokens:
+        so_far += decoder.step(backend, t) or ""
+        texts.add(so_far)
+    worker, stopped = state_pids(cluster)["wk-0"], False
+    try:
+        with httpx.stream("POST", cluster["http"] + "/v1/completions", json=body("\U0001F600" * 1000, True, 1500),
+                          timeout=120, headers={"Authorization": f"Bearer {key(cluster, 'api-co')}"}) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            assert next(line for line in lines if line) == ": keep-alive"  # tokens come; their text is held
+            os.kill(worker, signal.SIGSTOP)
+            stopped = True
+            with GatewayClient(cluster["gateway"], key(cluster, "api-co"), timeout_s=30) as sdk:
+                assert sdk.cancel(r.headers["X-Request-Id"]) is True
+            events, done = sse(list(lines))
+    finally:
+        if stopped:
+            os.kill(worker, signal.SIGCONT)
+    assert done and events[-1]["error"]["code"] == "job_cancelled", events[-1:]
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text and text in texts, (text, events[:-1])

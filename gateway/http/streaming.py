@@ -83,6 +83,9 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
         err = HttpError(504, "timeout_error", str(e), code="upstream_timeout") if isinstance(e, TimeoutError) \
             else errors.from_serving_error(e)  # (HandshakeFailed is a TimeoutError: the door's doing, not the caller's)
         metrics.STREAM_ERRORS.labels(request.scope["path"], err.code or err.type).inc()
+        if stop is not None and not stop.stopped and (text := stop.flush()):
+            # No token will complete a stop string now: what was held back is the answer's, as far as it went.
+            yield reply.chunk(text, with_usage_field=include_usage)
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
     finally:
         step.cancel()  # a wait the client left (one done already ignores it)
