@@ -165,3 +165,18 @@ def test_longrope_is_served_within_its_original_context(tmp_path):
     with pytest.raises(ConfigError, match="max_model_len to 64 or less"):
         Engine.from_pretrained(str(path), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=8,
                                                        max_model_len=65))
+
+
+def test_a_worker_given_a_model_it_cannot_serve_says_why_and_exits_2(tmp_path):
+    """Before any gateway hears of it (a worker that says hello and then dies costs its jobs an attempt each)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    overrides, _ = REFUSED["gpt2"]
+    path = model_dir(tmp_path, overrides)
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", str(path), "--gateway", "tcp://127.0.0.1:9",
+                           "--metrics-bind", "127.0.0.1:0"], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cannot serve model type 'gpt2'" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
