@@ -28,6 +28,10 @@ class WorkerHello:
     # Told to stop (worker/drain.py): it takes no new job. Also in its reports (WorkerLoad.draining); said here
     # for a gateway that hears this hello before any report (one that restarted during the drain).
     draining: bool = False
+    # common/tokenizer_digest of the tokenizer saved with the model: a gateway whose own tokenizer differs refuses
+    # this worker (its text jobs would run on tokens the model never learnt). None: the model has none, or an older
+    # worker.
+    tokenizer_digest: str | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import redis
 import zmq
 
 from common import protocol as P
+from common import tokenizer_digest
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import ClientApi
@@ -67,7 +68,7 @@ class Gateway(ClientApi, WorkerLink, OutageFrames, Streaming, Dispatcher, Mainte
         self.tokenizer = tokenizer
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
-        self.hello_policy = security.HelloPolicy()
+        self.hello_policy = security.HelloPolicy(None if tokenizer is None else tokenizer_digest.digest(tokenizer))
         self.spans = GatewaySpans()
         self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
                                        learn_bias=config.wait_bias_correction, futures=config.wait_futures,

@@ -66,10 +66,12 @@ def build(config: WorkerConfig):
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
+    from common.tokenizer_digest import of_model
     from worker.engine import Engine
     from worker.service import WorkerService
 
-    return WorkerService(config, Engine.from_pretrained(config.model, config.engine))
+    engine = Engine.from_pretrained(config.model, config.engine)
+    return WorkerService(config, engine, tokenizer_digest=of_model(config.model))
 
 
 if __name__ == "__main__":

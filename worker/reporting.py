@@ -21,14 +21,16 @@ HELLO_EVERY_S = 5.0  # re-announce, so a restarted gateway learns about this wor
 
 class Reporting:
     """The worker service's reports (a mixin of worker.service.WorkerService): needs its ``config``, ``engine``,
-    ``rates``, ``drain``, ``jobs``, ``unconfirmed``, ``sockets``, ``clock``, ``_lock`` and ``_send``, and sets
+    ``rates``, ``drain``, ``jobs``, ``unconfirmed``, ``tokenizer_digest``, ``sockets``, ``clock``, ``_lock`` and
+    ``_send``, and sets
     ``_snapshot``, ``_sent``, ``_snapshot_at`` and ``_beat_pending`` (initialised in its ``__init__``)."""
 
     def _hello(self, sockets: list[zmq.Socket] | None = None) -> None:
         e = self.engine
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
                               e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
-                              e.config.max_num_batched_tokens, resumes=True, draining=self.drain.active)
+                              e.config.max_num_batched_tokens, resumes=True, draining=self.drain.active,
+                              tokenizer_digest=self.tokenizer_digest)
         for s in self.sockets if sockets is None else sockets:
             self._send(s, hello)
         # And the latest report at once: a gateway gives a worker it knows from a hello alone no credit (a hello

@@ -1,0 +1,162 @@
+"""A gateway and its workers must agree on the tokenizer. The gateway turns text into ids with its own tokenizer and
+the workers run those ids through their model: a gateway started with another model's tokenizer had every text job
+run to completion on ids the model never learnt, and come back as nonsense marked done. Workers now say their
+model's tokenizer digest (common/tokenizer_digest.py) in the hello, and a gateway refuses one that differs.
+
+Real parts: a redis-server, a `python -m gateway` process with a tokenizer, `python -m worker` processes serving two
+models built with different tokenizers, and the SDK."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common import protocol as P
+from common import tokenizer_digest
+from common.ports import free_port
+from common.redis_server import RedisServer
+from common.sockets import make_socket
+from gateway.sdk import GatewayClient
+from scripts.up import write_tenants
+from tests.cluster_helpers import stop_process, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_the_digest_names_what_the_tokenizer_does_not_where_it_lives(tiny_model_dir, bench_model_dir, tmp_path):
+    own = tokenizer_digest.of_model(str(tiny_model_dir))
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "elsewhere")
+    assert own is not None and own.startswith("sha256:")
+    assert tokenizer_digest.of_model(str(copy)) == own
+    assert tokenizer_digest.of_model(str(bench_model_dir)) != own  # another vocabulary (same corpus, more merges)
+
+    tok = _tokenizer(tiny_model_dir)
+    tok("a call that truncates", truncation=True, max_length=2)  # a call-time setting, not what the ids mean
+    assert tokenizer_digest.digest(tok) == own
+
+    # One special token more, the rest the same: ids past it mean something else to the model.
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    assert tokenizer_digest.digest(tok) != own
+    # A slow tokenizer (no serialised backend) is compared by its vocabulary.
+    class Slow:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+    assert tokenizer_digest.digest(Slow()) != tokenizer_digest.digest(type("S", (), {"get_vocab": lambda s: {"a": 1,
+                                                                                                           "b": 0}})())
+
+
+def test_a_model_without_a_tokenizer_has_no_digest(tiny_model_dir, tmp_path):
+    weights = tmp_path / "weights-only"
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, weights / name)
+    assert tokenizer_digest.of_model(str(weights)) is None
+
+
+@pytest.fixture
+def gateway(tmp_path, tiny_model_dir):
+    """A gateway whose tokenizer is the tiny model's, taking workers without CURVE."""
+    tenants = write_tenants(tmp_path / "tenants.toml")
+    client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none",
+               TS_GATEWAY_KEY_PREFIX=f"tok-{uuid.uuid4().hex[:8]}", TS_GATEWAY_TOKENIZER=str(tiny_model_dir))
+    log = tmp_path / "gateway.log"
+    with RedisServer() as redis_server, log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
+                                 worker_ep, "--redis-url", redis_server.url, "--tenants-file",
+                                 str(tmp_path / "tenants.toml"), "--insecure-workers"], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: proc.poll() is None and "workers on" in log.read_text(), 90, "the gateway to start")
+            yield {"clients": client_ep, "workers": worker_ep, "log": log, "tenants": tenants}
+        finally:
+            stop_process(proc, timeout=15)
+
+
+def _worker(tmp_path: Path, worker_id: str, model: Path, endpoint: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / f"{worker_id}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none", TS_WORKER_TORCH_THREADS="1")
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "--worker-id", worker_id, "--model", str(model),
+                                 "--gateway", endpoint, "--device", "cpu"], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def test_a_worker_whose_model_speaks_other_tokens_is_refused_and_runs_nothing(gateway, tmp_path, tiny_model_dir,
+                                                                              bench_model_dir, reference):
+    tenant = gateway["tenants"]["chat-co"]["api_key"]
+    with GatewayClient(gateway["clients"], tenant, timeout_s=10) as client:
+        job = client.submit("the quick brown fox", max_tokens=6, tier="P2", ignore_eos=True)
+        wrong, wrong_log = _worker(tmp_path, "wk-other-model", bench_model_dir, gateway["workers"])
+        try:
+            wait_for(lambda: "refused hello from wk-other-model" in gateway["log"].read_text(), 120,
+                     "the gateway to refuse the worker of another model")
+            line = next(ln for ln in gateway["log"].read_text().splitlines() if "wk-other-model" in ln)
+            assert "tokenizer" in line and str(bench_model_dir) in line, line
+            wait_for(lambda: "tokenizer" in wrong_log.read_text(), 30, "the worker to say why it was refused")
+            assert wrong.poll() is None, wrong_log.read_text()[-3000:]
+            time.sleep(1.0)  # room for a dispatch, had it been taken
+            assert job.status().state == "queued"  # nothing ran on the wrong model
+
+            right, right_log = _worker(tmp_path, "wk-same-model", tiny_model_dir, gateway["workers"])
+            try:
+                result = job.result(timeout=120)
+            finally:
+                stop_process(right, timeout=30)
+        finally:
+            stop_process(wrong, timeout=30)
+    prompt = _tokenizer(tiny_model_dir)("the quick brown fox").input_ids
+    assert result.token_ids == reference([(prompt, 6, 0.0, 0)])[0]
+    assert "hello refused" not in right_log.read_text()
+
+
+def test_a_gateway_without_a_tokenizer_pins_its_first_workers(tmp_path):
+    """Token ids only: the first accepted worker's tokenizer is the cluster's, as its model is."""
+    tenants_file = tmp_path / "tenants.toml"
+    write_tenants(tenants_file)
+    worker_ep = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none",
+               TS_GATEWAY_KEY_PREFIX=f"tok-{uuid.uuid4().hex[:8]}")
+    log = tmp_path / "gateway.log"
+    with RedisServer() as redis_server, log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind",
+                                 f"tcp://127.0.0.1:{free_port()}", "--worker-bind", worker_ep, "--redis-url",
+                                 redis_server.url, "--tenants-file", str(tenants_file), "--insecure-workers"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: proc.poll() is None and "workers on" in log.read_text(), 60, "the gateway to start")
+            answers = {wid: _hello(worker_ep, wid, digest) for wid, digest in
+                       [("wk-unsaid", None), ("wk-first", "sha256:" + "a" * 64), ("wk-same", "sha256:" + "a" * 64),
+                        ("wk-other", "sha256:" + "b" * 64), ("wk-unsaid-2", None)]}
+        finally:
+            stop_process(proc, timeout=15)
+    refused = {wid for wid, a in answers.items() if isinstance(a, P.ErrorReply)}
+    assert refused == {"wk-other"}, answers
+    assert "tokenizer" in answers["wk-other"].message
+
+
+def _hello(endpoint: str, worker_id: str, digest: str | None):
+    s = make_socket(zmq.Context.instance(), zmq.DEALER, identity=worker_id.encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send(P.encode(P.WorkerHello(worker_id, "the-model", 512, 2048, 4, 512, tokenizer_digest=digest)))
+        assert s.poll(20_000), f"no answer to the hello of {worker_id}"
+        return P.decode(s.recv())
+    finally:
+        s.close()
