@@ -131,6 +131,8 @@ class InfoRequest:
     # answer is InvalidRequest (field "frame_bytes") rather than an InfoReply. Such a frame would not be refused
     # but dropped with the connection it came on, and every stream on it; the SDK asks before it sends a large one.
     frame_bytes: int = 0
+    # True: the reply also carries the cluster's tokenizer digest (InfoReply.tokenizer_digest), as limits is.
+    tokenizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,10 @@ class InfoReply:
     tier_token_limits: dict[str, int] | None = None
     # The largest max_tokens any request may ask for (the gateway's max_tokens_limit); None from older gateways.
     max_tokens_limit: int | None = None
+    # common/tokenizer_digest of the tokenizer this gateway's text prompts and workers use (its own, else its first
+    # worker's); None while unknown (no tokenizer, no worker yet) or from older gateways. Only when asked for
+    # (InfoRequest.tokenizer): a client that tokenizes text itself (the HTTP door) checks it has the same.
+    tokenizer_digest: str | None = None
 
 
 @dataclass(frozen=True)

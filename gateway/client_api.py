@@ -189,6 +189,8 @@ class ClientApi:
         depths = {t.value: n for t, n in self.queue.depths().items()}
         limits = {"tier_token_limits": self._token_limits(tenant),
                   "max_tokens_limit": self.config.max_tokens_limit} if req.limits else {}
+        if req.tokenizer:
+            limits["tokenizer_digest"] = self.hello_policy.tokenizer_digest
         self._send(self.clients, ident, P.InfoReply(self.config.gateway_id, sorted(self.workers.workers), depths,
                                                     **limits))
 

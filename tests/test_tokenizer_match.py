@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import zmq
 
@@ -26,7 +27,8 @@ from common.redis_server import RedisServer
 from common.sockets import make_socket
 from gateway.sdk import GatewayClient
 from scripts.up import write_tenants
-from tests.cluster_helpers import stop_process, wait_for
+from tests.cluster_helpers import job_ids, local_cluster, stop_process, wait_for
+from tests.test_http import front_door
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,12 +53,17 @@ def test_the_digest_names_what_the_tokenizer_does_not_where_it_lives(tiny_model_
     # One special token more, the rest the same: ids past it mean something else to the model.
     tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
     assert tokenizer_digest.digest(tok) != own
-    # A slow tokenizer (no serialised backend) is compared by its vocabulary.
-    class Slow:
-        def get_vocab(self):
-            return {"a": 0, "b": 1}
-    assert tokenizer_digest.digest(Slow()) != tokenizer_digest.digest(type("S", (), {"get_vocab": lambda s: {"a": 1,
-                                                                                                           "b": 0}})())
+    # A slow tokenizer (no serialised backend) is compared by what each id means.
+    assert tokenizer_digest.digest(_Slow({"a": 0, "b": 1})) == tokenizer_digest.digest(_Slow({"b": 1, "a": 0}))
+    assert tokenizer_digest.digest(_Slow({"a": 0, "b": 1})) != tokenizer_digest.digest(_Slow({"a": 1, "b": 0}))
+
+
+class _Slow:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
 
 
 def test_a_model_without_a_tokenizer_has_no_digest(tiny_model_dir, tmp_path):
@@ -160,3 +167,44 @@ def _hello(endpoint: str, worker_id: str, digest: str | None):
         return P.decode(s.recv())
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("tokenizer-door"), tiny_model_dir, workers=1, http=False) as c:
+        yield c
+
+
+def test_a_front_door_with_another_tokenizer_refuses_to_serve(cluster, tiny_model_dir, bench_model_dir, tmp_path):
+    """The door tokenizes prompts itself: one given another model's tokenizer than the cluster serves ran every
+    request on ids the model never learnt (200, nonsense). It now answers 503 before it reads the body, stores
+    nothing, and its /health says why."""
+    import openai
+
+    gateways = [g["endpoint"] for g in cluster["gateways"]]
+    api_key = cluster["tenants"]["api-co"]["api_key"]
+    auth = {"Authorization": f"Bearer {api_key}"}
+    before = job_ids(cluster)
+    log = tmp_path / "door.log"
+    with front_door(bench_model_dir, gateways, log, health_key=api_key) as base:
+        for path, body in (("/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 4}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 4, "stream": True})):
+            r = httpx.post(base + path, json=body, headers=auth, timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "tokenizer_mismatch" and "tokenizer" in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model="bench-llama-32m", prompt="hello", max_tokens=2)
+        assert raised.value.status_code == 503 and "tokenizer" in str(raised.value)
+        health = httpx.get(base + "/health", timeout=60)
+        assert health.status_code == 503 and health.json()["status"] == "tokenizer_mismatch", health.text
+    assert job_ids(cluster) == before  # nothing stored
+    said = [ln for ln in log.read_text().splitlines() if "differs from the cluster's" in ln]
+    assert len(said) == 1, said  # once, not once per request
+
+    with front_door(tiny_model_dir, gateways, tmp_path / "right.log", health_key=api_key) as base:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 4,
+                                                       "ignore_eos": True}, headers=auth, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert httpx.get(base + "/health", timeout=60).status_code == 200

@@ -73,7 +73,7 @@ class FrontDoor:
             {"id": self.model, "object": "model", "created": self.started, "owned_by": "tiered-serve"}]})
 
     async def health(self, request: Request) -> Response:
-        return await health.answer(request, self.config.health_api_key, self.upstream.endpoints)
+        return await health.answer(request, self.config.health_api_key, self.upstream.endpoints, self.prompts)
 
     # -- one completion -------------------------------------------------------------------------------------------
 
@@ -84,6 +84,8 @@ class FrontDoor:
                 raise HttpError(401, "authentication_error", "missing 'Authorization: Bearer <api key>'",
                                 code="invalid_api_key")
             await self._authenticate(key)
+            if (wrong := self.prompts.mismatch(self.upstream.tokenizer_digest(key))) is not None:
+                raise wrong  # before the body is read: nothing is tokenized, stored or charged
             idem = idempotency.key_of(request)
             refuse_compressed(request)
             raw = await self._read_body(request)

@@ -1,4 +1,5 @@
-"""GET /health: 200 when a gateway answers and a worker is registered, else 503 saying why.
+"""GET /health: 200 when a gateway answers, a worker is registered and the cluster's tokenizer is the door's, else
+503 saying why.
 
 It asks with the door's health_api_key, else with the caller's bearer token (an info call needs a tenant's key).
 """
@@ -18,7 +19,8 @@ from gateway.sdk import GatewayClient
 HEALTH_TIMEOUT_S = 2.0
 
 
-async def answer(request: Request, health_api_key: str, endpoints: list[str]) -> Response:
+async def answer(request: Request, health_api_key: str, endpoints: list[str], prompts) -> Response:
+    """``prompts``: the door's (gateway/http/prompts.Prompts), whose tokenizer must be the cluster's."""
     try:
         key = health_api_key or bearer(request)
     except HttpError as e:
@@ -50,6 +52,8 @@ async def answer(request: Request, health_api_key: str, endpoints: list[str]) ->
         return JSONResponse({"status": "unknown", "reason": "; ".join([reason, *errors_seen])}, status_code=503)
     if info is None:
         return JSONResponse({"status": "unavailable", "reason": "; ".join(errors_seen)}, status_code=503)
+    if (wrong := prompts.mismatch(info.tokenizer_digest)) is not None:
+        return JSONResponse({"status": "tokenizer_mismatch", "reason": wrong.message}, status_code=503)
     body = {"status": "ok" if info.workers else "no_workers", "gateway": info.gateway_id,
             "workers": len(info.workers), "queue_depths": info.queue_depths}
     return JSONResponse(body, status_code=200 if info.workers else 503)
@@ -59,4 +63,4 @@ def _info(endpoint: str, key: str):
     # A short-lived client of one gateway (the door's own fail over between them): is this one up? Asked once:
     # the SDK's retries of a silent gateway made a gateway down cost /health three timeouts.
     with GatewayClient(endpoint, key, timeout_s=HEALTH_TIMEOUT_S, retries=0) as client:
-        return client.info()
+        return client.info(tokenizer=True)

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from common import tokenizer_digest
 from gateway.http import errors
 from gateway.http.errors import HttpError
 from gateway.http.schemas import Message
@@ -47,6 +48,22 @@ class Prompts:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        # What the gateways' tokenizer must be (gateway/http/tokenizer_check.py).
+        self.digest = tokenizer_digest.digest(tokenizer)
+        self._told: set[str] = set()
+
+    def mismatch(self, cluster_digest: str | None) -> HttpError | None:
+        """The error to answer with while the cluster's tokenizer (its digest, as a gateway says it) is not this
+        door's: every prompt would be ids another model's tokenizer made, run to completion and returned as
+        nonsense. None when they agree, or while no gateway knows the cluster's."""
+        if cluster_digest is None or cluster_digest == self.digest:
+            return None
+        message = (f"this server's tokenizer differs from the cluster's ({self.digest[:19]} vs {cluster_digest[:19]}):"
+                   " its operator must give the front door (--tokenizer) the model directory the workers serve")
+        if cluster_digest not in self._told:
+            self._told.add(cluster_digest)  # once per digest a gateway says: a log line per request would flood
+            log.error("%s", message)
+        return HttpError(503, "server_error", message, code="tokenizer_mismatch")
 
     @classmethod
     def load(cls, name_or_path: str) -> Prompts:

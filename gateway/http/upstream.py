@@ -119,9 +119,15 @@ class Upstream:
         if entry is not None and entry.info is not None and time.monotonic() - entry.info_at <= max_age_s:
             return entry.info
         async with self.client(api_key) as entry:
-            info = await entry.client.info(limits=True)
+            info = await entry.client.info(limits=True, tokenizer=True)
             entry.known, entry.info, entry.info_at = True, info, time.monotonic()
             return info
+
+    def tokenizer_digest(self, api_key: str) -> str | None:
+        """The cluster's tokenizer digest in the latest info answer for ``api_key`` (None: not asked yet, or the
+        gateway does not know it)."""
+        entry = self._entries.get(api_key)
+        return entry.info.tokenizer_digest if entry is not None and entry.info is not None else None
 
     def forget(self, api_key: str) -> None:
         """Drop the client of a key the gateway did not know."""

@@ -23,8 +23,8 @@ from gateway.sdk._drops import DROPPED, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    server_key, sized_submit_request, wait_limit, with_request_id)
-from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
-                                  without_defaulted)
+from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
+                                  to_result, to_status, without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
 from gateway.sdk._stream_state import StreamState
 
@@ -267,15 +267,16 @@ class AsyncGatewayClient:
     async def cancel(self, job_id: str) -> bool:
         return (await self._call(job_request(P.CancelRequest, self.api_key, job_id))).cancelled
 
-    async def info(self, limits: bool = False) -> P.InfoReply:
+    async def info(self, limits: bool = False, tokenizer: bool = False) -> P.InfoReply:
         """As GatewayClient.info."""
-        if limits:
+        *first, last = info_requests(self.api_key, limits, tokenizer)
+        for request in first:
             try:
-                return await self._call(P.InfoRequest(self.api_key, limits=True))
+                return await self._call(request)
             except ServingError as e:
                 if not refused_as_unknown(e):
                     raise
-        return await self._call(P.InfoRequest(self.api_key))
+        return await self._call(last)
 
     def close(self) -> None:
         self._closes += 1

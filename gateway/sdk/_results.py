@@ -73,6 +73,17 @@ def refused_as_unknown(e: ServingError) -> bool:
     return type(e) is ServingError and str(e).startswith("protocol: ")
 
 
+def info_requests(api_key: str, limits: bool, tokenizer: bool) -> list[P.InfoRequest]:
+    """The info call's frames, most asked first: a gateway older than a field refuses the frame (refused_as_unknown),
+    and the next one asks without it."""
+    out = [P.InfoRequest(api_key, limits=limits, tokenizer=tokenizer)]
+    if tokenizer:
+        out.append(P.InfoRequest(api_key, limits=limits))
+    if limits:
+        out.append(P.InfoRequest(api_key))
+    return out
+
+
 def to_result(done: P.JobDone) -> JobResult:
     if done.state == "expired":
         raise JobExpired(f"job {done.job_id} expired: {done.reason}")

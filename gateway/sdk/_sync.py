@@ -21,8 +21,8 @@ from gateway.sdk._drops import DROPPED, DropWatch, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
                                    server_key, sized_submit_request, wait_limit, with_request_id)
-from gateway.sdk._results import (Chunk, JobResult, JobStatus, raise_for, refused_as_unknown, to_result, to_status,
-                                  without_defaulted)
+from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
+                                  to_result, to_status, without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
 from gateway.sdk._sync_sockets import ThreadSockets, reply_to
 from gateway.sdk._sync_stream import stream
@@ -271,16 +271,19 @@ class GatewayClient:
     def cancel(self, job_id: str) -> bool:
         return self._call(job_request(P.CancelRequest, self.api_key, job_id)).cancelled
 
-    def info(self, limits: bool = False) -> P.InfoReply:
+    def info(self, limits: bool = False, tokenizer: bool = False) -> P.InfoReply:
         """Gateway id, connected workers and queue depths per tier; with ``limits``, also this key's token limits
-        per tier (``tier_token_limits``, ``max_tokens_limit``; None from a gateway too old to say them)."""
-        if limits:
+        per tier (``tier_token_limits``, ``max_tokens_limit``; None from a gateway too old to say them); with
+        ``tokenizer``, the digest of the cluster's tokenizer (``tokenizer_digest``, common/tokenizer_digest.py;
+        None while the gateway does not know it, or from one too old to say it)."""
+        *first, last = info_requests(self.api_key, limits, tokenizer)
+        for request in first:
             try:
-                return self._call(P.InfoRequest(self.api_key, limits=True))
+                return self._call(request)
             except ServingError as e:
                 if not refused_as_unknown(e):
                     raise
-        return self._call(P.InfoRequest(self.api_key))
+        return self._call(last)
 
     def close(self) -> None:
         """Close every thread's sockets: call it once the threads using this client are done with it (a stream
