@@ -62,6 +62,10 @@ key                     type         contents and lifetime
                                      job only it fits waiting for its return. An entry counts until
                                      DRAINED_MEMORY_S + worker timeout after its last draining report;
                                      deleted when the worker says hello or reports as not draining.
+``tokenizer``           string       common/tokenizer_digest of the tokenizer the queued jobs' ids
+                                     were made with: set by the first gateway started with a
+                                     tokenizer (gateway/tokenizer_pin.py); one with another refuses
+                                     to start. Permanent: delete it only with the queues drained.
 ======================  ===========  ==========================================================
 
 Job hash fields: ``id``, ``tenant``, ``tier`` (current), ``tier_requested`` (asked by the
@@ -170,6 +174,10 @@ class KeySpace:
     @property
     def drained_workers(self) -> str:
         return f"{self.base}:drained-workers"
+
+    @property
+    def tokenizer(self) -> str:
+        return f"{self.base}:tokenizer"
 
     def scan_pattern(self) -> str:
         """A SCAN MATCH pattern for every key of this cluster (glob characters escaped)."""

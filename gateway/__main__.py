@@ -67,6 +67,7 @@ def build(config: GatewayConfig):
     from redis.retry import Retry
 
     from common.redis_keys import KeySpace
+    from gateway import tokenizer_pin
     from gateway.redis_queue import RedisQueue
     from gateway.server import Gateway, tier_timeouts
     from gateway.tenants import TenantDirectory
@@ -89,7 +90,15 @@ def build(config: GatewayConfig):
     queue = RedisQueue(client, KeySpace(prefix=config.key_prefix), tier_timeouts_s=tier_timeouts(config),
                        idempotency_ttl_s=config.idempotency_ttl_s, result_ttl_s=config.result_ttl_s,
                        tenant_max_jobs=config.tenant_max_jobs, dead_letter_max=config.dead_letter_max)
-    return Gateway(config, queue, tenants, tokenizer)
+    gw = Gateway(config, queue, tenants, tokenizer)
+    policy = gw.hello_policy
+    try:
+        policy.adopt(tokenizer_pin.claim(client, KeySpace(prefix=config.key_prefix),
+                                         policy.tokenizer_digest if tokenizer is not None else None))
+    except settings.ConfigError:
+        gw.close()
+        raise
+    return gw
 
 
 def _also(first, then):

@@ -124,6 +124,12 @@ class HelloPolicy:
                         "gateway cannot check that its tokenizer matches that model", msg.worker_id, msg.model)
         return None
 
+    def adopt(self, cluster_digest: str | None) -> None:
+        """Take the cluster's tokenizer (gateway/tokenizer_pin.py) as the one workers must have, where this gateway
+        has none of its own."""
+        if not self._own_tokenizer and cluster_digest is not None:
+            self.tokenizer_digest = cluster_digest
+
     def pin(self, msg) -> None:
         """An accepted hello's model, vocab_size, max_model_len and tokenizer are this cluster's (the first one's
         stay; the gateway's own tokenizer, where it has one)."""

@@ -74,24 +74,40 @@ def test_a_model_without_a_tokenizer_has_no_digest(tiny_model_dir, tmp_path):
     assert tokenizer_digest.of_model(str(weights)) is None
 
 
+class _Gateway:
+    """A `python -m gateway` process taking workers without CURVE, under ``prefix`` on ``redis_url``; with
+    ``tokenizer``, its --tokenizer."""
+
+    def __init__(self, tmp_path: Path, name: str, redis_url: str, prefix: str, tokenizer: Path | None = None) -> None:
+        self.tenants = write_tenants(tmp_path / f"{name}-tenants.toml")
+        self.clients, self.workers = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none", TS_GATEWAY_KEY_PREFIX=prefix,
+                   TS_GATEWAY_GATEWAY_ID=name) | ({"TS_GATEWAY_TOKENIZER": str(tokenizer)} if tokenizer else {})
+        self.log = tmp_path / f"{name}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind", self.clients,
+                                          "--worker-bind", self.workers, "--redis-url", redis_url, "--tenants-file",
+                                          str(tmp_path / f"{name}-tenants.toml"), "--insecure-workers"], cwd=ROOT,
+                                         env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def started(self) -> _Gateway:
+        wait_for(lambda: "workers on" in self.log.read_text(), 90, "the gateway to start")
+        assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        return self
+
+    def stop(self) -> None:
+        stop_process(self.proc, timeout=15)
+
+
 @pytest.fixture
 def gateway(tmp_path, tiny_model_dir):
-    """A gateway whose tokenizer is the tiny model's, taking workers without CURVE."""
-    tenants = write_tenants(tmp_path / "tenants.toml")
-    client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none",
-               TS_GATEWAY_KEY_PREFIX=f"tok-{uuid.uuid4().hex[:8]}", TS_GATEWAY_TOKENIZER=str(tiny_model_dir))
-    log = tmp_path / "gateway.log"
-    with RedisServer() as redis_server, log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
-                                 worker_ep, "--redis-url", redis_server.url, "--tenants-file",
-                                 str(tmp_path / "tenants.toml"), "--insecure-workers"], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+    """A gateway whose tokenizer is the tiny model's."""
+    with RedisServer() as redis_server:
+        gw = _Gateway(tmp_path, "gw-tok", redis_server.url, f"tok-{uuid.uuid4().hex[:8]}", tiny_model_dir)
         try:
-            wait_for(lambda: proc.poll() is None and "workers on" in log.read_text(), 90, "the gateway to start")
-            yield {"clients": client_ep, "workers": worker_ep, "log": log, "tenants": tenants}
+            yield gw.started()
         finally:
-            stop_process(proc, timeout=15)
+            gw.stop()
 
 
 def _worker(tmp_path: Path, worker_id: str, model: Path, endpoint: str) -> tuple[subprocess.Popen, Path]:
@@ -106,21 +122,21 @@ def _worker(tmp_path: Path, worker_id: str, model: Path, endpoint: str) -> tuple
 
 def test_a_worker_whose_model_speaks_other_tokens_is_refused_and_runs_nothing(gateway, tmp_path, tiny_model_dir,
                                                                               bench_model_dir, reference):
-    tenant = gateway["tenants"]["chat-co"]["api_key"]
-    with GatewayClient(gateway["clients"], tenant, timeout_s=10) as client:
+    tenant = gateway.tenants["chat-co"]["api_key"]
+    with GatewayClient(gateway.clients, tenant, timeout_s=10) as client:
         job = client.submit("the quick brown fox", max_tokens=6, tier="P2", ignore_eos=True)
-        wrong, wrong_log = _worker(tmp_path, "wk-other-model", bench_model_dir, gateway["workers"])
+        wrong, wrong_log = _worker(tmp_path, "wk-other-model", bench_model_dir, gateway.workers)
         try:
-            wait_for(lambda: "refused hello from wk-other-model" in gateway["log"].read_text(), 120,
+            wait_for(lambda: "refused hello from wk-other-model" in gateway.log.read_text(), 120,
                      "the gateway to refuse the worker of another model")
-            line = next(ln for ln in gateway["log"].read_text().splitlines() if "wk-other-model" in ln)
+            line = next(ln for ln in gateway.log.read_text().splitlines() if "wk-other-model" in ln)
             assert "tokenizer" in line and str(bench_model_dir) in line, line
             wait_for(lambda: "tokenizer" in wrong_log.read_text(), 30, "the worker to say why it was refused")
             assert wrong.poll() is None, wrong_log.read_text()[-3000:]
             time.sleep(1.0)  # room for a dispatch, had it been taken
             assert job.status().state == "queued"  # nothing ran on the wrong model
 
-            right, right_log = _worker(tmp_path, "wk-same-model", tiny_model_dir, gateway["workers"])
+            right, right_log = _worker(tmp_path, "wk-same-model", tiny_model_dir, gateway.workers)
             try:
                 result = job.result(timeout=120)
             finally:
@@ -134,27 +150,49 @@ def test_a_worker_whose_model_speaks_other_tokens_is_refused_and_runs_nothing(ga
 
 def test_a_gateway_without_a_tokenizer_pins_its_first_workers(tmp_path):
     """Token ids only: the first accepted worker's tokenizer is the cluster's, as its model is."""
-    tenants_file = tmp_path / "tenants.toml"
-    write_tenants(tenants_file)
-    worker_ep = f"tcp://127.0.0.1:{free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="none",
-               TS_GATEWAY_KEY_PREFIX=f"tok-{uuid.uuid4().hex[:8]}")
-    log = tmp_path / "gateway.log"
-    with RedisServer() as redis_server, log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind",
-                                 f"tcp://127.0.0.1:{free_port()}", "--worker-bind", worker_ep, "--redis-url",
-                                 redis_server.url, "--tenants-file", str(tenants_file), "--insecure-workers"],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    with RedisServer() as redis_server:
+        gw = _Gateway(tmp_path, "gw-ids", redis_server.url, f"tok-{uuid.uuid4().hex[:8]}").started()
         try:
-            wait_for(lambda: proc.poll() is None and "workers on" in log.read_text(), 60, "the gateway to start")
-            answers = {wid: _hello(worker_ep, wid, digest) for wid, digest in
+            answers = {wid: _hello(gw.workers, wid, digest) for wid, digest in
                        [("wk-unsaid", None), ("wk-first", "sha256:" + "a" * 64), ("wk-same", "sha256:" + "a" * 64),
                         ("wk-other", "sha256:" + "b" * 64), ("wk-unsaid-2", None)]}
         finally:
-            stop_process(proc, timeout=15)
+            gw.stop()
     refused = {wid for wid, a in answers.items() if isinstance(a, P.ErrorReply)}
     assert refused == {"wk-other"}, answers
     assert "tokenizer" in answers["wk-other"].message
+
+
+def test_the_clusters_redis_pins_its_tokenizer(tmp_path, tiny_model_dir, bench_model_dir):
+    """Gateways share the queues: a gateway started with another tokenizer queued ids its tokenizer made, and the
+    other gateways dispatched them to their workers, whose model read them as its own. The first gateway with a
+    tokenizer pins it in Redis; one with another refuses to start, one without takes the pinned one."""
+    tiny = tokenizer_digest.of_model(str(tiny_model_dir))
+    prefix = f"tok-{uuid.uuid4().hex[:8]}"
+    with RedisServer() as redis_server:
+        first = _Gateway(tmp_path, "gw-first", redis_server.url, prefix, tiny_model_dir).started()
+        try:
+            assert redis_server.client().get(f"{prefix}:{{c}}:tokenizer").decode() == tiny
+            other = _Gateway(tmp_path, "gw-other", redis_server.url, prefix, bench_model_dir)
+            try:
+                assert other.proc.wait(timeout=120) == 2
+            finally:
+                other.stop()
+            said = other.log.read_text()
+            assert "tokenizer" in said and f"{prefix}:{{c}}:tokenizer" in said and "Traceback" not in said, said
+            assert redis_server.client().get(f"{prefix}:{{c}}:tokenizer").decode() == tiny  # changed nothing
+
+            ids_only = _Gateway(tmp_path, "gw-ids", redis_server.url, prefix).started()
+            try:
+                refused = _hello(ids_only.workers, "wk-bench", tokenizer_digest.of_model(str(bench_model_dir)))
+                assert isinstance(refused, P.ErrorReply) and "tokenizer" in refused.message, refused
+                assert isinstance(_hello(ids_only.workers, "wk-tiny", tiny), P.GatewayWelcome)
+            finally:
+                ids_only.stop()
+            # Another model is served under another prefix (its own queues), on the same Redis.
+            _Gateway(tmp_path, "gw-elsewhere", redis_server.url, f"{prefix}-b", bench_model_dir).started().stop()
+        finally:
+            first.stop()
 
 
 def _hello(endpoint: str, worker_id: str, digest: str | None):

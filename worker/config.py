@@ -118,6 +118,10 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
 
+    def served_context(self, max_position_embeddings: int) -> int:
+        """The longest sequence served: max_model_len, never past the model's positions."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+
     def preemption_config(self, bytes_per_block: int):
         """The scheduler's PreemptionConfig for a model whose KV block takes ``bytes_per_block``."""
         from worker.preemption import PreemptionConfig

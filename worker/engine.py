@@ -30,8 +30,7 @@ class Engine:
         self.runner = runner
         info = runner.info
         self.vocab_size = info.vocab_size
-        self.max_model_len = min(config.max_model_len or info.max_position_embeddings,
-                                 info.max_position_embeddings)
+        self.max_model_len = config.served_context(info.max_position_embeddings)
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
         self.last_batched_tokens = 0  # tokens the last step batched (prefill chunks, one per decoding sequence)
         self.last_attended_pairs = 0  # query-key pairs its attention computed (SchedulerOutput.num_attended_pairs)

@@ -62,7 +62,7 @@ def load_model(model_dir: str | Path, config: EngineConfig):
         **({"device_map": device} if direct else {}),
     )
     info = model.config.get_text_config()
-    check_model(model, min(config.max_model_len or info.max_position_embeddings, info.max_position_embeddings))
+    check_model(model, config.served_context(info.max_position_embeddings))
     return model.to(device).eval()  # a no-op when device_map already placed it
 
 
