@@ -37,7 +37,7 @@ TTFT = Histogram("ts_time_to_first_token_seconds", "Time from admission to the j
 E2E = Histogram("ts_request_e2e_latency_seconds", "Time from admission to the end of a job that ended done, observed "
                 "by the gateway that stored its result (sum over gateways)", ["tier"], buckets=LATENCY_BUCKETS)
 # Workers with hand-off series at once (up to 2 histograms of 20 samples each: 128 make some 5,000 a scrape); the
-# rest are counted under OTHER_WORKERS, an id no hello may claim (gateway/security.HelloPolicy refuses it).
+# rest are counted under OTHER_WORKERS, an id no hello may claim (gateway/hello_policy.HelloPolicy refuses it).
 HANDOFF_WORKERS = 128
 OTHER_WORKERS = "_other_workers"
 _handoff_workers: set[str] = set()

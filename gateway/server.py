@@ -30,6 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
 from gateway.drained import SharedDrained
 from gateway.dispatch import Dispatcher
+from gateway.hello_policy import HelloPolicy
 # Peer, CLIENT_DRAIN_BUDGET_S, _request_id_of and REDIS_FULL_RETRY_S were defined here; still importable from here.
 from gateway.frames import CLIENT_DRAIN_BUDGET_S, Frames, Peer, _request_id_of  # noqa: F401
 from gateway.keepalive import Keepalives
@@ -68,7 +69,7 @@ class Gateway(ClientApi, WorkerLink, OutageFrames, Streaming, Dispatcher, Mainte
         self.tokenizer = tokenizer
         self.clock = clock
         self.workers = WorkerRegistry(config.worker_timeout_s)
-        self.hello_policy = security.HelloPolicy(None if tokenizer is None else tokenizer_digest.digest(tokenizer))
+        self.hello_policy = HelloPolicy(None if tokenizer is None else tokenizer_digest.digest(tokenizer))
         self.spans = GatewaySpans()
         self.estimator = WaitEstimator(queue, self.workers, clock, config.aging_interval_s,
                                        learn_bias=config.wait_bias_correction, futures=config.wait_futures,

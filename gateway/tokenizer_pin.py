@@ -2,7 +2,7 @@
 
 Gateways share one Redis, and a job queued there holds the token ids the admitting gateway (or the HTTP door)
 made with its tokenizer; any gateway may dispatch it. A gateway that refuses workers of another tokenizer
-(gateway/security.HelloPolicy) still dispatched the jobs a gateway started with another tokenizer had queued, to
+(gateway/hello_policy.py) still dispatched the jobs a gateway started with another tokenizer had queued, to
 its own workers, whose model then ran ids another tokenizer made. So the first gateway started with a tokenizer
 pins its digest in Redis, a gateway started with another refuses to start, and one without a tokenizer takes
 the pinned digest as the one its workers must have.
