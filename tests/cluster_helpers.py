@@ -66,6 +66,21 @@ def local_cluster(tmp_path: Path, model_dir: Path, *, workers: int = 2, gateways
             assert Path(st["logs"]) == tmp_path / "logs" and any(Path(st["logs"]).glob("gateway-*.log"))
 
 
+@contextmanager
+def frozen(*pids: int):
+    """The processes stand still inside the block (SIGSTOP: a hung gateway, a long GC, a paused VM) and go on
+    (SIGCONT) after it, however it ends: a failing test leaves none frozen for the cluster's stop to wait on."""
+    stopped: list[int] = []
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        yield
+    finally:
+        for pid in reversed(stopped):
+            os.kill(pid, signal.SIGCONT)
+
+
 def stop_process(proc: subprocess.Popen, timeout: float) -> int:
     """SIGTERM, then SIGKILL if it has not exited within ``timeout``; always reaped. Its exit status."""
     if proc.poll() is None:

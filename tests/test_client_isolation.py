@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import threading
 import time
 
@@ -18,7 +16,7 @@ import pytest
 
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, InvalidRequest
-from tests.cluster_helpers import job_ids, local_cluster, state_pids, wait_for
+from tests.cluster_helpers import frozen, job_ids, local_cluster, state_pids, wait_for
 from tests.sdk_helpers import stream_beside
 
 
@@ -82,14 +80,11 @@ def test_the_doors_other_requests_of_a_tenant_are_untouched_by_one_too_long_prom
     # through before it, and the test passed beside no stream at all.
     wait_for(lambda: out["events"] or not t.is_alive(), 60, "the stream beside to start")
     worker = state_pids(cluster)["wk-0"]
-    os.kill(worker, signal.SIGSTOP)
-    try:
+    with frozen(worker):
         assert t.is_alive(), "the stream beside ended before the bad request came"
         big = httpx.post(cluster["http"] + "/v1/completions", headers=h, timeout=120,
                          content=json.dumps({"prompt": [3] * (P.MAX_LIST_LEN + 1), "max_tokens": 4}).encode())
         assert t.is_alive(), "the stream beside ended while the worker stood still"
-    finally:
-        os.kill(worker, signal.SIGCONT)
     t.join(120)
     assert big.status_code == 400, big.text
     assert big.json()["error"]["param"] == "prompt"

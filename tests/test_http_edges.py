@@ -4,15 +4,13 @@ ends in an error event after its 200."""
 
 from __future__ import annotations
 
-import os
-import signal
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import assert_unchanged, job_hash, local_cluster, snapshot, state_pids, wait_for
+from tests.cluster_helpers import assert_unchanged, frozen, job_hash, local_cluster, snapshot, state_pids, wait_for
 from tests.test_http import assert_error, front_door, key, sse
 
 
@@ -85,22 +83,16 @@ def test_a_stream_that_ends_in_an_error_is_counted_as_one(cluster):
     before = stream_errors(cluster).get(("/v1/completions", "job_cancelled"), 0.0)
     body = {"prompt": [3, 4], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     worker = state_pids(cluster)["wk-0"]
-    stopped = False
-    try:
-        with httpx.stream("POST", cluster["http"] + "/v1/completions", json=body, timeout=120,
-                          headers=[auth(cluster, "lab-co")]) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            # The job stands still (not finished by a fast machine) while its tenant cancels it elsewhere.
-            os.kill(worker, signal.SIGSTOP)
-            stopped = True
+    with httpx.stream("POST", cluster["http"] + "/v1/completions", json=body, timeout=120,
+                      headers=[auth(cluster, "lab-co")]) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        # The job stands still (not finished by a fast machine) while its tenant cancels it elsewhere.
+        with frozen(worker):
             with GatewayClient(cluster["gateway"], key(cluster, "lab-co"), timeout_s=30) as sdk:
                 assert sdk.cancel(r.headers["X-Request-Id"]) is True
             events, done = sse(list(lines))
-    finally:
-        if stopped:
-            os.kill(worker, signal.SIGCONT)
     assert done and events[-1]["error"]["code"] == "job_cancelled", events[-1:]
     wait_for(lambda: job_hash(cluster, r.headers["X-Request-Id"])["state"] == "cancelled", 30, "the cancel")
     after = stream_errors(cluster)

@@ -9,8 +9,6 @@ A real local cluster (scripts/up.py: redis-server, a gateway, a worker, ``python
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import time
 from urllib.parse import urlsplit
@@ -19,8 +17,8 @@ import httpx
 import pytest
 
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import (assert_unchanged, job_hash, job_ids, local_cluster, snapshot, state_pids,
-                                   wait_for)
+from tests.cluster_helpers import (assert_unchanged, frozen, job_hash, job_ids, local_cluster, snapshot,
+                                   state_pids, wait_for)
 from tests.test_http import assert_error, kv_usage, key, post, sse
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31]
@@ -372,21 +370,16 @@ def test_a_stream_that_fails_sends_the_text_it_held_back_before_its_error(cluste
     for t in tokens:
         so_far += decoder.step(backend, t) or ""
         texts.add(so_far)
-    worker, stopped = state_pids(cluster)["wk-0"], False
-    try:
-        with httpx.stream("POST", cluster["http"] + "/v1/completions", json=body("\U0001F600" * 1000, True, 1500),
-                          timeout=120, headers={"Authorization": f"Bearer {key(cluster, 'api-co')}"}) as r:
-            assert r.status_code == 200, r.read()
-            lines = r.iter_lines()
-            assert next(line for line in lines if line) == ": keep-alive"  # tokens come; their text is held
-            os.kill(worker, signal.SIGSTOP)
-            stopped = True
+    worker = state_pids(cluster)["wk-0"]
+    with httpx.stream("POST", cluster["http"] + "/v1/completions", json=body("\U0001F600" * 1000, True, 1500),
+                      timeout=120, headers={"Authorization": f"Bearer {key(cluster, 'api-co')}"}) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        assert next(line for line in lines if line) == ": keep-alive"  # tokens come; their text is held
+        with frozen(worker):
             with GatewayClient(cluster["gateway"], key(cluster, "api-co"), timeout_s=30) as sdk:
                 assert sdk.cancel(r.headers["X-Request-Id"]) is True
             events, done = sse(list(lines))
-    finally:
-        if stopped:
-            os.kill(worker, signal.SIGCONT)
     assert done and events[-1]["error"]["code"] == "job_cancelled", events[-1:]
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert text and text in texts, (text, events[:-1])

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gateway.sdk import GatewayClient
-from tests.cluster_helpers import job_hash, local_cluster, state_pids, wait_for
+from tests.cluster_helpers import frozen, job_hash, local_cluster, state_pids, wait_for
 from tests.test_metrics import scrape, total
 
 
@@ -48,15 +48,12 @@ def test_a_queued_job_nobody_watches_is_counted_when_cancelled(cluster):
         running = fill_slots(cluster, lab, max_tokens=2000)
         # The worker stands still while the third job waits: on a quiet machine it finished both 2000-token jobs
         # within the wait below, and the third ran.
-        os.kill(worker, signal.SIGSTOP)
-        try:
+        with frozen(worker):
             queued = lab.submit(prompt_token_ids=[6, 7], max_tokens=4, ignore_eos=True)
             time.sleep(2.5)  # past the gateway's idle check (streaming.IDLE_CHECK_S)
             assert job_hash(cluster, queued.id)["state"] == "queued"
             for j in [queued] + running:
                 assert j.cancel()
-        finally:
-            os.kill(worker, signal.SIGCONT)
     assert summed(cluster, "ts_jobs_finished_total", tier="P3", state="cancelled") - before == 3
 
 
@@ -75,12 +72,9 @@ def test_jobs_another_gateway_ran_are_counted_once(cluster):
         fillers = fill_slots(cluster, lab1, max_tokens=2000)
         # The worker stands still until gw-0 does: on a quiet machine the fillers could end first, and gw-0
         # dispatch its own jobs.
-        os.kill(worker, signal.SIGSTOP)
-        try:
+        with frozen(worker):
             later = [lab0.submit(prompt_token_ids=[8, i], max_tokens=6, ignore_eos=True) for i in range(2)]
             os.kill(gw0, signal.SIGSTOP)
-        finally:
-            os.kill(worker, signal.SIGCONT)
         try:
             for j in fillers:  # through gw-1: the slots free up while only gw-1 listens
                 assert lab1.cancel(j.id)

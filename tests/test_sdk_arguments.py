@@ -17,7 +17,7 @@ import pytest
 
 from common import protocol as P
 from gateway.sdk import AsyncGatewayClient, AsyncJob, GatewayClient, InvalidRequest, Job, ServingError
-from tests.cluster_helpers import local_cluster, state_pids
+from tests.cluster_helpers import frozen, local_cluster, state_pids
 from tests.sdk_helpers import SdkWarnings, close_under_waiters, stream_beside
 
 # Over one frame: the gateway's ZeroMQ drops the connection that carries it, and every stream on it with it.
@@ -142,12 +142,9 @@ def test_closing_an_async_client_ends_the_calls_and_streams_waiting_on_it(cluste
         client.close()
         return job.id, outcomes, took, conns, client._current
 
-    os.kill(worker, signal.SIGSTOP)  # the job waits
-    try:
+    with frozen(worker):  # the job waits
         with SdkWarnings() as warned:
             job_id, outcomes, took, conns, current = asyncio.run(main())
-    finally:
-        os.kill(worker, signal.SIGCONT)
     assert outcomes == [ServingError, ServingError] and took < 1, (outcomes, took)
     assert conns == 0 and current == 0 and not warned.messages, (conns, current, warned.messages)
     with GatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as client:
@@ -187,13 +184,10 @@ def test_closing_a_blocking_client_ends_a_stream_waiting_in_another_thread_with_
     such streams with ServingError since 3a2076a. The job itself is left alone."""
     worker = cluster["workers"][0]["pid"]
     client = GatewayClient(cluster["gateway"], key(cluster), timeout_s=5)
-    os.kill(worker, signal.SIGSTOP)  # the job waits: the stream is in its poll when the client closes
-    try:
+    with frozen(worker):  # the job waits: the stream is in its poll when the client closes
         job = client.submit(prompt_token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
         outcome, took = close_under_waiters(client, (job.result, lambda: list(job.stream())), settle_s=1.0,
                                             join_s=8)
-    finally:
-        os.kill(worker, signal.SIGCONT)
     assert outcome == [ServingError, ServingError] and took < 2, (outcome, took)
     with GatewayClient(cluster["gateway"], key(cluster), timeout_s=5) as again:
         assert again.job(job.id).result(timeout=60).token_ids
