@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 MAX_REQUEST_ID_LEN = 64
 MAX_IDEMPOTENCY_KEY_LEN = 200  # SubmitRequest.idempotency_key, characters
+MAX_STOP_TOKEN_IDS = 128  # SubmitRequest.stop_token_ids: a chat model's end-of-turn ids are a handful
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class SubmitRequest:
     # another from the same body: the key's fingerprint leaves max_tokens out (gateway/admission.fingerprint).
     # A gateway older than the field refuses it as a protocol error (the SDK then sends the request without it).
     max_tokens_defaulted: bool = False
+    # Token ids that end generation as EOS does (finish_reason "stop"; the id is the last of the output), and the
+    # fewest output tokens before any of them or EOS may be sampled (vLLM's stop_token_ids and min_tokens). A
+    # gateway older than the fields refuses them as a protocol error (the SDK raises it: never dropped).
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ class WorkerHello:
     # this worker (its text jobs would run on tokens the model never learnt). None: the model has none, or an older
     # worker.
     tokenizer_digest: str | None = None
+    # Takes DispatchJob.stop_token_ids and min_tokens (False from older workers: while one is registered, a job
+    # asking for them is refused at admission).
+    stops: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class DispatchJob:
     # seeded by (seed, token index), so the rest is what a run from the start would draw. Sent only to workers
     # whose hello says ``resumes``.
     resume_token_ids: list[int] = field(default_factory=list)
+    # As SubmitRequest's. A worker whose hello does not say ``stops`` drops such a frame as malformed.
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

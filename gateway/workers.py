@@ -257,6 +257,10 @@ class WorkerRegistry:
         lens = [w.hello.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
 
+    def all_take_stops(self) -> bool:
+        """Every registered worker takes DispatchJob.stop_token_ids and min_tokens (its hello says ``stops``)."""
+        return all(w.hello.stops for w in self.workers.values())
+
     def vocab_size(self) -> int | None:
         sizes = [w.hello.vocab_size for w in self.workers.values()]
         return min(sizes) if sizes else None

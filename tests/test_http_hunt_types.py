@@ -22,10 +22,10 @@ WRONG_TYPED = [
     ("completions", "stop", 0, "string or an array"),
     ("chat", "logit_bias", [], "object"), ("completions", "logit_bias", [], "object"),
     ("chat", "tools", {}, "array"), ("chat", "functions", {}, "array"),
-    ("completions", "stop_token_ids", {}, "array"), ("completions", "bad_words", {}, "array"),
+    ("completions", "bad_words", {}, "array"),
     ("completions", "logits_processors", {}, "array"), ("completions", "vllm_xargs", [], "object"),
     ("chat", "chat_template_kwargs", [], "object"), ("chat", "documents", {}, "array"),
-    ("completions", "min_tokens", 0.0, "integer"), ("chat", "top_logprobs", 0.0, "integer"),
+    ("chat", "top_logprobs", 0.0, "integer"),
     ("completions", "best_of", 1.0, "integer"), ("completions", "presence_penalty", False, "number"),
     # An integer on /v1/completions (vLLM reads false as 0: the chosen tokens' log probabilities).
     ("completions", "logprobs", False, "integer"),

@@ -51,7 +51,7 @@ class Engine:
         host = self.scheduler.host_blocks
         runner.allocate_host_pool(host.num_blocks if host is not None else 0)
         self.tracer = tracer or EngineTracer()
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, info.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._seeds = random.Random()  # only for requests that gave no seed

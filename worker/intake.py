@@ -88,7 +88,8 @@ class Intake:
             del self.jobs[msg.job_id]  # else a refused re-dispatch leaves it reported (its lease renewed) forever
             self.rates.forget(msg.job_id)  # and its timing, which holds the aborted request, kept for good
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
-                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
+                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
+                                stop_token_ids=tuple(msg.stop_token_ids), min_tokens=msg.min_tokens)
         self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
         if self.drain.active:  # sent before the gateway read the report offering nothing
             self._release({msg.job_id: msg.attempt}, "draining: not started")

@@ -12,6 +12,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from common.client_messages import MAX_STOP_TOKEN_IDS
 from common.errors import InvalidRequest
 from common.tiers import Tier
 
@@ -42,6 +43,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # No stop token (nor EOS, unless ignore_eos) is sampled before this many output tokens (vLLM's min_tokens).
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -63,9 +66,16 @@ class SamplingParams:
             raise InvalidRequest(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}",
                                  field="stop_token_ids")
         for tid in self.stop_token_ids:
-            if not isinstance(tid, int) or not 0 <= tid < vocab_size:
+            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab_size:
                 raise InvalidRequest(f"stop token id {tid!r} is outside the vocabulary (0..{vocab_size - 1})",
                                      field="stop_token_ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}",
+                                 field="stop_token_ids")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
+                                 f"{self.min_tokens!r}", field="min_tokens")
 
 
 def _finite(x: object) -> bool:

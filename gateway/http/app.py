@@ -165,8 +165,7 @@ class FrontDoor:
         # A client that sent a key is coming back for its job (gateway/http/idempotency.py): it is not cancelled.
         cancel = (lambda: None) if idem is not None else (lambda: self._cancel_later(key, job.id))
         reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
-        strings = stops.stop_strings(body.stop)
-        stop = stops.StopScan(strings, self.prompts.tokenizer, body.include_stop_str_in_output) if strings else None
+        stop = stops.scan_for(body, self.prompts.tokenizer)
         streaming = False
         try:
             if body.stream:

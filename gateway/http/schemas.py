@@ -8,7 +8,7 @@ empty list, a zero penalty, ``null``). Fields nobody defines are ignored, as Ope
 servers do, so newer clients keep working. ``null`` is the field's default, as in OpenAI's API.
 Types are strict, as OpenAI's are: ``"max_tokens": true`` is not one token, nor ``"stream": 1``
 a stream (an integer is still a float); so are the refused fields' (``"logit_bias": []`` is no object,
-``"min_tokens": 0.0`` no integer).
+``"min_p": "0"`` no number).
 """
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ class _Sampling(_Body):
     # Stop strings (gateway/http/stops.py): a string or up to MAX_STOPS of them.
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the answer ends where the stop string does, not begins
+    # vLLM's: ids that end the answer as EOS does, and the fewest tokens before any of them, EOS or a stop string
+    # may end it. Bounds and the vocabulary are the gateway's to judge (400 naming the field).
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt = 0
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 class Kind(NamedTuple):
     """A field's JSON type as OpenAI's (or vLLM's) API defines it: a value of another type is refused as such, even
-    one that looks like nothing (``"logit_bias": []``, ``"min_tokens": 0.0``), as OpenAI and vLLM refuse it."""
+    one that looks like nothing (``"logit_bias": []``, ``"min_p": "0"``), as OpenAI and vLLM refuse it."""
     name: str
     check: Callable[[Any], bool]
 
@@ -63,10 +63,8 @@ SHARED: Unhonoured = {
     "logit_bias": (OBJECT, _equal({}), "{}"),
     "echo": (BOOLEAN, _equal(False), "false"),
     # vLLM's extra sampling parameters.
-    "min_tokens": (INTEGER, _equal(0), "0"),
     "repetition_penalty": (NUMBER, _equal(1), "1"),
     "min_p": (NUMBER, _equal(0), "0"),
-    "stop_token_ids": (ARRAY, _equal([]), "[]"),
     "bad_words": (ARRAY, _equal([]), "[]"),
     "use_beam_search": (BOOLEAN, _equal(False), "false"),
     "skip_special_tokens": (BOOLEAN, _equal(True), "true"),

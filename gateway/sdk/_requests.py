@@ -103,8 +103,8 @@ def submit_request(*args, **kwargs) -> P.SubmitRequest:
 
 
 def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
-                         idempotency_key, ignore_eos,
-                         max_tokens_defaulted: bool = False) -> tuple[P.SubmitRequest, int]:
+                         idempotency_key, ignore_eos, max_tokens_defaulted: bool = False, *,
+                         stop_token_ids=None, min_tokens: int = 0) -> tuple[P.SubmitRequest, int]:
     """The frame and its frame_bytes (measured once: a million-id prompt takes ~70 ms of CPU to encode, and the
     question to the gateway about its size encoded it again), once each argument has the type the gateway's decoder
     takes (P.mistyped): a wrong one is InvalidRequest naming it. Ranges are the gateway's to judge, but for what
@@ -113,19 +113,31 @@ def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, tem
         ids = list(prompt_token_ids)
         # numpy's integers as well; a bool stays a bool, which the decoder refuses.
         prompt_token_ids = [plain_int(t) for t in ids]
+    if stop_token_ids is not None and not isinstance(stop_token_ids, (str, bytes)):
+        stop_token_ids = [plain_int(t) for t in stop_token_ids]
+    elif stop_token_ids is None:
+        stop_token_ids = []
     max_tokens, top_k, seed = plain_int(max_tokens), plain_int(top_k), plain_int(seed)
+    min_tokens = plain_int(min_tokens)
     temperature, top_p = plain_float(temperature), plain_float(top_p)
     fields = dict(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, tier=tier,
-                  idempotency_key=idempotency_key, ignore_eos=ignore_eos, max_tokens_defaulted=max_tokens_defaulted)
+                  idempotency_key=idempotency_key, ignore_eos=ignore_eos, max_tokens_defaulted=max_tokens_defaulted,
+                  stop_token_ids=stop_token_ids, min_tokens=min_tokens)
     wrong = P.mistyped(P.SubmitRequest, fields)
     if wrong is not None:
         raise InvalidRequest(f"{wrong} has the wrong type: {type(fields[wrong]).__name__}", field=wrong)
-    for name, value, least in (("max_tokens", max_tokens, INT64[0]), ("top_k", top_k, INT64[0]), ("seed", seed, 0)):
+    for name, value, least in (("max_tokens", max_tokens, INT64[0]), ("top_k", top_k, INT64[0]), ("seed", seed, 0),
+                               ("min_tokens", min_tokens, INT64[0])):
         if value is not None and not least <= value < INT64[1]:
             raise InvalidRequest(f"{name} must be in [{least}, 2**63), got {value!r}", field=name)
     if prompt_token_ids and not INT64[0] <= min(prompt_token_ids) <= max(prompt_token_ids) < INT64[1]:
         raise InvalidRequest("prompt_token_ids must fit in 64 bits", field="prompt_token_ids")
+    if stop_token_ids and not INT64[0] <= min(stop_token_ids) <= max(stop_token_ids) < INT64[1]:
+        raise InvalidRequest("stop_token_ids must fit in 64 bits", field="stop_token_ids")
+    if len(stop_token_ids) > P.MAX_STOP_TOKEN_IDS:  # the gateway's bound, said before a large list is sent
+        raise InvalidRequest(f"at most {P.MAX_STOP_TOKEN_IDS} stop token ids, not {len(stop_token_ids)}",
+                             field="stop_token_ids")
     if prompt_token_ids is not None and len(prompt_token_ids) > P.MAX_LIST_LEN:
         raise InvalidRequest(f"prompt_token_ids has {len(prompt_token_ids)} ids; a request carries at most "
                              f"{P.MAX_LIST_LEN}", field="prompt_token_ids")
