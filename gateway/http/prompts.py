@@ -48,7 +48,7 @@ class Prompts:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        # What the gateways' tokenizer must be (gateway/http/tokenizer_check.py).
+        # What the gateways' tokenizer must be (checked per request in app.py, and by /health).
         self.digest = tokenizer_digest.digest(tokenizer)
         self._told: set[str] = set()
 
