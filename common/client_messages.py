@@ -41,6 +41,19 @@ class SubmitRequest:
     # gateway older than the fields refuses them as a protocol error (the SDK raises it: never dropped).
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
+    # OpenAI's presence and frequency penalties (each in [-2, 2]: less each token already in the output, by once,
+    # and by its count) and vLLM's repetition_penalty (in (0, 2]: a token of the prompt or output has its logit
+    # divided by it where positive, multiplied where negative); applied before temperature, greedy too. Older
+    # gateways refuse them as protocol errors, as above.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+# SubmitRequest's fields a job's payload and its DispatchJob carry only when the request asks for them (not at
+# their defaults), so that every other job's frames are as an older worker reads them.
+SAMPLING_EXTRAS = {"stop_token_ids": [], "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True)

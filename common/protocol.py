@@ -21,16 +21,16 @@ from typing import Any
 
 import msgpack
 
-from common.client_messages import (MAX_REQUEST_ID_LEN, MAX_STOP_TOKEN_IDS, CancelReply, CancelRequest, ErrorReply,
-                                    InfoReply, InfoRequest, JobDone, StatusReply, StatusRequest, StreamRequest,
-                                    SubmitReply, SubmitRequest, TokenChunk)
+from common.client_messages import (MAX_REQUEST_ID_LEN, MAX_STOP_TOKEN_IDS, SAMPLING_EXTRAS, CancelReply,
+                                    CancelRequest, ErrorReply, InfoReply, InfoRequest, JobDone, StatusReply,
+                                    StatusRequest, StreamRequest, SubmitReply, SubmitRequest, TokenChunk)
 from common.worker_messages import (HELLO_FIRST, CancelJob, DispatchJob, GatewayWelcome, JobFinished, JobFinishedAck,
                                     JobReleased, JobTokens, WorkerHello, WorkerLoad)
 
 __all__ = ["HELLO_FIRST", "MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_LEN",
-           "MAX_STOP_TOKEN_IDS", "MESSAGES", "SCHEMA_VERSION", "CancelJob", "CancelReply", "CancelRequest",
-           "DispatchJob", "ErrorReply", "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone", "JobFinished",
-           "JobFinishedAck", "JobReleased", "JobTokens",
+           "MAX_STOP_TOKEN_IDS", "MESSAGES", "SAMPLING_EXTRAS", "SCHEMA_VERSION", "CancelJob", "CancelReply",
+           "CancelRequest", "DispatchJob", "ErrorReply", "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone",
+           "JobFinished", "JobFinishedAck", "JobReleased", "JobTokens",
            "ProtocolError", "StatusReply", "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest",
            "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "loads", "mistyped"]
 

@@ -32,9 +32,9 @@ class WorkerHello:
     # this worker (its text jobs would run on tokens the model never learnt). None: the model has none, or an older
     # worker.
     tokenizer_digest: str | None = None
-    # Takes DispatchJob.stop_token_ids and min_tokens (False from older workers: while one is registered, a job
-    # asking for them is refused at admission).
-    stops: bool = False
+    # Takes DispatchJob's stop_token_ids, min_tokens and penalties (False from older workers: while one is
+    # registered, a job asking for them is refused at admission).
+    sampling_extras: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,12 @@ class DispatchJob:
     # seeded by (seed, token index), so the rest is what a run from the start would draw. Sent only to workers
     # whose hello says ``resumes``.
     resume_token_ids: list[int] = field(default_factory=list)
-    # As SubmitRequest's. A worker whose hello does not say ``stops`` drops such a frame as malformed.
+    # As SubmitRequest's. A worker whose hello does not say ``sampling_extras`` drops such a frame as malformed.
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import msgpack
 
-from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN, MAX_STOP_TOKEN_IDS
+from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
 from common.errors import Forbidden, InvalidRequest, Overloaded, TierLimitExceeded, Unauthorized
 from common.protocol import SubmitRequest
 from common.tiers import Tier, parse_tier
+from gateway import sampling_extras
 from gateway.tenants import Tenant, TenantDirectory
 
 # The wait told with a refusal of a job only a draining worker fits: when to ask again, not an estimate (nothing says
@@ -63,12 +64,12 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
           max_model_len: int, max_tokens_limit: int,
           tier_max_tokens: Callable[[str], int | None] = lambda tier: None,
           returning_max_tokens: Callable[[str], int | None] = lambda tier: None,
-          stops_served: bool = True) -> Admission:
+          extras_served: bool = True) -> Admission:
     """``tier_max_tokens(tier)``: the workers' limit on prompt + max_tokens for the tier (their share of the
     KV cache), or None if unknown; a job over it could never finish and is refused. ``returning_max_tokens(tier)``:
     that of the workers draining or drained lately (a redeploy brings them back): a job over the first limit and
-    within this one is refused as overloaded (retryable), not as invalid. ``stops_served``: every registered worker
-    takes stop_token_ids and min_tokens (an older one drops a job asking for them)."""
+    within this one is refused as overloaded (retryable), not as invalid. ``extras_served``: every registered worker
+    takes the sampling extras (gateway/sampling_extras.py; an older one drops a job asking for them)."""
     tenant = tenants.lookup(req.api_key)
     if tenant is None:
         raise Unauthorized("unknown API key")
@@ -99,7 +100,7 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
     if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= MAX_IDEMPOTENCY_KEY_LEN:
         raise InvalidRequest(f"idempotency_key must be 1..{MAX_IDEMPOTENCY_KEY_LEN} characters",
                              field="idempotency_key")
-    _check_stops(req)
+    sampling_extras.check(req)
     # Last, the checks against the workers registered now (their context, vocabulary and KV shares): a request they
     # refuse must be valid in every other way, for a retry of its job admitted before the cluster changed gets that
     # job (client_api._replay), and one refused as overloaded would be refused anyway on its retry.
@@ -113,10 +114,10 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise BeyondWorkers(f"token ids must be in 0..{vocab_size - 1}", adm, field="prompt_token_ids")
     if vocab_size is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab_size:
         raise BeyondWorkers(f"stop token ids must be in 0..{vocab_size - 1}", adm, field="stop_token_ids")
-    if (req.stop_token_ids or req.min_tokens) and not stops_served:
-        raise BeyondWorkers("a worker of this cluster is of a release that cannot honour stop_token_ids or "
-                            "min_tokens: upgrade it, or ask without them", adm,
-                            field="stop_token_ids" if req.stop_token_ids else "min_tokens")
+    if not extras_served and (extras := sampling_extras.asked(req)):
+        field = next(iter(extras))
+        raise BeyondWorkers(f"a worker of this cluster is of a release that cannot honour {field}: upgrade it, or "
+                            "ask without it", adm, field=field)
     limit = tier_max_tokens(tier.value)
     if limit is not None and len(ids) + req.max_tokens > limit:
         later = returning_max_tokens(tier.value)
@@ -128,16 +129,6 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
                            f"tokens a {tier.value} job may hold on this cluster's workers", adm, tier=tier.value,
                            limit_tokens=limit)
     return adm
-
-
-def _check_stops(req: SubmitRequest) -> None:
-    ids = req.stop_token_ids
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, not {len(ids)}", field="stop_token_ids")
-    if any(isinstance(t, bool) or t < 0 for t in ids):  # msgpack's true is an int to Python
-        raise InvalidRequest("stop token ids must be integers >= 0", field="stop_token_ids")
-    if isinstance(req.min_tokens, bool) or not 0 <= req.min_tokens <= req.max_tokens:
-        raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({req.max_tokens})", field="min_tokens")
 
 
 def fingerprint(req: SubmitRequest, adm: Admission) -> str:
@@ -167,6 +158,6 @@ def fingerprint_before(req: SubmitRequest, adm: Admission) -> str:
 def _digest(req: SubmitRequest, adm: Admission, max_tokens, temperature, top_p) -> str:
     asked = [adm.prompt_token_ids, max_tokens, temperature, top_p, req.top_k, req.seed, adm.tier_requested.value,
              bool(req.ignore_eos)]
-    if req.stop_token_ids or req.min_tokens:  # only then: every key stored before keeps its fingerprint
-        asked.append([list(req.stop_token_ids), req.min_tokens])
+    if extras := sampling_extras.asked(req):  # only then: every key stored before keeps its fingerprint
+        asked.append([[name, _as_float(v) if name.endswith("_penalty") else v] for name, v in extras.items()])
     return hashlib.sha256(msgpack.packb(asked)).hexdigest()[:32]

@@ -16,7 +16,7 @@ from common import protocol as P
 from common import tracing
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
-from gateway import admission, metrics, promises, security
+from gateway import admission, metrics, promises, sampling_extras, security
 from gateway.redis_queue import (Admitted, IdempotencyMismatch, Overloaded, QuotaRefused, QuotaSpec,
                                  StoreFull, TenantFull)
 from gateway.spans import GatewaySpans
@@ -46,7 +46,7 @@ class ClientApi:
                                   max_tokens_limit=self.config.max_tokens_limit,
                                   tier_max_tokens=self.workers.tier_max_tokens,
                                   returning_max_tokens=self.workers.returning_max_tokens,
-                                  stops_served=self.workers.all_take_stops())
+                                  extras_served=self.workers.all_take_sampling_extras())
         except (admission.BeyondWorkers, admission.FitsNoWorker) as e:  # judged by the workers there are now
             if (replay := self._replay(req, e.admission)) is not None:
                 return replay
@@ -78,8 +78,7 @@ class ClientApi:
             "seed": req.seed if req.seed is not None else random.getrandbits(63),
             "trace_context": parent, "ignore_eos": req.ignore_eos,
             # Only when asked for: the payloads of every other job stay as an older gateway stores them.
-            **({"stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens}
-               if req.stop_token_ids or req.min_tokens else {}),
+            **sampling_extras.asked(req),
         })
         # A P0 the quota may downgrade is shed, and told its wait, as the P1 it becomes: the P0 wait counts none of
         # the P1 queue. Estimated first, so the estimate dump holds the P0's (as the job was asked for).

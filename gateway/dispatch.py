@@ -58,7 +58,7 @@ class Dispatcher:
                     body["max_tokens"], body["temperature"], body["top_p"], body["top_k"], body["seed"],
                     self.config.gateway_id, ctx, bool(body.get("ignore_eos", False)),
                     resume_token_ids=list(stream.tokens) if resume else [],
-                    stop_token_ids=body.get("stop_token_ids", []), min_tokens=body.get("min_tokens", 0)))
+                    **{name: body[name] for name in P.SAMPLING_EXTRAS if name in body}))
                 self.leases[rec.id] = (wid, rec.attempt)
                 waited_s = (rec.dispatched_at_ms - rec.enqueued_at_ms) / 1e3 if rec.dispatched_at_ms else None
                 # A token held here was observed where it arrived. None held (a worker that cannot resume, or an

@@ -257,9 +257,10 @@ class WorkerRegistry:
         lens = [w.hello.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
 
-    def all_take_stops(self) -> bool:
-        """Every registered worker takes DispatchJob.stop_token_ids and min_tokens (its hello says ``stops``)."""
-        return all(w.hello.stops for w in self.workers.values())
+    def all_take_sampling_extras(self) -> bool:
+        """Every registered worker takes DispatchJob's stop_token_ids, min_tokens and penalties (its hello says
+        ``sampling_extras``)."""
+        return all(w.hello.sampling_extras for w in self.workers.values())
 
     def vocab_size(self) -> int | None:
         sizes = [w.hello.vocab_size for w in self.workers.values()]

@@ -26,7 +26,7 @@ WRONG_TYPED = [
     ("completions", "logits_processors", {}, "array"), ("completions", "vllm_xargs", [], "object"),
     ("chat", "chat_template_kwargs", [], "object"), ("chat", "documents", {}, "array"),
     ("chat", "top_logprobs", 0.0, "integer"),
-    ("completions", "best_of", 1.0, "integer"), ("completions", "presence_penalty", False, "number"),
+    ("completions", "best_of", 1.0, "integer"),
     # An integer on /v1/completions (vLLM reads false as 0: the chosen tokens' log probabilities).
     ("completions", "logprobs", False, "integer"),
     ("chat", "logprobs", 0, "boolean"), ("completions", "echo", 0, "boolean"),

@@ -89,7 +89,9 @@ class Intake:
             self.rates.forget(msg.job_id)  # and its timing, which holds the aborted request, kept for good
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
-                                stop_token_ids=tuple(msg.stop_token_ids), min_tokens=msg.min_tokens)
+                                stop_token_ids=tuple(msg.stop_token_ids), min_tokens=msg.min_tokens,
+                                presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                                repetition_penalty=msg.repetition_penalty)
         self.linger.dispatched(self.clock())  # a job refused below answered the offer all the same
         if self.drain.active:  # sent before the gateway read the report offering nothing
             self._release({msg.job_id: msg.attempt}, "draining: not started")

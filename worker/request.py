@@ -45,6 +45,15 @@ class SamplingParams:
     ignore_eos: bool = False
     # No stop token (nor EOS, unless ignore_eos) is sampled before this many output tokens (vLLM's min_tokens).
     min_tokens: int = 0
+    # OpenAI's presence and frequency penalties and vLLM's repetition penalty (worker/sampler.py), before
+    # temperature: greedy picks see them too.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +85,12 @@ class SamplingParams:
                 not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
                                  f"{self.min_tokens!r}", field="min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", field=name)
+        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}",
+                                 field="repetition_penalty")
 
 
 def _finite(x: object) -> bool:

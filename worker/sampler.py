@@ -7,8 +7,8 @@ preempted and recomputed in between. Only drawing that noise is per row (one
 ``exponential_`` each, no sort); masking, scaling and the draw itself are one
 set of batched ops over all sampled rows.
 
-A request short of its ``min_tokens`` cannot draw a token that would end it
-(its stop ids, and EOS unless it ignores EOS): those logits are -inf on its row.
+Penalties and min_tokens change a request's logits first, greedy picks
+included (worker/logit_extras.py).
 
 Edge cases handled by construction:
 - temperature near 0: logits are shifted so the row maximum is 0 before the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from worker import logit_extras
 from worker.request import Request
 
 _MASK63 = (1 << 63) - 1
@@ -54,30 +55,16 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One token per row of ``logits`` ([len(requests), vocab]), row i for requests[i]."""
-        logits = self._held_back(logits.float(), requests)
+        given, logits = logits, logits.float()
+        if logit_extras.wanted(requests):  # changed in place: on a copy, where float() gave back the caller's tensor
+            logits = logits.clone() if logits is given else logits.contiguous()
+            logit_extras.apply_(logits, requests, self.eos_token_ids)
         out = logits.argmax(dim=-1)
         sampled = [(i, r) for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
             cols = self._to_device(sampled, logits.shape[-1])
             out = out.index_put((cols[_ROW],), self._sample_rows(logits, sampled, cols))
         return out.tolist()  # the step's one device -> host transfer
-
-    def _held_back(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """``logits`` with the tokens that would end a request short of its min_tokens (its stop ids; EOS unless it
-        ignores EOS) at -inf, on the rows of such requests: they are never drawn, by greedy or sampled picks."""
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, r in enumerate(requests):
-            p = r.params
-            if len(r.output_token_ids) < p.min_tokens:
-                ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                rows += [i] * len(ends)
-                cols += sorted(ends)
-        if not rows:
-            return logits
-        index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
-        # Not in place: float32 logits are the caller's own tensor.
-        return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
 
     def _to_device(self, sampled: list[tuple[int, Request]], vocab: int) -> torch.Tensor:
         """Per-row parameters in one host -> device copy: two int64 rows, then two float64 rows."""

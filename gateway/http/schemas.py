@@ -105,6 +105,10 @@ class _Sampling(_Body):
     # may end it. Bounds and the vocabulary are the gateway's to judge (400 naming the field).
     stop_token_ids: list[StrictInt] | None = None
     min_tokens: StrictInt = 0
+    # OpenAI's penalties and vLLM's repetition_penalty; their ranges too are the gateway's to judge.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -100,7 +100,8 @@ class Submitter:
         args = dict(prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                     top_k=body.top_k_or_none(), seed=body.worker_seed(), tier=tier, ignore_eos=body.ignore_eos,
                     idempotency_key=idem, max_tokens_defaulted=defaulted, stop_token_ids=body.stop_token_ids or [],
-                    min_tokens=body.min_tokens)
+                    min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
         # The async SDK multiplexes concurrent calls on one connection: a tenant's requests do not queue here.
         async with self.upstream.client(key) as up:
             if len(ids) <= LOOP_SUBMIT_MAX_IDS:

@@ -58,12 +58,9 @@ def _text_format(value: Any) -> bool:
 Unhonoured = dict[str, tuple[Kind, Callable[[Any], bool], str | None]]
 NULL_ONLY = (ANY, _never, None)
 SHARED: Unhonoured = {
-    "presence_penalty": (NUMBER, _equal(0), "0"),
-    "frequency_penalty": (NUMBER, _equal(0), "0"),
     "logit_bias": (OBJECT, _equal({}), "{}"),
     "echo": (BOOLEAN, _equal(False), "false"),
     # vLLM's extra sampling parameters.
-    "repetition_penalty": (NUMBER, _equal(1), "1"),
     "min_p": (NUMBER, _equal(0), "0"),
     "bad_words": (ARRAY, _equal([]), "[]"),
     "use_beam_search": (BOOLEAN, _equal(False), "false"),

@@ -243,13 +243,17 @@ class AsyncGatewayClient:
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                      tier: str | None = None, idempotency_key: str | None = None,
                      ignore_eos: bool = False, max_tokens_defaulted: bool = False,
-                     stop_token_ids: Sequence[int] | None = None, min_tokens: int = 0) -> AsyncJob:
+                     stop_token_ids: Sequence[int] | None = None, min_tokens: int = 0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     repetition_penalty: float = 1.0) -> AsyncJob:
         """As GatewayClient.submit."""
         key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
         with submit_span(self._tracer) as span:
             req, size = sized_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p,
                                              top_k, seed, tier, key, ignore_eos, max_tokens_defaulted,
-                                             stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+                                             stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                             repetition_penalty=repetition_penalty)
             try:
                 reply = await self._call(req, size)
             except ServingError as e:

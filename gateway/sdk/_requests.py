@@ -104,7 +104,9 @@ def submit_request(*args, **kwargs) -> P.SubmitRequest:
 
 def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, tier,
                          idempotency_key, ignore_eos, max_tokens_defaulted: bool = False, *,
-                         stop_token_ids=None, min_tokens: int = 0) -> tuple[P.SubmitRequest, int]:
+                         stop_token_ids=None, min_tokens: int = 0, presence_penalty: float = 0.0,
+                         frequency_penalty: float = 0.0,
+                         repetition_penalty: float = 1.0) -> tuple[P.SubmitRequest, int]:
     """The frame and its frame_bytes (measured once: a million-id prompt takes ~70 ms of CPU to encode, and the
     question to the gateway about its size encoded it again), once each argument has the type the gateway's decoder
     takes (P.mistyped): a wrong one is InvalidRequest naming it. Ranges are the gateway's to judge, but for what
@@ -120,10 +122,12 @@ def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, tem
     max_tokens, top_k, seed = plain_int(max_tokens), plain_int(top_k), plain_int(seed)
     min_tokens = plain_int(min_tokens)
     temperature, top_p = plain_float(temperature), plain_float(top_p)
+    penalties = dict(presence_penalty=plain_float(presence_penalty), frequency_penalty=plain_float(frequency_penalty),
+                     repetition_penalty=plain_float(repetition_penalty))
     fields = dict(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, tier=tier,
                   idempotency_key=idempotency_key, ignore_eos=ignore_eos, max_tokens_defaulted=max_tokens_defaulted,
-                  stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+                  stop_token_ids=stop_token_ids, min_tokens=min_tokens, **penalties)
     wrong = P.mistyped(P.SubmitRequest, fields)
     if wrong is not None:
         raise InvalidRequest(f"{wrong} has the wrong type: {type(fields[wrong]).__name__}", field=wrong)
@@ -141,7 +145,8 @@ def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, tem
     if prompt_token_ids is not None and len(prompt_token_ids) > P.MAX_LIST_LEN:
         raise InvalidRequest(f"prompt_token_ids has {len(prompt_token_ids)} ids; a request carries at most "
                              f"{P.MAX_LIST_LEN}", field="prompt_token_ids")
-    req = P.SubmitRequest(**fields | dict(temperature=float(temperature), top_p=float(top_p)),
+    req = P.SubmitRequest(**fields | dict(temperature=float(temperature), top_p=float(top_p))
+                          | {name: float(v) for name, v in penalties.items()},
                           trace_context=tracing.carrier())
     return req, check_frame_size(req, ("prompt", "prompt_token_ids", "idempotency_key"))
 

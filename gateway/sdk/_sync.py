@@ -243,17 +243,21 @@ class GatewayClient:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                tier: str | None = None, idempotency_key: str | None = None, ignore_eos: bool = False,
                max_tokens_defaulted: bool = False, stop_token_ids: Sequence[int] | None = None,
-               min_tokens: int = 0) -> Job:
+               min_tokens: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               repetition_penalty: float = 1.0) -> Job:
         """Admit a job. Without ``idempotency_key`` one is made for this call, so its retries admit it once.
         ``max_tokens_defaulted``: ``max_tokens`` is not your caller's but a default you sized for it (as the HTTP
         door does): a retry under the same key that sizes another is still the same request. ``stop_token_ids``:
         ids that end the job as EOS does (finish_reason ``stop``, the id last in its output; at most 128);
-        ``min_tokens``: no stop id nor EOS is drawn before this many output tokens (vLLM's)."""
+        ``min_tokens``: no stop id nor EOS is drawn before this many output tokens (vLLM's). ``presence_penalty``
+        and ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (vLLM's, in (0, 2])."""
         key = idempotency_key if idempotency_key is not None else auto_idempotency_key()
         with submit_span(self._tracer) as span:
             req, size = sized_submit_request(self.api_key, prompt, prompt_token_ids, max_tokens, temperature, top_p,
                                              top_k, seed, tier, key, ignore_eos, max_tokens_defaulted,
-                                             stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+                                             stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                             repetition_penalty=repetition_penalty)
             try:
                 reply = self._call(req, size)
             except ServingError as e:

@@ -1,7 +1,7 @@
-"""vLLM's ``stop_token_ids`` and ``min_tokens``, end to end. The engine took stop token ids, but nothing above it
-could ask for them: the HTTP door refused both with a 400 and the SDK had no such argument, so a chat model whose
-turn ends with an id its generation config does not call EOS ran to max_tokens. min_tokens is new in the sampler:
-a request short of it cannot draw a token that would end it.
+"""vLLM's ``stop_token_ids``, ``min_tokens`` and penalties, end to end. The engine took stop token ids, but
+nothing above it could ask for them: the HTTP door refused them, min_tokens and every non-zero penalty with a 400,
+and the SDK had no such arguments, so a chat model whose turn ends with an id its generation config does not call
+EOS ran to max_tokens. min_tokens and the penalties are new in the sampler (worker/logit_extras.py).
 
 Real parts: the tiny model's engine and sampler in this process; a local cluster (scripts/up.py) with the HTTP
 door, the SDK, httpx and the official openai client."""
@@ -17,6 +17,10 @@ from common.errors import InvalidRequest
 from common.tiers import Tier
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import job_ids, local_cluster
+from tests.test_penalties import CASES, hf  # noqa: F401 (hf: a fixture)
+from tests.test_penalties import NEW as PEN_NEW
+from tests.test_penalties import PROMPT as PEN_PROMPT
+from tests.test_penalties import reference as penalised_reference
 from worker import Engine, EngineConfig, FinishReason, SamplingParams
 from worker.request import Request
 from worker.sampler import Sampler
@@ -271,3 +275,46 @@ def test_a_worker_too_old_for_them_makes_the_gateway_refuse_them(tmp_path):
         finally:
             old.close()
             gw.stop()
+
+
+# -- penalties through the cluster (their engine-level checks: tests/test_penalties.py) ------------------------
+
+
+def test_the_sdk_the_door_and_the_openai_client_apply_penalties(cluster, hf):
+    want = penalised_reference(hf, PEN_PROMPT, **CASES["all"])
+    with GatewayClient(cluster["gateway"], key(cluster)) as sdk:
+        got = sdk.submit(prompt_token_ids=PEN_PROMPT, max_tokens=PEN_NEW, ignore_eos=True, presence_penalty=0.4,
+                         frequency_penalty=0.6, repetition_penalty=1.3).result(timeout=120)
+        assert got.token_ids == want
+    body = {"prompt": PEN_PROMPT, "max_tokens": PEN_NEW, "ignore_eos": True, "temperature": 0,
+            "presence_penalty": 0.4, "frequency_penalty": 0.6, "repetition_penalty": 1.3}
+    r = httpx.post(cluster["http"] + "/v1/completions", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {key(cluster)}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == PEN_NEW, r.text
+    client = openai.OpenAI(base_url=cluster["http"] + "/v1", api_key=key(cluster), max_retries=0)
+    model = client.models.list().data[0].id
+    text = client.completions.create(model=model, prompt=PEN_PROMPT, max_tokens=PEN_NEW, temperature=0,
+                                     presence_penalty=0.4, frequency_penalty=0.6,
+                                     extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert text.choices[0].text == r.json()["choices"][0]["text"]
+    # The idempotency fingerprint tells penalties apart.
+    with GatewayClient(cluster["gateway"], key(cluster)) as sdk:
+        sdk.submit(prompt_token_ids=PEN_PROMPT, max_tokens=2, presence_penalty=0.5, idempotency_key="pen-1")
+        with pytest.raises(InvalidRequest) as e:
+            sdk.submit(prompt_token_ids=PEN_PROMPT, max_tokens=2, presence_penalty=0.6, idempotency_key="pen-1")
+        assert e.value.field == "idempotency_key"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", 2.01),
+    ("presence_penalty", True), ("frequency_penalty", "0.5"),
+])
+def test_bad_penalties_are_a_400_and_store_nothing(cluster, field, value):
+    before = job_ids(cluster)
+    r = httpx.post(cluster["http"] + "/v1/completions", json={"prompt": PEN_PROMPT, "max_tokens": 4, field: value},
+                   headers={"Authorization": f"Bearer {key(cluster)}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    with GatewayClient(cluster["gateway"], key(cluster)) as sdk, pytest.raises(InvalidRequest) as e:
+        sdk.submit(prompt_token_ids=PEN_PROMPT, max_tokens=4, **{field: value})
+    assert e.value.field == field
+    assert job_ids(cluster) == before
