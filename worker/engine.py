@@ -96,7 +96,7 @@ class Engine:
                                  f"{self.blocks.num_blocks}", field="max_tokens")
         resumed = self._validate_prompt(output_token_ids, "output_token_ids", may_be_empty=True)
         # A stop token ends a request as an EOS does: output past one was never part of the result.
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.scheduler.config.eos_token_ids))
+        stops = params.ending_ids(self.scheduler.config.eos_token_ids)
         resumed = resumed[:next((i for i, t in enumerate(resumed) if t in stops), len(resumed))]
         resumed = resumed[:params.max_tokens - 1]
         self.scheduler.check_fits(tier_, len(prompt), params.max_tokens)

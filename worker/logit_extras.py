@@ -31,7 +31,7 @@ def apply_(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[i
     if penalised:
         _penalise_(flat, penalised, len(requests), vocab, dev)
     held = [i * vocab + t for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens
-            for t in sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_token_ids)))]
+            for t in sorted(r.params.ending_ids(eos_token_ids))]
     if held:
         flat[torch.tensor(held, dtype=torch.int64).to(dev)] = float("-inf")
 

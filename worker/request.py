@@ -51,6 +51,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
+    def ending_ids(self, eos_token_ids) -> set[int]:
+        """The tokens that end this request: its stop ids, and EOS unless it ignores EOS."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
