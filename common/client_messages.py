@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 MAX_REQUEST_ID_LEN = 64
 MAX_IDEMPOTENCY_KEY_LEN = 200  # SubmitRequest.idempotency_key, characters
 MAX_STOP_TOKEN_IDS = 128  # SubmitRequest.stop_token_ids: a chat model's end-of-turn ids are a handful
+# OpenAI's presence and frequency penalties: [-2, 2]; vLLM's repetition penalty: (0, 2] (vLLM has no upper bound;
+# this one keeps a logit divided or multiplied by it finite in float32). The gateway and the worker both check.
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,8 @@ def build(config: GatewayConfig):
     gw = Gateway(config, queue, tenants, tokenizer)
     policy = gw.hello_policy
     try:
-        policy.adopt(tokenizer_pin.claim(client, KeySpace(prefix=config.key_prefix),
-                                         policy.tokenizer_digest if tokenizer is not None else None))
+        ours = policy.tokenizer_digest if tokenizer is not None else None
+        policy.adopt(tokenizer_pin.claim(client, queue.keys, ours))
     except settings.ConfigError:
         gw.close()
         raise

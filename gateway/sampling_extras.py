@@ -10,11 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from common.client_messages import MAX_STOP_TOKEN_IDS, SAMPLING_EXTRAS
+from common.client_messages import MAX_PENALTY, MAX_STOP_TOKEN_IDS, SAMPLING_EXTRAS
 from common.errors import InvalidRequest
 from common.protocol import SubmitRequest
-
-PENALTY_RANGE = 2.0  # OpenAI's presence and frequency penalties: [-2, 2]; vLLM's repetition penalty: (0, 2]
 
 
 def asked(req: SubmitRequest) -> dict[str, Any]:
@@ -33,8 +31,8 @@ def check(req: SubmitRequest) -> None:
         raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({req.max_tokens})", field="min_tokens")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
-        if not (math.isfinite(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE):
-            raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}", field=name)
-    if not (math.isfinite(req.repetition_penalty) and 0 < req.repetition_penalty <= PENALTY_RANGE):
-        raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {req.repetition_penalty!r}",
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise InvalidRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}", field=name)
+    if not (math.isfinite(req.repetition_penalty) and 0 < req.repetition_penalty <= MAX_PENALTY):
+        raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {req.repetition_penalty!r}",
                              field="repetition_penalty")

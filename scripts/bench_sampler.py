@@ -1,9 +1,9 @@
 """What the sampling extras cost the sampler: one step's pick for a batch, with no request penalised, one, or all
 (presence + frequency + repetition penalties), and with every request held back by min_tokens.
 
-The sampler alone, on random logits of a Llama-3-sized vocabulary: its penalties count each penalised request's
-tokens afresh every step, so their cost grows with the prompt and output lengths given here. The configurations
-take turns each round, so that machine noise hits them alike.
+The sampler alone, on random logits of a Llama-3-sized vocabulary, as decode steps: each pick's token joins its
+request's output, as in the engine (a penalised request's counts are kept between steps and take only the new
+tokens: worker/logit_extras.py). The configurations take turns each round, so that machine noise hits them alike.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def requests(batch: int, prompt: int, output: int, vocab: int, penalised: int, min_tokens: bool, greedy: bool):
+def requests(batch: int, prompt: int, output: int, vocab: int, penalised: int, min_tokens: bool, greedy: bool,
+             picks: int):
     from common.tiers import Tier
     from worker.request import Request, SamplingParams
 
@@ -28,10 +29,10 @@ def requests(batch: int, prompt: int, output: int, vocab: int, penalised: int, m
     out = []
     for i in range(batch):
         pen = i < penalised
-        params = SamplingParams(max_tokens=output + 16, temperature=0.0 if greedy else 0.8, top_p=1.0,
+        params = SamplingParams(max_tokens=output + picks + 16, temperature=0.0 if greedy else 0.8, top_p=1.0,
                                 presence_penalty=0.5 if pen else 0.0, frequency_penalty=0.3 if pen else 0.0,
                                 repetition_penalty=1.2 if pen else 1.0, stop_token_ids=(1, 2, 3),
-                                min_tokens=output + 8 if min_tokens else 0)
+                                min_tokens=output + picks + 8 if min_tokens else 0)
         r = Request(f"r{i}", [rng.randrange(vocab) for _ in range(prompt)], params, Tier.P3, arrival_seq=i, seed=i)
         r.output_token_ids.extend(rng.randrange(vocab) for _ in range(output))
         out.append(r)
@@ -63,15 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = []
     for greedy in (True, False):
-        batches = {name: requests(a.batch, a.prompt, a.output, a.vocab, greedy=greedy, **c)
+        batches = {name: requests(a.batch, a.prompt, a.output, a.vocab, greedy=greedy, picks=a.rounds * a.steps, **c)
                    for name, c in configs.items()}
         times: dict[str, list[float]] = {name: [] for name in batches}
         for _ in range(a.rounds):
             for name, reqs in batches.items():
                 for _ in range(a.steps):
                     t = time.perf_counter()
-                    sampler.sample(logits, reqs)
+                    picked = sampler.sample(logits, reqs)
                     times[name].append(time.perf_counter() - t)
+                    for r, token in zip(reqs, picked):
+                        r.output_token_ids.append(token)
         plain = statistics.median(times["plain"])
         for name, ts in times.items():
             ms = 1e3 * statistics.median(ts)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check, about 6 minutes on one H200 (5 min 9 s in its first run there, before step 6):
 #   1. the CUDA tests (tests/test_cuda.py: no math-kernel SDPA, no host sync in the forward,
-#      bf16 default, KV pool from gpu_memory_utilization, measured costs, swap on its own stream);
+#      bf16 default, KV pool from gpu_memory_utilization, measured costs, swap on its own stream; and the
+#      sliding windows and penalties against their host references);
 #   2. a random-weight model with Llama-3-8B's shapes, built on the GPU in bfloat16;
 #   3. decode step time (16 at context 64 vs 15 + one at 2048; and 32 at 1024 vs 31 + one at 7900,
 #      which with the bench's 256 new tokens fills Llama-3's 8192)
@@ -63,7 +64,7 @@ print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__versi
 EOF
 
 log "1. CUDA tests"
-step "1. CUDA tests" 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_step_syncs.py tests/test_sliding_window.py
+step "1. CUDA tests" 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_step_syncs.py tests/test_sliding_window.py tests/test_penalties.py
 
 log "2. random Llama-3-8B-shaped model, bf16, built on the GPU"
 MODEL=${MODEL_DIR:-$OUT/llama3-8b-shape}

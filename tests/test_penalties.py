@@ -8,11 +8,15 @@ Real parts: the tiny model's engine in this process."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from common.errors import InvalidRequest
-from worker import Engine, EngineConfig, SamplingParams
+from common.tiers import Tier
+from worker import Engine, EngineConfig, SamplingParams, logit_extras
+from worker.request import Request
 
 PROMPT = [5, 9, 33, 71, 2, 14, 150, 8, 9, 33]
 NEW = 16
@@ -25,9 +29,13 @@ def hf(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return Engine.from_pretrained(str(tiny_model_dir), EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
+# On CUDA too where there is one (scripts/gpu_check.sh, step 1): worker/logit_extras.py's flat-index updates must
+# land on the device's logits, against the same host reference.
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def engine(tiny_model_dir, request):
+    return Engine.from_pretrained(str(tiny_model_dir), EngineConfig(device=request.param, dtype="float32",
+                                                                    max_num_seqs=8))
 
 
 @torch.inference_mode()
@@ -90,6 +98,56 @@ def test_a_sampled_penalised_run_is_repeatable_and_batch_independent(engine):
     assert alone == beside
     assert alone != run(engine, {"a": (PROMPT, SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.05,
                                                                seed=21))})["a"]
+
+
+def test_a_resumed_penalised_run_counts_the_output_it_came_with(engine, hf):
+    """A re-dispatched job goes on from its earlier attempts' tokens (``output_token_ids`` at its start): they count
+    for the penalties from its first step here, as a run from the start counts them (the counts kept between steps
+    must take every token they have not read, not one a step)."""
+    for name in ("all", "frequency"):
+        whole = reference(hf, PROMPT, **CASES[name])
+        engine.add_request("resumed", PROMPT, params_of(CASES[name]), output_token_ids=whole[:NEW // 2])
+        got = list(whole[:NEW // 2])
+        while engine.has_unfinished():
+            for o in engine.step():
+                got += o.new_token_ids
+        assert got == whole, (name, got, whole)
+
+
+def test_counts_kept_between_steps_match_a_fresh_count_of_every_token():
+    """worker/logit_extras.py keeps each penalised request's counts between steps and reads only the tokens added
+    since: against the definitions counted afresh each step, on random logits of a small vocabulary (tokens repeat
+    often, counts climb past 1), outputs growing by one token a step, by none, or by a burst (a resumed job's
+    output, more distinct tokens than the kept tensors start with room for), rows joining and leaving the batch."""
+    rng = random.Random(12)
+    vocab = 60
+    gen = torch.Generator().manual_seed(12)
+    pool = []
+    for i in range(10):
+        pen = dict(presence=rng.choice([0.0, 0.7, -1.3]), frequency=rng.choice([0.0, 0.4, -0.9, 2.0]),
+                   repetition=rng.choice([1.0, 1.5, 0.6, 2.0])) if i % 4 else {}
+        r = Request(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))],
+                    SamplingParams(max_tokens=10_000, presence_penalty=pen.get("presence", 0.0),
+                                   frequency_penalty=pen.get("frequency", 0.0),
+                                   repetition_penalty=pen.get("repetition", 1.0)), Tier.P3, arrival_seq=i, seed=i)
+        r.output_token_ids.extend(rng.randrange(vocab) for _ in range(rng.choice([0, 0, 3, 70])))
+        pool.append((r, pen))
+    for step in range(80):
+        batch = [p for p in pool if rng.random() < 0.8] or pool[:1]
+        logits = torch.randn(len(batch), vocab, generator=gen)
+        want = logits.tolist()
+        for row, (r, pen) in zip(want, batch):
+            out = r.output_token_ids
+            for t in set(r.prompt_token_ids) | set(out):
+                rep = pen.get("repetition", 1.0)
+                row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+            for t in set(out):
+                row[t] -= pen.get("frequency", 0.0) * out.count(t) + pen.get("presence", 0.0)
+        logit_extras.apply_(logits, [r for r, _ in batch], ())
+        assert torch.allclose(logits, torch.tensor(want), rtol=1e-5, atol=1e-5), f"step {step}"
+        for r, _ in batch:
+            grow = rng.choice([1, 1, 1, 0, 25])
+            r.output_token_ids.extend(rng.randrange(vocab) for _ in range(grow))
 
 
 @pytest.mark.parametrize("field, value", [

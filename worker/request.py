@@ -12,7 +12,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from common.client_messages import MAX_STOP_TOKEN_IDS
+from common.client_messages import MAX_PENALTY, MAX_STOP_TOKEN_IDS
 from common.errors import InvalidRequest
 from common.tiers import Tier
 
@@ -90,10 +90,12 @@ class SamplingParams:
             raise InvalidRequest(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
                                  f"{self.min_tokens!r}", field="min_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not _finite(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", field=name)
-        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}",
+            value = getattr(self, name)
+            if not _finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}",
+                                     field=name)
+        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty!r}",
                                  field="repetition_penalty")
 
 
