@@ -130,6 +130,10 @@ class CancelRequest:
     api_key: str
     job_id: str
     request_id: str | None = None
+    # The job's answer ends with its first ``stop_at`` tokens (the caller found its end there: the HTTP door's stop
+    # strings): the job ends done, finish_reason "stop", with those tokens, rather than cancelled. Where its worker
+    # cannot (an older worker, or the job is not running) it is cancelled as without. None: a plain cancel.
+    stop_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ class WorkerHello:
     # Takes DispatchJob's stop_token_ids, min_tokens and penalties (False from older workers: while one is
     # registered, a job asking for them is refused at admission).
     sampling_extras: bool = False
+    # Takes CancelJob.stop_at (False from older workers: they are sent a plain cancel instead).
+    stops_at: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class CancelJob:
     # Cancel only this attempt or an earlier one (None: whatever runs): a late CancelJob for a
     # requeued lease must not stop the job's next attempt on the same worker.
     attempt: int | None = None
+    # End the job done (finish_reason "stop") with its first ``stop_at`` tokens, once it has that many, rather
+    # than drop it (CancelRequest.stop_at). Sent only to workers whose hello says ``stops_at``.
+    stop_at: int | None = None
 
 
 @dataclass(frozen=True)

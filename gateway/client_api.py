@@ -212,8 +212,15 @@ class ClientApi:
         return limits
 
     def on_cancel(self, ident: bytes, req: P.CancelRequest) -> None:
+        if req.stop_at is not None and (type(req.stop_at) is not int or req.stop_at < 1):
+            self._reply_error(ident, InvalidRequest(f"stop_at must be an integer >= 1, got {req.stop_at!r}",
+                                                    field="stop_at"), req.job_id)
+            return
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
+            return
+        if req.stop_at is not None and self._stop_at(rec, req.stop_at):
+            self._send(self.clients, ident, P.CancelReply(req.job_id, True))
             return
         # What this gateway's next token-log flush would write into the job's record goes with the cancel: the
         # record a job ended with is final (first_token.lua), and its final message tells that record's figures.
@@ -240,6 +247,17 @@ class ClientApi:
         if before is not None:
             metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
             self._finish_stream(req.job_id, "cancelled", None, CANCELLED, ended=before)
+
+
+    def _stop_at(self, rec, n: int) -> bool:
+        """Tell the worker running ``rec`` to end it done with its first ``n`` tokens (its answer ended there): the
+        worker's completion stores it, as any other. False where it cannot (the job is not running on a worker
+        registered here, or that worker is older than CancelJob.stop_at): the caller cancels it instead."""
+        w = self.workers.workers.get(rec.worker) if rec.state == "dispatched" else None
+        if w is None or not w.hello.stops_at:
+            return False
+        self._send(self.worker_sock, w.identity, P.CancelJob(rec.id, rec.attempt, stop_at=n))
+        return True
 
 
 def _submitted(result: Admitted, adm: admission.Admission) -> P.SubmitReply:

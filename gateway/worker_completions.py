@@ -51,7 +51,7 @@ class WorkerCompletions:
         state, reason = msg.state, msg.reason
         if state == "done" and len(tokens) != msg.num_tokens:
             state, reason = "failed", f"incomplete result: {len(tokens)} of {msg.num_tokens} tokens arrived"
-        elif state == "done" and tokens[:len(streamed)] != streamed:
+        elif state == "done" and not _agrees(tokens, streamed, msg.finish_reason):
             state, reason = "failed", "the streamed tokens disagree with the worker's result"
         if state != msg.state:
             self.counters["incomplete_results"] += 1
@@ -121,3 +121,11 @@ class WorkerCompletions:
             worker, msg = self._unstored.pop(0)
             self._store_finished(worker, msg)
             self._send(self.worker_sock, worker.encode(), P.JobFinishedAck(msg.job_id, msg.attempt))
+
+
+def _agrees(result: list[int], streamed: list[int], finish_reason: str | None) -> bool:
+    """The worker's result begins with every token it streamed; or, ended where its caller's answer did
+    (CancelRequest.stop_at: finish_reason "stop"), is the start of them (the step that passed the stop streamed on)."""
+    if len(result) < len(streamed) and finish_reason == "stop":
+        return streamed[:len(result)] == result
+    return result[:len(streamed)] == streamed

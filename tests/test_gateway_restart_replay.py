@@ -19,41 +19,9 @@ from common import protocol as P
 from common.sockets import make_socket
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
+from tests.raw_worker import RawWorker
 
 pytestmark = pytest.mark.faults
-
-
-class RawWorker:
-    def __init__(self, endpoint: str, worker_id: str = "wk-raw") -> None:
-        self.worker_id = worker_id
-        self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=worker_id.encode())
-        self.sock.connect(endpoint)
-        self.held: list[str] = []
-        self.hello()
-
-    def send(self, msg) -> None:
-        self.sock.send(P.encode(msg))
-
-    def hello(self) -> None:
-        self.send(P.WorkerHello(self.worker_id, "raw", 512, 2048, 1, 1024, resumes=True))
-        self.beat()
-
-    def beat(self) -> None:
-        self.send(P.WorkerLoad(self.worker_id, 0 if self.held else 1, 1024, {}, {}, list(self.held), 0.0))
-
-    def recv(self, kind: type, timeout_s: float):
-        """The first ``kind`` frame within ``timeout_s`` (reporting the held jobs meanwhile), else None."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.beat()
-            if self.sock.poll(200):
-                msg = P.decode(self.sock.recv())
-                if isinstance(msg, kind):
-                    return msg
-        return None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 def chunks_until(sock: zmq.Socket, last_index: int, timeout_s: float) -> list[P.TokenChunk]:

@@ -1,6 +1,6 @@
 """Stop strings (OpenAI's ``stop``) at the HTTP door: the answer ends where the first one begins, whole or
-streamed, with the tokens up to the one that completed it counted; the job is cancelled there; bad values are
-refused and store nothing.
+streamed, with the tokens up to the one that completed it counted; the job ends there (done, finish_reason stop,
+those tokens: tests/test_stop_at.py for the gateway's side); bad values are refused and store nothing.
 
 A real local cluster (scripts/up.py: redis-server, a gateway, a worker, ``python -m gateway.http``), real HTTP
 (httpx and the official openai client), and the job's tokens read back through the SDK to place each stop.
@@ -14,12 +14,14 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+import msgpack
 import pytest
 
 from gateway.sdk import GatewayClient
 from tests.cluster_helpers import (assert_unchanged, frozen, job_hash, job_ids, local_cluster, snapshot,
                                    state_pids, wait_for)
 from tests.test_http import assert_error, kv_usage, key, post, sse
+from tests.test_metrics_counts import summed
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31]
 N = 40
@@ -115,15 +117,45 @@ def test_text_that_only_begins_a_stop_string_is_sent_in_full(cluster, pieces, st
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_the_job_is_cancelled_at_its_stop(cluster, pieces, stream):
-    """What the job would make past the stop is nobody's: the door cancels it and the worker frees its blocks."""
+def test_the_job_ends_done_at_its_stop_with_the_tokens_its_answer_holds(cluster, pieces, stream):
+    """What the job would make past the stop is nobody's: the door ends it there and the worker frees its blocks.
+    Its record says so (done, finish_reason stop, the answer's tokens), as do the gateway's counts: it was
+    recorded cancelled, which read as a client giving up on every request a stop string ended."""
     stop = spanning(pieces, 4)
     text, _, n = reference(pieces, [stop])
+    with GatewayClient(cluster["gateway"], key(cluster, "api-co")) as sdk:
+        whole = sdk.submit(prompt_token_ids=PROMPT, max_tokens=N, ignore_eos=True).result(timeout=120).token_ids
+    ended = {s: summed(cluster, "ts_jobs_finished_total", state=s) for s in ("done", "cancelled")}
     got, finish, tokens, job_id = ask(cluster, body(stop, stream, max_tokens=1500))
     assert (got, finish, tokens) == (text, "stop", n)
-    h = wait_for(lambda: (h := job_hash(cluster, job_id))["state"] == "cancelled" and h, 60, "the job's cancel")
-    assert int(h.get("num_tokens", 0) or 0) < 1500
+    h = wait_for(lambda: (h := job_hash(cluster, job_id))["state"] != "dispatched" and h, 60, "the job's end")
+    assert (h["state"], h["finish_reason"], int(h["num_tokens"])) == ("done", "stop", n), h
+    raw = cluster["redis_client"].hget(f"{cluster['key_prefix']}:{{c}}:job:{job_id}", "token_ids")
+    assert msgpack.unpackb(raw) == whole[:n]
+    with GatewayClient(cluster["gateway"], key(cluster, "api-co")) as sdk:
+        result = sdk.job(job_id).result(timeout=30)
+    assert (result.token_ids, result.finish_reason) == (whole[:n], "stop")
+    wait_for(lambda: summed(cluster, "ts_jobs_finished_total", state="done") == ended["done"] + 1, 30,
+             "the gateway to count the job done")
+    assert summed(cluster, "ts_jobs_finished_total", state="cancelled") == ended["cancelled"]
     wait_for(lambda: kv_usage(cluster["metrics"][1]) == 0, 60, "the worker to free the job's KV blocks")
+
+
+def test_a_stop_past_the_tokens_made_so_far_ends_the_job_when_it_has_them(cluster, pieces):
+    """The SDK's ``cancel(job_id, stop_at=n)`` with n tokens not yet made: the worker ends the job at the step that
+    makes the n-th, with exactly n; a stop already passed ends it at once with the first n."""
+    with GatewayClient(cluster["gateway"], key(cluster, "api-co")) as sdk:
+        whole = sdk.submit(prompt_token_ids=PROMPT, max_tokens=N, ignore_eos=True).result(timeout=120).token_ids
+        for at, after in ((N - 3, 1), (3, 10)):
+            job = sdk.submit(prompt_token_ids=PROMPT, max_tokens=1500, ignore_eos=True)
+            seen = 0
+            for chunk in job.stream(timeout=60):
+                seen += len(chunk.token_ids)
+                if seen >= after:
+                    break
+            assert sdk.cancel(job.id, stop_at=at) is True
+            result = job.result(timeout=60)
+            assert (result.token_ids, result.finish_reason) == (whole[:at], "stop"), (at, after)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

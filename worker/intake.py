@@ -28,6 +28,7 @@ class RunningJob:
     started: float
     tokens: list[int] = field(default_factory=list)  # every output token so far (the next index is its length)
     first_token: float | None = None
+    stop_at: int | None = None  # CancelJob.stop_at: it ends done with this many tokens once it has them
 
 
 class Intake:
@@ -49,6 +50,8 @@ class Intake:
                 continue
             if isinstance(msg, P.DispatchJob):
                 self._dispatch(sock, msg)
+            elif isinstance(msg, P.CancelJob) and msg.stop_at is not None:
+                self._stop_at(msg.job_id, msg.attempt, msg.stop_at)
             elif isinstance(msg, P.CancelJob):
                 self._cancel(msg.job_id, msg.attempt)
             elif isinstance(msg, P.JobFinishedAck):
@@ -116,6 +119,38 @@ class Intake:
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, sock, self.clock(), resumed)
         self.rates.added(msg.job_id)
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
+
+    def _stop_at(self, job_id: str, attempt: int | None, n: int) -> None:
+        """The job's answer ends with its first ``n`` tokens: it ends done there (now, if it has them; else at the
+        step that brings them), with exactly those, rather than run on or be dropped."""
+        job = self.jobs.get(job_id)
+        if type(n) is not int or n < 1:
+            self.counters["malformed"] += 1
+            log.warning("dropped a stop of job %s at %r tokens: not an integer >= 1", job_id, n)
+            return
+        if job is None or (attempt is not None and job.attempt != attempt):
+            # Another attempt's tokens need not be the ones its caller read: that one runs on, as a cancel of
+            # an earlier attempt leaves it.
+            self.counters["stale_cancels"] += 1
+            return
+        job.stop_at = n if job.stop_at is None else min(job.stop_at, n)
+        if len(job.tokens) >= job.stop_at:
+            self._end_at_stop(job)
+
+    def _end_at_stop(self, job: RunningJob) -> None:
+        n = job.stop_at
+        req = self.engine.get_request(job.job_id)
+        preemptions = req.num_preemptions if req is not None else 0
+        self.engine.abort(job.job_id)  # False if it finished in the same step: it ends here all the same
+        del self.jobs[job.job_id]
+        now = self.clock()
+        ttft = None if job.first_token is None else job.first_token - job.started
+        self._finish(job.reply, P.JobFinished(
+            job.job_id, job.attempt, "done", "stop", n, ttft, now - job.started, preemptions, None, job.tokens[:n],
+            prefill_start_s=self.rates.prefill_start_s(job.job_id),
+            prefill_start_age_s=self.rates.prefill_start_age_s(job.job_id, now)))
+        self.rates.forget(job.job_id)
+        self._beat_soon()  # its slot is free
 
     def _cancel(self, job_id: str, attempt: int | None) -> None:
         job = self.jobs.get(job_id)

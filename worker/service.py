@@ -177,7 +177,9 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
                 self._send(job.reply, P.JobTokens(job.job_id, job.attempt, len(job.tokens), out.new_token_ids, started,
                                                   age))
                 job.tokens.extend(out.new_token_ids)
-                if out.finished:
+                if job.stop_at is not None and len(job.tokens) >= job.stop_at:
+                    self._end_at_stop(job)  # its answer ended there, whether or not the engine's run did
+                elif out.finished:
                     del self.jobs[job.job_id]
                     failed = out.error is not None  # its step failed (e.g. out of memory); the engine goes on
                     self._finish(job.reply, P.JobFinished(

@@ -163,7 +163,9 @@ class FrontDoor:
         if job.duplicate:
             headers[idempotency.REPLAYED] = "true"
         # A client that sent a key is coming back for its job (gateway/http/idempotency.py): it is not cancelled.
-        cancel = (lambda: None) if idem is not None else (lambda: self._cancel_later(key, job.id))
+        # At a stop string (``stop_at``: the tokens its answer holds) the job ends done there rather than cancelled.
+        cancel = ((lambda stop_at=None: None) if idem is not None
+                  else (lambda stop_at=None: self._cancel_later(key, job.id, stop_at)))
         reply = Reply.for_job(chat, job.id, int(time.time()), self.model, len(ids))
         stop = stops.scan_for(body, self.prompts.tokenizer)
         streaming = False
@@ -196,7 +198,7 @@ class FrontDoor:
                 release()
 
     async def _stream(self, request: Request, job, reply: Reply, headers: dict[str, str], include_usage: bool,
-                      cancel: Callable[[], None], release: Callable[[], None],
+                      cancel: Callable[..., None], release: Callable[[], None],
                       stop: stops.StopScan | None) -> Response:
         chunks = job.stream()  # as job.result() above: only a gateway's silence ends it early
         interval = self.config.sse_keepalive_s
@@ -235,12 +237,12 @@ class FrontDoor:
             raise ClientGone
         return False
 
-    def _cancel_later(self, key: str, job_id: str) -> None:
+    def _cancel_later(self, key: str, job_id: str, stop_at: int | None = None) -> None:
         """Cancel a job from its own task: the caller may itself be in the middle of being cancelled."""
         async def cancel() -> None:
             try:
                 async with self.upstream.client(key) as up:
-                    await up.client.cancel(job_id)
+                    await up.client.cancel(job_id, stop_at=stop_at)
             except (ServingError, TimeoutError) as e:
                 log.warning("could not cancel job %s: %s", job_id, e)
 

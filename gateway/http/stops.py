@@ -5,7 +5,9 @@ The door finds them, not the worker: it decodes the job's tokens one at a time (
 gateway decodes them), so it knows which token completed a stop string, and ``usage.completion_tokens`` counts
 the tokens up to and including that one, as vLLM counts them. A stream holds back the text that may be the start
 of a stop string (at most the longest one's length less a character) until the next tokens say whether it is.
-The job goes on generating until the door cancels it: what it made past the stop is never sent.
+The job goes on generating until the door ends it there (the SDK's ``cancel(stop_at=...)``): it is stored done,
+finish_reason ``stop``, with the tokens its answer holds (cancelled where its worker is older); what it made past
+the stop is never sent.
 
 A job's stop token ids end it on the worker; the door leaves that token's text out of the answer (it still counts
 in ``completion_tokens``), as vLLM does. With vLLM's ``min_tokens``, a stop string ending in the text of the
@@ -105,15 +107,15 @@ class StopScan:
         return out
 
 
-async def until_stop(job, stop: StopScan, cancel: Callable[[], None]) -> tuple[str, int, str]:
+async def until_stop(job, stop: StopScan, cancel: Callable[..., None]) -> tuple[str, int, str]:
     """A whole answer with stop strings: (text, completion tokens, finish reason). Read as a stream, so that the
-    job is cancelled (``cancel``) as soon as a stop string ends its answer, not after its last token."""
+    job ends (``cancel(stop_at=...)``) as soon as a stop string ends its answer, not after its last token."""
     chunks = job.stream()
     try:
         async for chunk in chunks:
             stop.feed(chunk.token_ids)
             if stop.stopped:
-                cancel()
+                cancel(stop_at=stop.tokens)
                 return stop.text, stop.tokens, "stop"
     finally:
         await chunks.aclose()

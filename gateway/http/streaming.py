@@ -22,13 +22,13 @@ async def next_chunk(chunks: AsyncIterator):
 
 
 async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Future, *, late: bool, reply: Reply,
-                 include_usage: bool, keepalive_s: float, cancel: Callable[[], None],
+                 include_usage: bool, keepalive_s: float, cancel: Callable[..., None],
                  release: Callable[[], None], stop: StopScan | None = None) -> AsyncIterator[bytes]:
     """The SSE body of ``job``: ``first`` is the task reading its first chunk (done unless ``late``: its status line
     did not wait for it). Every wait, for a chunk or for the result, sends KEEPALIVE each ``keepalive_s``. The client
     gone (this generator closed or cancelled before the end) cancels the job; ``release`` is called in any case.
     ``stop``: the request's stop strings; the text is theirs to release, and one found ends the answer (and the
-    job, by ``cancel``)."""
+    job there, by ``cancel(stop_at=...)``)."""
     count, done, step = 0, False, first
     clock = asyncio.get_running_loop().time
     sent = clock()  # when the client last got bytes
@@ -61,7 +61,7 @@ async def events(request: Request, job, chunks: AsyncIterator, first: asyncio.Fu
             step = asyncio.ensure_future(next_chunk(chunks))
         if stop is not None and stop.stopped:
             done = True
-            cancel()  # what it makes past the stop is nobody's
+            cancel(stop_at=stop.tokens)  # what it makes past the stop is nobody's: it ends there, done
             await chunks.aclose()  # and its gateway stops sending it (the SDK unsubscribes)
             finish = "stop"
         else:

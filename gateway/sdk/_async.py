@@ -21,8 +21,8 @@ from gateway.sdk._async_connection import _check_open, _Connection
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
 from gateway.sdk._drops import DROPPED, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
-from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
-                                   server_key, sized_submit_request, wait_limit, with_request_id)
+from gateway.sdk._requests import (auto_idempotency_key, cancel_requests, client_settings, endpoint_list, job_request,
+                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
                                   to_result, to_status, without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
@@ -270,12 +270,18 @@ class AsyncGatewayClient:
     async def status(self, job_id: str) -> JobStatus:
         return to_status(await self._call(job_request(P.StatusRequest, self.api_key, job_id)))
 
-    async def cancel(self, job_id: str) -> bool:
-        return (await self._call(job_request(P.CancelRequest, self.api_key, job_id))).cancelled
+    async def cancel(self, job_id: str, *, stop_at: int | None = None) -> bool:
+        """As GatewayClient.cancel."""
+        return (await self._first_taken(cancel_requests(self.api_key, job_id, stop_at))).cancelled
 
     async def info(self, limits: bool = False, tokenizer: bool = False) -> P.InfoReply:
         """As GatewayClient.info."""
-        *first, last = info_requests(self.api_key, limits, tokenizer)
+        return await self._first_taken(info_requests(self.api_key, limits, tokenizer))
+
+    async def _first_taken(self, requests: list):
+        """The reply to the first of ``requests`` the gateway understands (an older one refuses a frame with a
+        field it does not know: the next asks without it)."""
+        *first, last = requests
         for request in first:
             try:
                 return await self._call(request)

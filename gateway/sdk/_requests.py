@@ -162,5 +162,17 @@ def job_request(cls, api_key: str, job_id, **fields):
     return msg
 
 
+def cancel_requests(api_key: str, job_id, stop_at) -> list[P.CancelRequest]:
+    """The cancel call's frames, most asked first (as info's: a gateway older than ``stop_at`` refuses the first,
+    and the plain cancel goes next)."""
+    plain = job_request(P.CancelRequest, api_key, job_id)
+    if stop_at is None:
+        return [plain]
+    stop_at = plain_int(stop_at)
+    if type(stop_at) is not int or not 1 <= stop_at < INT64[1]:
+        raise InvalidRequest(f"stop_at must be an integer >= 1, got {stop_at!r}", field="stop_at")
+    return [dataclasses.replace(plain, stop_at=stop_at), plain]
+
+
 def with_request_id(msg, request_id: str):
     return dataclasses.replace(msg, request_id=request_id)

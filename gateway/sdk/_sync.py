@@ -19,8 +19,8 @@ from common.sockets import curve_client, make_socket
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
 from gateway.sdk._drops import DROPPED, DropWatch, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
-from gateway.sdk._requests import (auto_idempotency_key, client_settings, endpoint_list, job_request, new_request_id,
-                                   server_key, sized_submit_request, wait_limit, with_request_id)
+from gateway.sdk._requests import (auto_idempotency_key, cancel_requests, client_settings, endpoint_list, job_request,
+                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
                                   to_result, to_status, without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
@@ -276,15 +276,24 @@ class GatewayClient:
     def status(self, job_id: str) -> JobStatus:
         return to_status(self._call(job_request(P.StatusRequest, self.api_key, job_id)))
 
-    def cancel(self, job_id: str) -> bool:
-        return self._call(job_request(P.CancelRequest, self.api_key, job_id)).cancelled
+    def cancel(self, job_id: str, *, stop_at: int | None = None) -> bool:
+        """Cancel the job; False if it had already ended. With ``stop_at``: the caller's answer ended with the job's
+        first ``stop_at`` tokens (a stop string it found in their text): the job ends done there (finish_reason
+        "stop", those tokens its result) rather than cancelled, once it has made them. Where that cannot be done
+        (its worker or the gateway is older, or it is not running now) it is cancelled."""
+        return self._first_taken(cancel_requests(self.api_key, job_id, stop_at)).cancelled
 
     def info(self, limits: bool = False, tokenizer: bool = False) -> P.InfoReply:
         """Gateway id, connected workers and queue depths per tier; with ``limits``, also this key's token limits
         per tier (``tier_token_limits``, ``max_tokens_limit``; None from a gateway too old to say them); with
         ``tokenizer``, the digest of the cluster's tokenizer (``tokenizer_digest``, common/tokenizer_digest.py;
         None while the gateway does not know it, or from one too old to say it)."""
-        *first, last = info_requests(self.api_key, limits, tokenizer)
+        return self._first_taken(info_requests(self.api_key, limits, tokenizer))
+
+    def _first_taken(self, requests: list):
+        """The reply to the first of ``requests`` the gateway understands (an older one refuses a frame with a
+        field it does not know: the next asks without it)."""
+        *first, last = requests
         for request in first:
             try:
                 return self._call(request)
