@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import zmq.asyncio
 from opentelemetry import trace
@@ -33,10 +33,9 @@ log = logging.getLogger("gateway.sdk")
 
 class AsyncJob(JobBase):
 
-    async def stream(self, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[Chunk]:
+    def stream(self, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """As Job.stream, with ``async for``."""
-        async for chunk in self._client._stream(self, from_index, chunk_timeout=timeout):
-            yield chunk
+        return _Chunks(self, from_index, timeout)
 
     async def result(self, timeout: float | None = None) -> JobResult:
         """As Job.result."""
@@ -51,6 +50,46 @@ class AsyncJob(JobBase):
 
     async def cancel(self) -> bool:
         return await self._client.cancel(self.id)
+
+
+class _Chunks:
+    """AsyncJob.stream's iterator. A wait for its next chunk that ends in an exception (asyncio.wait_for(anext(it),
+    T) timing out, a stream(timeout=T) with no chunk in time) does not end it: the next wait subscribes again from
+    the next index not delivered. An async generator ended for good there, and the same loop's next anext() ended
+    the stream quietly, short of its tokens."""
+
+    def __init__(self, job: AsyncJob, from_index: int, timeout: float | None) -> None:
+        self._job, self._next, self._timeout = job, from_index, timeout
+        self._chunks: AsyncGenerator[Chunk, None] | None = None
+        self._ended = False
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._chunks is None:
+            self._chunks = self._job._client._stream(self._job, self._next, chunk_timeout=self._timeout)
+        chunks = self._chunks
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            self._ended = True
+            raise
+        except BaseException:
+            if chunks.ag_frame is None and self._chunks is chunks:  # not a concurrent anext() refused
+                self._chunks = None  # it ended, and left its subscription in its finally
+            raise
+        self._next = chunk.index + len(chunk.token_ids)
+        return chunk
+
+    async def aclose(self) -> None:
+        """Stop reading: its gateway is told now, not when the garbage collector gets to the stream."""
+        self._ended = True
+        if self._chunks is not None:
+            chunks, self._chunks = self._chunks, None
+            await chunks.aclose()
 
 
 class AsyncGatewayClient:
