@@ -37,6 +37,10 @@ class WorkerHello:
     sampling_extras: bool = False
     # Takes CancelJob.stop_at (False from older workers: they are sent a plain cancel instead).
     stops_at: bool = False
+    # common/model_digest of the model directory's weights: where both this and the cluster's are known, the
+    # gateway compares them rather than the model's path (a worker keeping the model elsewhere is taken; one whose
+    # path holds other weights is refused). None: not a directory it could read, or an older worker.
+    weights_digest: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ MAX_WARNED = 1024  # worker ids warned about as unchecked (HelloPolicy)
 
 class HelloPolicy:
     """One model per cluster: the first acceptable hello pins model, vocab_size and max_model_len, and a
-    later hello that differs is refused, so no worker can narrow (or widen) what admission accepts.
+    later hello that differs is refused, so no worker can narrow (or widen) what admission accepts. The model is
+    its weights' digest where the hellos say one (common/model_digest.py), its path where not.
 
     And one tokenizer: a gateway with a tokenizer refuses a worker whose model's tokenizer differs from it
     (common/tokenizer_digest.py: its text jobs would run on ids the model never learnt, and come back as nonsense
@@ -27,6 +28,7 @@ class HelloPolicy:
         self.model: str | None = None
         self.vocab_size: int | None = None
         self.max_model_len: int | None = None
+        self.weights_digest: str | None = None
         self.tokenizer_digest = tokenizer_digest
         self._own_tokenizer = tokenizer_digest is not None
         self._unchecked: set[str] = set()  # worker ids warned about once
@@ -40,8 +42,13 @@ class HelloPolicy:
             return f"worker_id {OTHER_WORKERS!r} is the metrics' series for workers past the first {HANDOFF_WORKERS}"
         if min(msg.vocab_size, msg.max_model_len, msg.max_num_seqs) < 1 or msg.num_kv_blocks < 0:
             return "vocab_size, max_model_len and max_num_seqs must be >= 1, num_kv_blocks >= 0"
-        for name, pinned in (("model", self.model), ("vocab_size", self.vocab_size),
-                             ("max_model_len", self.max_model_len)):
+        weighed = msg.weights_digest is not None and self.weights_digest is not None
+        if weighed and msg.weights_digest != self.weights_digest:
+            return (f"the weights of model {msg.model!r} differ from this cluster's model {self.model!r} "
+                    f"({msg.weights_digest[:19]} vs {self.weights_digest[:19]})")
+        # Digests of both: one model wherever each keeps it; else its path names it.
+        for name, pinned in ((() if weighed else (("model", self.model),))
+                             + (("vocab_size", self.vocab_size), ("max_model_len", self.max_model_len))):
             if pinned is not None and getattr(msg, name) != pinned:
                 return f"{name} {getattr(msg, name)!r} differs from this cluster's {pinned!r}"
         theirs = msg.tokenizer_digest
@@ -67,5 +74,7 @@ class HelloPolicy:
         stay; the gateway's own tokenizer, where it has one)."""
         if self.model is None:
             self.model, self.vocab_size, self.max_model_len = msg.model, msg.vocab_size, msg.max_model_len
+        if self.weights_digest is None:
+            self.weights_digest = msg.weights_digest
         if self.tokenizer_digest is None:
             self.tokenizer_digest = msg.tokenizer_digest

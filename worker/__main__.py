@@ -66,12 +66,14 @@ def build(config: WorkerConfig):
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
+    from common.model_digest import of_weights
     from common.tokenizer_digest import of_model
     from worker.engine import Engine
     from worker.service import WorkerService
 
     engine = Engine.from_pretrained(config.model, config.engine)
-    return WorkerService(config, engine, tokenizer_digest=of_model(config.model))
+    return WorkerService(config, engine, tokenizer_digest=of_model(config.model),
+                         weights_digest=of_weights(config.model))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ class Reporting:
         hello = P.WorkerHello(self.config.worker_id, self.config.model, e.vocab_size, e.max_model_len,
                               e.config.max_num_seqs, e.blocks.num_blocks, e.tier_limits(),
                               e.config.max_num_batched_tokens, resumes=True, draining=self.drain.active,
-                              tokenizer_digest=self.tokenizer_digest, sampling_extras=True, stops_at=True)
+                              tokenizer_digest=self.tokenizer_digest, sampling_extras=True, stops_at=True,
+                              weights_digest=self.weights_digest)
         for s in self.sockets if sockets is None else sockets:
             self._send(s, hello)
         # And the latest report at once: a gateway gives a worker it knows from a hello alone no credit (a hello

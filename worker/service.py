@@ -39,11 +39,12 @@ log = logging.getLogger("worker")
 
 class WorkerService(Intake, Reporting, Redelivery, Draining):
     def __init__(self, config: WorkerConfig, engine, clock: Callable[[], float] = time.monotonic,
-                 tokenizer_digest: str | None = None) -> None:
+                 tokenizer_digest: str | None = None, weights_digest: str | None = None) -> None:
         self.config = config
         self.engine = engine
         self.clock = clock
         self.tokenizer_digest = tokenizer_digest  # said in each hello: common/tokenizer_digest.py
+        self.weights_digest = weights_digest  # and common/model_digest.py
         self.ctx = zmq.Context.instance()
         ident = config.worker_id.encode()
         self.sockets = [make_socket(self.ctx, zmq.DEALER, identity=ident) for _ in config.gateways]
