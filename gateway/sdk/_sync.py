@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import zmq
 from opentelemetry import trace
@@ -25,7 +25,7 @@ from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, ra
                                   to_result, to_status, without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
 from gateway.sdk._sync_sockets import ThreadSockets, reply_to
-from gateway.sdk._sync_stream import stream
+from gateway.sdk._sync_stream import Chunks, stream
 
 log = logging.getLogger("gateway.sdk")
 
@@ -34,8 +34,10 @@ class Job(JobBase):
 
     def stream(self, from_index: int = 0, timeout: float | None = None) -> Iterator[Chunk]:
         """Yield the job's tokens from ``from_index`` until it ends. ``timeout``: the longest wait between token
-        chunks (None: as long as the job takes; keepalives tell a queued job from a dead gateway)."""
-        return self._client._stream(self, from_index, chunk_timeout=timeout)
+        chunks (None: as long as the job takes; keepalives tell a queued job from a dead gateway). A TimeoutError
+        (or any exception) out of a wait does not end the stream: the next ``next()`` reads on from the next token.
+        ``close()`` stops it at once."""
+        return Chunks(self, from_index, timeout)
 
     def result(self, timeout: float | None = None) -> JobResult:
         """The job's result; ``timeout``: seconds to wait in all (None: as long as the job takes)."""
@@ -236,7 +238,7 @@ class GatewayClient:
             return answered_by, reply
 
     def _stream(self, job: Job, from_index: int, *, chunk_timeout: float | None = None,
-                deadline: float | None = None) -> Iterator[Chunk]:
+                deadline: float | None = None) -> Generator[Chunk, None, P.JobDone]:
         return stream(self, job, from_index, chunk_timeout=chunk_timeout, deadline=deadline)
 
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
