@@ -153,7 +153,7 @@ def test_a_stop_past_the_tokens_made_so_far_ends_the_job_when_it_has_them(cluste
                 seen += len(chunk.token_ids)
                 if seen >= after:
                     break
-            assert sdk.cancel(job.id, stop_at=at) is True
+            assert (sdk.cancel(job.id, stop_at=at) if at > 5 else job.cancel(stop_at=at)) is True
             result = job.result(timeout=60)
             assert (result.token_ids, result.finish_reason) == (whole[:at], "stop"), (at, after)
 

@@ -429,3 +429,27 @@ def test_a_stream_whose_wait_timed_out_reads_on_from_its_next_token(cluster):
     assert timeouts >= 3, f"only {timeouts} waits timed out mid-stream"
     assert len(expected) == 40 and heartbeat == expected, f"{len(heartbeat)} of 40 tokens after {timeouts} timeouts"
     assert len(late_expected) == 24 and bounded == late_expected
+
+
+def test_a_stream_raises_its_jobs_end_once_then_ends(cluster):
+    """As the blocking stream: a job that ended cancelled (or failed, or expired) raises that once at the end of its
+    stream; the next anext() is the stream's end, not the same error again after another round trip."""
+    c = cluster
+
+    async def main():
+        async with AsyncGatewayClient(c["gateway"], c["tenants"]["api-co"]["api_key"], timeout_s=5) as client:
+            with frozen(c["workers"][0]["pid"]):
+                doomed = await client.submit(prompt_token_ids=[35, 36], max_tokens=4, ignore_eos=True, seed=9)
+                chunks = doomed.stream(timeout=0.2)
+                with pytest.raises(TimeoutError):
+                    await anext(chunks)
+                assert await doomed.cancel()
+                with pytest.raises(JobCancelled):
+                    await anext(chunks)
+                with pytest.raises(StopAsyncIteration):
+                    await anext(chunks)
+            assert not (left := await settled(client)), left
+
+    with Unretrieved() as trouble:
+        run(main, trouble)
+    assert not trouble.seen, trouble.seen

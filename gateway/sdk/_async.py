@@ -16,7 +16,7 @@ import zmq.asyncio
 from opentelemetry import trace
 
 from common import protocol as P
-from common.errors import ServingError
+from common.errors import JobExpired, JobFailed, ServingError
 from gateway.sdk._async_connection import _check_open, _Connection
 from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
 from gateway.sdk._drops import DROPPED, failure
@@ -48,8 +48,9 @@ class AsyncJob(JobBase):
     async def status(self) -> JobStatus:
         return await self._client.status(self.id)
 
-    async def cancel(self) -> bool:
-        return await self._client.cancel(self.id)
+    async def cancel(self, *, stop_at: int | None = None) -> bool:
+        """As GatewayClient.cancel of this job."""
+        return await self._client.cancel(self.id, stop_at=stop_at)
 
 
 class _Chunks:
@@ -76,6 +77,11 @@ class _Chunks:
             chunk = await anext(chunks)
         except StopAsyncIteration:
             self._ended = True
+            raise
+        except (JobFailed, JobExpired):
+            # The job's end (JobCancelled among them): raised once, as the blocking stream raises it; a call after
+            # it is the stream's end, not another round trip to be told it again.
+            self._ended, self._chunks = True, None
             raise
         except BaseException:
             if chunks.ag_frame is None and self._chunks is chunks:  # not a concurrent anext() refused

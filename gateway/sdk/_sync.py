@@ -55,8 +55,9 @@ class Job(JobBase):
     def status(self) -> JobStatus:
         return self._client.status(self.id)
 
-    def cancel(self) -> bool:
-        return self._client.cancel(self.id)
+    def cancel(self, *, stop_at: int | None = None) -> bool:
+        """As GatewayClient.cancel of this job."""
+        return self._client.cancel(self.id, stop_at=stop_at)
 
 
 class GatewayClient:
