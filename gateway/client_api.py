@@ -248,7 +248,6 @@ class ClientApi:
             metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
             self._finish_stream(req.job_id, "cancelled", None, CANCELLED, ended=before)
 
-
     def _stop_at(self, rec, n: int) -> bool:
         """Tell the worker running ``rec`` to end it done with its first ``n`` tokens (its answer ended there): the
         worker's completion stores it, as any other. False where it cannot (the job is not running on a worker
