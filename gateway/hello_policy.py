@@ -46,9 +46,10 @@ class HelloPolicy:
         if weighed and msg.weights_digest != self.weights_digest:
             return (f"the weights of model {msg.model!r} differ from this cluster's model {self.model!r} "
                     f"({msg.weights_digest[:19]} vs {self.weights_digest[:19]})")
-        # Digests of both: one model wherever each keeps it; else its path names it.
-        for name, pinned in ((() if weighed else (("model", self.model),))
-                             + (("vocab_size", self.vocab_size), ("max_model_len", self.max_model_len))):
+        pinned_fields = [("vocab_size", self.vocab_size), ("max_model_len", self.max_model_len)]
+        if not weighed:  # digests of both: one model wherever each keeps it; else its path names it
+            pinned_fields.insert(0, ("model", self.model))
+        for name, pinned in pinned_fields:
             if pinned is not None and getattr(msg, name) != pinned:
                 return f"{name} {getattr(msg, name)!r} differs from this cluster's {pinned!r}"
         theirs = msg.tokenizer_digest

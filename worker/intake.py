@@ -138,19 +138,22 @@ class Intake:
             self._end_at_stop(job)
 
     def _end_at_stop(self, job: RunningJob) -> None:
-        n = job.stop_at
         req = self.engine.get_request(job.job_id)
         preemptions = req.num_preemptions if req is not None else 0
         self.engine.abort(job.job_id)  # False if it finished in the same step: it ends here all the same
+        self._complete(job, "done", "stop", job.tokens[:job.stop_at], preemptions, None, self.clock())
+
+    def _complete(self, job: RunningJob, state: str, finish_reason: str | None, tokens: list[int],
+                  preemptions: int, error: str | None, now: float) -> None:
+        """Send the end of ``job``'s attempt (its engine request is over) and let go of it."""
         del self.jobs[job.job_id]
-        now = self.clock()
-        ttft = None if job.first_token is None else job.first_token - job.started
         self._finish(job.reply, P.JobFinished(
-            job.job_id, job.attempt, "done", "stop", n, ttft, now - job.started, preemptions, None, job.tokens[:n],
-            prefill_start_s=self.rates.prefill_start_s(job.job_id),
+            job.job_id, job.attempt, state, finish_reason, len(tokens),
+            None if job.first_token is None else job.first_token - job.started, now - job.started, preemptions,
+            error, tokens, prefill_start_s=self.rates.prefill_start_s(job.job_id),
             prefill_start_age_s=self.rates.prefill_start_age_s(job.job_id, now)))
         self.rates.forget(job.job_id)
-        self._beat_soon()  # its slot is free
+        self._beat_soon()  # report the free slot now, not at the next beat: the wait estimate counts on it
 
     def _cancel(self, job_id: str, attempt: int | None) -> None:
         job = self.jobs.get(job_id)

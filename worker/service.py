@@ -181,17 +181,10 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
                 if job.stop_at is not None and len(job.tokens) >= job.stop_at:
                     self._end_at_stop(job)  # its answer ended there, whether or not the engine's run did
                 elif out.finished:
-                    del self.jobs[job.job_id]
                     failed = out.error is not None  # its step failed (e.g. out of memory); the engine goes on
-                    self._finish(job.reply, P.JobFinished(
-                        job.job_id, job.attempt, "failed" if failed else "done",
-                        out.finish_reason.value if out.finish_reason and not failed else None,
-                        len(job.tokens), None if job.first_token is None else job.first_token - job.started,
-                        now - job.started, out.num_preemptions, out.error, list(job.tokens),
-                        prefill_start_s=self.rates.prefill_start_s(job.job_id),
-                        prefill_start_age_s=self.rates.prefill_start_age_s(job.job_id, now)))
-                    self.rates.forget(job.job_id)
-                    self._beat_soon()  # report the free slot now, not at the next beat: the wait estimate counts on it
+                    self._complete(job, "failed" if failed else "done",
+                                   out.finish_reason.value if out.finish_reason and not failed else None,
+                                   list(job.tokens), out.num_preemptions, out.error, now)
 
     def _running_ids(self) -> set[str]:
         return {r.request_id for r in self.engine.scheduler.running}
