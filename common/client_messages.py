@@ -51,6 +51,11 @@ class SubmitRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # True: the client made ``idempotency_key`` for this call's own retries (the SDK does when its caller gives
+    # none): the gateway keeps it as long as the job's record (result_ttl_s), not idempotency_ttl_s (24 h), which
+    # at a thousand jobs a second held tens of millions of keys nobody would ask for again. An older gateway
+    # refuses the field as a protocol error (the SDK then sends the request without it).
+    retry_key: bool = False
 
 
 # SubmitRequest's fields a job's payload and its DispatchJob carry only when the request asks for them (not at
@@ -134,6 +139,10 @@ class CancelRequest:
     # strings): the job ends done, finish_reason "stop", with those tokens, rather than cancelled. Where its worker
     # cannot (an older worker, or the job is not running) it is cancelled as without. None: a plain cancel.
     stop_at: int | None = None
+    # Cancel the job admitted under this idempotency key (``job_id`` ""), or, where none is, withdraw the key: a
+    # submission under it that is still on its way (the client gave up waiting for its reply) is refused, nothing
+    # stored, for as long as a retry key is kept. The SDK sends it for a submit() that ended without a reply.
+    idempotency_key: str | None = None
 
 
 @dataclass(frozen=True)

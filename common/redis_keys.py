@@ -31,7 +31,10 @@ key                     type         contents and lifetime
                                      their hashes. An entry may outlive its (expired) hash.
 ``idem:<tenant>:<key>`` string       job id admitted under this idempotency key, then a space and
                                      the request's fingerprint (gateway/admission.fingerprint); TTL
-                                     ``idempotency_ttl`` (default 24 h) from admission. The
+                                     ``idempotency_ttl`` (default 24 h) from admission, or for a
+                                     client's retry key (SubmitRequest.retry_key) the shorter of it
+                                     and ``result_ttl``. ``-``: withdrawn (CancelRequest by key)
+                                     before any admission, for that shorter TTL. The
                                      tenant is percent-encoded so ':' cannot make names collide.
 ``tenant-jobs:<tenant>`` sorted set  the tenant's admitted job ids -> admission ms, kept only under a
                                      per-tenant cap (``tenant_max_jobs``); finished ones are pruned

@@ -97,6 +97,9 @@ def check(req: SubmitRequest, tenants: TenantDirectory, *, tokenize, vocab_size:
         raise InvalidRequest("top_k must be >= 1", field="top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidRequest("seed must be in [0, 2**63)", field="seed")
+    if req.retry_key and req.idempotency_key is None:
+        raise InvalidRequest("retry_key says the idempotency_key is the client's own retry key: give one",
+                             field="retry_key")
     if req.idempotency_key is not None and not 0 < len(req.idempotency_key) <= MAX_IDEMPOTENCY_KEY_LEN:
         raise InvalidRequest(f"idempotency_key must be 1..{MAX_IDEMPOTENCY_KEY_LEN} characters",
                              field="idempotency_key")

@@ -5,6 +5,7 @@ A mixin of gateway.server.Gateway: it uses the gateway's queue, tenants, sockets
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -14,11 +15,12 @@ import msgpack
 
 from common import protocol as P
 from common import tracing
+from common.client_messages import MAX_IDEMPOTENCY_KEY_LEN
 from common.errors import Forbidden, InvalidRequest, Unauthorized
 from common.tiers import Tier
 from gateway import admission, metrics, promises, sampling_extras, security
 from gateway.redis_queue import (Admitted, IdempotencyMismatch, Overloaded, QuotaRefused, QuotaSpec,
-                                 StoreFull, TenantFull)
+                                 StoreFull, TenantFull, Withdrawn)
 from gateway.spans import GatewaySpans
 
 log = logging.getLogger("gateway")
@@ -98,7 +100,8 @@ class ClientApi:
                                     tier=adm.tier_requested, payload=payload,
                                     idempotency_key=req.idempotency_key, quota=quota,
                                     drain_rate_per_s=drain_rates, estimate_s=estimate, promise_s=promise,
-                                    fingerprint=fingerprint, downgrade_estimate_s=downgrade)
+                                    fingerprint=fingerprint, downgrade_estimate_s=downgrade,
+                                    key_ttl_s=self._retry_key_ttl_s() if req.retry_key else None)
 
         fingerprint = admission.fingerprint(req, adm) if req.idempotency_key else None
         result = admit(fingerprint)
@@ -106,7 +109,7 @@ class ClientApi:
         before = admission.fingerprint_before(req, adm) if isinstance(result, IdempotencyMismatch) else fingerprint
         if before != fingerprint:
             result = admit(before)
-        if isinstance(result, IdempotencyMismatch):
+        if isinstance(result, (IdempotencyMismatch, Withdrawn)):
             return self._key_mismatch(req, result)
         if isinstance(result, QuotaRefused):
             self.counters["refused_quota"] += 1
@@ -150,9 +153,15 @@ class ClientApi:
                                       adm.tier_requested, self.drain_rates(self.clock()))
         if found is None:
             return None
-        return self._key_mismatch(req, found) if isinstance(found, IdempotencyMismatch) else _submitted(found, adm)
+        if isinstance(found, (IdempotencyMismatch, Withdrawn)):
+            return self._key_mismatch(req, found)
+        return _submitted(found, adm)
 
-    def _key_mismatch(self, req: P.SubmitRequest, found: IdempotencyMismatch) -> P.ErrorReply:
+    def _key_mismatch(self, req: P.SubmitRequest, found: IdempotencyMismatch | Withdrawn) -> P.ErrorReply:
+        if isinstance(found, Withdrawn):
+            return self._error_for(InvalidRequest(
+                f"idempotency_key {req.idempotency_key!r} was withdrawn by its client (a cancel by key, sent when "
+                "it gave up on this submission): nothing was stored", field="idempotency_key"))
         return self._error_for(InvalidRequest(
             f"idempotency_key {req.idempotency_key!r} was used for another request (job {found.job_id}); "
             "a key stands for one request and its retries", field="idempotency_key"))
@@ -211,10 +220,17 @@ class ClientApi:
             limits[tier.value] = min([context] + [s for s in share if s is not None])
         return limits
 
+    def _retry_key_ttl_s(self) -> int:
+        """How long a client's retry key (SubmitRequest.retry_key), or a withdrawal's mark, is kept: as long as a
+        finished job's record, at most idempotency_ttl_s."""
+        return min(self.config.idempotency_ttl_s, self.config.result_ttl_s or self.config.idempotency_ttl_s)
+
     def on_cancel(self, ident: bytes, req: P.CancelRequest) -> None:
         if req.stop_at is not None and (type(req.stop_at) is not int or req.stop_at < 1):
             self._reply_error(ident, InvalidRequest(f"stop_at must be an integer >= 1, got {req.stop_at!r}",
                                                     field="stop_at"), req.job_id)
+            return
+        if req.idempotency_key is not None and (req := self._withdraw(ident, req)) is None:
             return
         rec = self._own_job(ident, req.api_key, req.job_id)
         if rec is None:
@@ -247,6 +263,23 @@ class ClientApi:
         if before is not None:
             metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
             self._finish_stream(req.job_id, "cancelled", None, CANCELLED, ended=before)
+
+    def _withdraw(self, ident: bytes, req: P.CancelRequest) -> P.CancelRequest | None:
+        """A cancel by idempotency key: the cancel of the job admitted under it, to go on with; or None, replied to
+        here: the key withdrawn (no job under it, and none will be admitted under it), or the request refused."""
+        key, tenant = req.idempotency_key, self.tenants.lookup(req.api_key)
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_LEN or req.job_id != "":
+            self._reply_error(ident, InvalidRequest(
+                f"a cancel by idempotency_key gives a key of 1..{MAX_IDEMPOTENCY_KEY_LEN} characters and job_id \"\"",
+                field="idempotency_key"), req.job_id)
+            return None
+        if tenant is None:
+            self._reply_error(ident, Unauthorized("unknown API key"))
+            return None
+        if (job_id := self.queue.withdraw(tenant.name, key, self._retry_key_ttl_s())) is None:
+            self._send(self.clients, ident, P.CancelReply("", True))
+            return None
+        return dataclasses.replace(req, job_id=job_id, idempotency_key=None)
 
     def _stop_at(self, rec, n: int) -> bool:
         """Tell the worker running ``rec`` to end it done with its first ``n`` tokens (its answer ended there): the

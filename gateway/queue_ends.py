@@ -11,7 +11,7 @@ import redis
 
 from common.errors import IncompleteResult
 from common.redis_keys import run_pipelined
-from gateway.queue_records import _QUEUE_FIELDS, JobRecord, JobState, Stored
+from gateway.queue_records import _QUEUE_FIELDS, WITHDRAWN_MARK, JobRecord, JobState, Stored
 from gateway.token_log import first_prefill_call, first_token_call
 
 
@@ -76,6 +76,20 @@ class QueueEnds:
         """Cancel a queued or dispatched job; returns it as it was, with the reason and finished_at_ms it ended
         with, or None if unknown or final."""
         return self.cancel_recording(job_id, now_ms=now_ms, reason=reason)[0]
+
+    def withdraw(self, tenant: str, idempotency_key: str, ttl_s: int) -> str | None:
+        """The job admitted under the tenant's ``idempotency_key``, to cancel; or None, where none is: the key is
+        then marked withdrawn for ``ttl_s`` (admit.lua refuses a submission under it; a mark set before stays). SET NX
+        first, so an admission racing it either wrote the key before (its job is returned) or finds the mark."""
+        key = self.keys.idem(tenant, idempotency_key)
+        if self.client.set(key, WITHDRAWN_MARK, nx=True, px=ttl_s * 1000):
+            return None
+        stored = self.client.get(key)
+        # Gone in between (it expired): no job holds the key now, and a late submission may still come; mark it.
+        if stored is None:
+            return self.withdraw(tenant, idempotency_key, ttl_s)
+        job_id = stored.decode(errors="replace").partition(" ")[0]
+        return None if job_id == WITHDRAWN_MARK else job_id
 
     def cancel_recording(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled",
                          first_prefill_ms: int | None = None,

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 import redis
 
 from common.tiers import ALL_TIERS, Tier
-from gateway.queue_records import Admitted, DrainStat, IdempotencyMismatch, JobRecord, JobState
+from gateway.queue_records import (WITHDRAWN_MARK, Admitted, DrainStat, IdempotencyMismatch, JobRecord, JobState,
+                                   Withdrawn)
 
 # Drain rate assumed for a tier the gateway has no measurement for (or measured ~0):
 # one job per 10 s. Keeps the estimate finite; a gateway should pass a capacity-based prior.
@@ -21,14 +22,17 @@ class QueueReads:
     """Needs the queue's ``client``, ``keys`` and ``drain_tau_s``."""
 
     def idempotent(self, tenant: str, idempotency_key: str, fingerprints: Sequence[str], tier: Tier,
-                   drain_rate_per_s: Mapping[Tier, float]) -> Admitted | IdempotencyMismatch | None:
+                   drain_rate_per_s: Mapping[Tier, float]) -> Admitted | IdempotencyMismatch | Withdrawn | None:
         """What admit.lua answers a request of ``tier`` under a key that names a job already, read only, for a
         request refused before it reached admit.lua: that job (a duplicate) where the key was stored with one of
-        ``fingerprints`` (or none), else IdempotencyMismatch; None where the key names no job."""
+        ``fingerprints`` (or none), else IdempotencyMismatch; Withdrawn where its client withdrew it; None where the
+        key names no job."""
         stored = self.client.get(self.keys.idem(tenant, idempotency_key))
         if stored is None:
             return None
         job_id, _, asked = stored.decode(errors="replace").partition(" ")
+        if job_id == WITHDRAWN_MARK:
+            return Withdrawn()
         if asked and asked not in fingerprints:
             return IdempotencyMismatch(job_id)
         return self._duplicate(job_id, tier, floored_rates(drain_rate_per_s))

@@ -93,7 +93,16 @@ class IdempotencyMismatch:
     job_id: str  # the job admitted under it
 
 
-AdmitResult = Union[Admitted, QuotaRefused, Overloaded, TenantFull, StoreFull, IdempotencyMismatch]
+@dataclass(frozen=True)
+class Withdrawn:
+    """The idempotency key was withdrawn (CancelRequest by key: its client gave up on the submission) before any
+    job was admitted under it: nothing is stored under it for as long as the mark lasts."""
+
+
+# What an idempotency key holds once withdrawn, in place of a job id (a uuid4 hex, never this); admit.lua's too.
+WITHDRAWN_MARK = "-"
+
+AdmitResult = Union[Admitted, QuotaRefused, Overloaded, TenantFull, StoreFull, IdempotencyMismatch, Withdrawn]
 
 
 @dataclass(frozen=True)

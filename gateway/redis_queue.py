@@ -24,7 +24,7 @@ from gateway.queue_ends import QueueEnds, _now
 from gateway.queue_reads import QueueReads, floored_rates, out_of_memory
 from gateway.queue_records import (  # noqa: F401  (re-exported: the queue's API names them)
     _QUEUE_FIELDS, Admitted, AdmitResult, DrainStat, IdempotencyMismatch, JobRecord, JobState, Overloaded,
-    QuotaRefused, QuotaSpec, Settled, Stored, StoreFull, TenantFull,
+    QuotaRefused, QuotaSpec, Settled, Stored, StoreFull, TenantFull, Withdrawn,
 )
 from gateway.queue_sweeps import SWEEP_LIMIT, QueueSweeps  # noqa: F401  (SWEEP_LIMIT: part of the queue's API)
 
@@ -99,7 +99,7 @@ class RedisQueue(QueueEnds, QueueSweeps, QueueReads):
         self, *, job_id: str, tenant: str, tier_requested: Tier, tier: Tier, payload: bytes, now_ms: int | None = None,
         idempotency_key: str | None, quota: QuotaSpec | None, drain_rate_per_s: Mapping[Tier, float],
         estimate_s: float | None = None, promise_s: float | None = None, fingerprint: str | None = None,
-        downgrade_estimate_s: float | None = None,
+        downgrade_estimate_s: float | None = None, key_ttl_s: int | None = None,
     ) -> AdmitResult:  # fmt: skip
         """Admit a job with one script call (see common/lua/admit.lua for the rules).
 
@@ -109,7 +109,9 @@ class RedisQueue(QueueEnds, QueueSweeps, QueueReads):
         idempotency key: a later request under the key with another fingerprint is refused (IdempotencyMismatch),
         one with the same is the first job's duplicate; None: any request under the key is.
         ``downgrade_estimate_s``: the wait of the job as a P1, stored and shed on if the quota downgrades it (the
-        wait asked for with ``estimate_s`` is a P0's, which no P1 job delays); None: estimated from the drain rates."""
+        wait asked for with ``estimate_s`` is a P0's, which no P1 job delays); None: estimated from the drain rates.
+        ``key_ttl_s``: how long the idempotency key is kept (a client's retry key: SubmitRequest.retry_key); None:
+        ``idempotency_ttl_s``."""
         if not job_id or not tenant:
             raise ValueError("job_id and tenant must be non-empty")
         rates = floored_rates(drain_rate_per_s)
@@ -119,7 +121,7 @@ class RedisQueue(QueueEnds, QueueSweeps, QueueReads):
             keys.append(self.keys.idem(tenant, idempotency_key))
         args = [
             job_id, tenant, Tier(tier_requested).value, Tier(tier).value, payload, _now(now_ms),
-            str(self.idempotency_ttl_s * 1000), *(_ms(self.tier_timeouts_s[t]) for t in ALL_TIERS),
+            str((key_ttl_s or self.idempotency_ttl_s) * 1000), *(_ms(self.tier_timeouts_s[t]) for t in ALL_TIERS),
             *(repr(r) for r in rates), repr(quota.rate_per_s) if quota else "0",
             repr(quota.burst) if quota else "0", quota.on_exhausted if quota else "refuse",
             str(self.tenant_max_jobs),
@@ -162,6 +164,8 @@ class RedisQueue(QueueEnds, QueueSweeps, QueueReads):
             return IdempotencyMismatch(reply[1].decode())
         if kind == "exists":
             raise DuplicateRequest(job_id)
+        if kind == "withdrawn":
+            return Withdrawn()
         if kind == "tenant_full":
             return TenantFull(int(reply[1]))
         raise RuntimeError(f"admit.lua returned {reply!r}")

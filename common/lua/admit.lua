@@ -41,6 +41,8 @@
 --   {"overloaded", tier, estimated_wait_s}           estimate exceeds the tier's timeout
 --   {"exists"}                                       the job id is already in use
 --   {"tenant_full", cap}                             the tenant holds cap unfinished jobs
+--   {"withdrawn"}                                    the idempotency key was withdrawn (gateway/withdraw.py) before any
+--                                                    job was admitted under it
 --   {"late"}                                         run after ARGV[24] (Redis stood still meanwhile): the caller
 --                                                    was told nothing was stored, so nothing is
 -- (floats are returned as strings: a Lua number would be truncated to an integer.)
@@ -66,6 +68,9 @@ if #KEYS >= 11 then
         local id, fp = existing, ''
         if space then
             id, fp = string.sub(existing, 1, space - 1), string.sub(existing, space + 1)
+        end
+        if id == '-' then  -- withdrawn: the mark gateway/withdraw.py sets (a job id is never '-')
+            return {'withdrawn'}
         end
         local asked = ARGV[22] or ''
         if fp ~= '' and asked ~= '' and fp ~= asked then

@@ -22,10 +22,11 @@ from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_spa
 from gateway.sdk._drops import DROPPED, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, cancel_requests, client_settings, endpoint_list, job_request,
-                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id)
+                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id,
+                                   withdraw_request)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
                                   to_result, to_status, without_defaulted)
-from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
+from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at, outcome_unknown, withdraw_retries
 from gateway.sdk._stream_state import StreamState
 
 log = logging.getLogger("gateway.sdk")
@@ -118,6 +119,7 @@ class AsyncGatewayClient:
         # close() calls so far: a call or stream between two attempts when one came ends, rather than open a
         # connection again that nobody would close.
         self._closes = 0
+        self._withdrawals: set[asyncio.Task] = set()  # submissions given up on, being withdrawn (_withdraw_later)
 
     @property
     def endpoint(self) -> str:
@@ -177,19 +179,19 @@ class AsyncGatewayClient:
                 answer = e
             self._frames.answered(endpoint, msg, size, ask, answer)
 
-    async def _call(self, msg, size: int | None = None):
-        _, reply = await self._answer(msg, size)
+    async def _call(self, msg, size: int | None = None, retries: int | None = None):
+        _, reply = await self._answer(msg, size, retries=retries)
         raise_for(reply)
         return reply
 
-    async def _answer(self, msg, size: int | None = None, closes: int | None = None):
+    async def _answer(self, msg, size: int | None = None, closes: int | None = None, retries: int | None = None):
         """(the gateway that answered, its answer): a reply, or an error reply no further attempt may cure.
         ``closes``: the close() calls counted when the call began (a question _fits asks is part of its call)."""
         if FrameSizes.concerns(msg) and size is None:
             size = frame_bytes(msg)
         inbox: asyncio.Queue = asyncio.Queue()  # every attempt's answer lands here: a late one is as good
         sent: dict[str, _Connection] = {}  # request id -> the connection it went on
-        budget = RetryBudget(self.retries, self.timeout_s)
+        budget = RetryBudget(self.retries if retries is None else retries, self.timeout_s)
         closes = self._closes if closes is None else closes
         try:
             while True:
@@ -298,14 +300,34 @@ class AsyncGatewayClient:
                                              top_k, seed, tier, key, ignore_eos, max_tokens_defaulted,
                                              stop_token_ids=stop_token_ids, min_tokens=min_tokens,
                                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                             repetition_penalty=repetition_penalty)
+                                             repetition_penalty=repetition_penalty,
+                                             retry_key=idempotency_key is None)
             try:
-                reply = await self._call(req, size)
-            except ServingError as e:
-                reply = await self._call(without_defaulted(req, e))
+                try:
+                    reply = await self._call(req, size)
+                except ServingError as e:
+                    reply = await self._call(without_defaulted(req, e))
+            except BaseException as e:
+                # Cancelled (wait_for, a TaskGroup) or unanswered, the job may have been admitted all the same, and
+                # would run with nobody told its id: withdraw the call's own key. A caller's key is theirs to reuse.
+                if idempotency_key is None and outcome_unknown(e):
+                    self._withdraw_later(key)
+                raise
             on_submit_reply(span, reply)
         return AsyncJob(self, reply.job_id, reply.tier, reply.estimated_wait_s,
                         reply.duplicate and idempotency_key is not None, reply.downgraded)
+
+    def _withdraw_later(self, key: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._withdraw(key))
+        self._withdrawals.add(task)  # a task only the loop refers to may be collected before it ends
+        task.add_done_callback(self._withdrawals.discard)
+
+    async def _withdraw(self, key: str) -> None:
+        try:
+            await self._call(withdraw_request(self.api_key, key), retries=withdraw_retries(self.retries))
+        except (ServingError, TimeoutError) as e:
+            log.warning("a submission given up on could not be withdrawn (%s): its job, if it was admitted, runs "
+                        "with nobody told its id", e)
 
     async def job(self, job_id: str) -> AsyncJob:
         """As GatewayClient.job."""
@@ -349,4 +371,6 @@ class AsyncGatewayClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._withdrawals:  # the withdrawals of submissions given up on go out before the connections close
+            await asyncio.wait(self._withdrawals, timeout=self.timeout_s)
         self.close()

@@ -106,7 +106,7 @@ def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, tem
                          idempotency_key, ignore_eos, max_tokens_defaulted: bool = False, *,
                          stop_token_ids=None, min_tokens: int = 0, presence_penalty: float = 0.0,
                          frequency_penalty: float = 0.0,
-                         repetition_penalty: float = 1.0) -> tuple[P.SubmitRequest, int]:
+                         repetition_penalty: float = 1.0, retry_key: bool = False) -> tuple[P.SubmitRequest, int]:
     """The frame and its frame_bytes (measured once: a million-id prompt takes ~70 ms of CPU to encode, and the
     question to the gateway about its size encoded it again), once each argument has the type the gateway's decoder
     takes (P.mistyped): a wrong one is InvalidRequest naming it. Ranges are the gateway's to judge, but for what
@@ -127,7 +127,7 @@ def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, tem
     fields = dict(api_key=api_key, max_tokens=max_tokens, prompt=prompt, prompt_token_ids=prompt_token_ids,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, tier=tier,
                   idempotency_key=idempotency_key, ignore_eos=ignore_eos, max_tokens_defaulted=max_tokens_defaulted,
-                  stop_token_ids=stop_token_ids, min_tokens=min_tokens, **penalties)
+                  stop_token_ids=stop_token_ids, min_tokens=min_tokens, retry_key=retry_key, **penalties)
     wrong = P.mistyped(P.SubmitRequest, fields)
     if wrong is not None:
         raise InvalidRequest(f"{wrong} has the wrong type: {type(fields[wrong]).__name__}", field=wrong)
@@ -172,6 +172,11 @@ def cancel_requests(api_key: str, job_id, stop_at) -> list[P.CancelRequest]:
     if type(stop_at) is not int or not 1 <= stop_at < INT64[1]:
         raise InvalidRequest(f"stop_at must be an integer >= 1, got {stop_at!r}", field="stop_at")
     return [dataclasses.replace(plain, stop_at=stop_at), plain]
+
+
+def withdraw_request(api_key: str, idempotency_key: str) -> P.CancelRequest:
+    """The cancel of whatever was submitted under ``idempotency_key`` (CancelRequest.idempotency_key)."""
+    return P.CancelRequest(api_key, "", idempotency_key=idempotency_key)
 
 
 def with_request_id(msg, request_id: str):

@@ -60,11 +60,12 @@ def raise_for(reply) -> None:
 
 
 def without_defaulted(req: P.SubmitRequest, e: ServingError) -> P.SubmitRequest:
-    """``req`` to send again without ``max_tokens_defaulted`` if a gateway older than the field refused it (its
-    idempotency fingerprint then holds max_tokens, as before); else ``e``, raised."""
-    if not (req.max_tokens_defaulted and refused_as_unknown(e)):
+    """``req`` to send again without ``max_tokens_defaulted`` and ``retry_key`` if a gateway older than the fields
+    refused it (its idempotency fingerprint then holds max_tokens, and it keeps the key its own time, as before);
+    else ``e``, raised."""
+    if not ((req.max_tokens_defaulted or req.retry_key) and refused_as_unknown(e)):
         raise e
-    return dataclasses.replace(req, max_tokens_defaulted=False)
+    return dataclasses.replace(req, max_tokens_defaulted=False, retry_key=False)
 
 
 def refused_as_unknown(e: ServingError) -> bool:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from common.errors import Unavailable
 
 # Failures that another attempt (on the next gateway) may cure; every other error is final.
 RETRYABLE = (TimeoutError, Unavailable)
+
+
+def outcome_unknown(e: BaseException) -> bool:
+    """Did a call end with no answer, its request perhaps taken all the same (no reply in time, the caller's task
+    cancelled, the process interrupted)? A refusal the gateway answered changed nothing."""
+    return isinstance(e, (*RETRYABLE, asyncio.CancelledError, KeyboardInterrupt))
+
+
+def withdraw_retries(retries: int) -> int:
+    """A withdrawal's retries (the SDK's of a submit given up on): more than a call's, as it is the last word on a
+    job that would otherwise run unseen, and a gateway slow enough to fail the submission may answer it later."""
+    return max(retries, 4)
 
 
 def failed_at(endpoint: str, why: Exception) -> str:

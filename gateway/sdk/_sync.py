@@ -20,10 +20,11 @@ from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_spa
 from gateway.sdk._drops import DROPPED, DropWatch, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, cancel_requests, client_settings, endpoint_list, job_request,
-                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id)
+                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id,
+                                   withdraw_request)
 from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
                                   to_result, to_status, without_defaulted)
-from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at
+from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at, outcome_unknown, withdraw_retries
 from gateway.sdk._sync_sockets import ThreadSockets, reply_to
 from gateway.sdk._sync_stream import Chunks, stream
 
@@ -90,6 +91,7 @@ class GatewayClient:
         # close() calls so far: a call or stream between two attempts when one came (a pause after Unavailable)
         # ends, rather than open a socket again that nobody would close.
         self._closes = 0
+        self._withdrawals: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # submissions given up on
 
     def _after_fork(self) -> None:
         """In a child process (os.fork, a preforking server), leave the parent's sockets and ZeroMQ context behind
@@ -188,18 +190,18 @@ class GatewayClient:
                 answer = e
             self._frames.answered(answered_by, msg, size, ask, answer)
 
-    def _call(self, msg, size: int | None = None):
-        _, reply = self._answer(msg, size)
+    def _call(self, msg, size: int | None = None, retries: int | None = None):
+        _, reply = self._answer(msg, size, retries=retries)
         raise_for(reply)
         return reply
 
-    def _answer(self, msg, size: int | None = None, closes: int | None = None):
+    def _answer(self, msg, size: int | None = None, closes: int | None = None, retries: int | None = None):
         """(the gateway that answered, its answer): a reply, or an error reply no further attempt may cure.
         ``closes``: the close() calls counted when the call began (a question _fits asks is part of its call)."""
         if FrameSizes.concerns(msg) and size is None:
             size = frame_bytes(msg)
         request_ids: set[str] = set()  # a late answer to an earlier attempt of this call is as good
-        budget = RetryBudget(self.retries, self.timeout_s)
+        budget = RetryBudget(self.retries if retries is None else retries, self.timeout_s)
         closes = self._closes if closes is None else closes
         while True:
             endpoint = self._fits(msg, size, closes) if size is not None else self.endpoint
@@ -260,15 +262,33 @@ class GatewayClient:
                                              top_k, seed, tier, key, ignore_eos, max_tokens_defaulted,
                                              stop_token_ids=stop_token_ids, min_tokens=min_tokens,
                                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                             repetition_penalty=repetition_penalty)
+                                             repetition_penalty=repetition_penalty,
+                                             retry_key=idempotency_key is None)
             try:
-                reply = self._call(req, size)
-            except ServingError as e:
-                reply = self._call(without_defaulted(req, e))
+                try:
+                    reply = self._call(req, size)
+                except ServingError as e:
+                    reply = self._call(without_defaulted(req, e))
+            except BaseException as e:
+                # Unanswered or interrupted, the job may have been admitted all the same, and would run with nobody
+                # told its id: withdraw the call's own key, in the background (the gateway may be slow to answer).
+                if idempotency_key is None and outcome_unknown(e):
+                    thread = threading.Thread(target=self._withdraw, args=(key,), name="tiered-serve-withdraw",
+                                              daemon=True)
+                    self._withdrawals.add(thread)
+                    thread.start()
+                raise
             on_submit_reply(span, reply)
         # A duplicate of the call's own key is its own earlier attempt, not an earlier submission.
         return Job(self, reply.job_id, reply.tier, reply.estimated_wait_s,
                    reply.duplicate and idempotency_key is not None, reply.downgraded)
+
+    def _withdraw(self, key: str) -> None:
+        try:
+            self._call(withdraw_request(self.api_key, key), retries=withdraw_retries(self.retries))
+        except (ServingError, TimeoutError) as e:
+            log.warning("a submission given up on could not be withdrawn (%s): its job, if it was admitted, runs "
+                        "with nobody told its id", e)
 
     def job(self, job_id: str) -> Job:
         """Re-attach to a job submitted earlier (by any client of this tenant, e.g. before a restart), to
@@ -324,4 +344,7 @@ class GatewayClient:
         return self
 
     def __exit__(self, *exc) -> None:
+        deadline = time.monotonic() + self.timeout_s  # the withdrawals of submissions given up on go out first
+        for thread in list(self._withdrawals):
+            thread.join(max(0.0, deadline - time.monotonic()))
         self.close()
