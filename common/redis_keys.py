@@ -83,7 +83,8 @@ cancelled), ``finished_at_ms``, ``ttft_observed_by`` (the gateway that observed 
 first_token.lua) and ``ttft_claim`` (that claim's tag), ``first_prefill_ms`` (the earliest first prefill start
 any attempt reported, the end of its wait: first_prefill.lua; complete.lua stores the wait to it),
 ``first_token_ms`` (the earliest first token any gateway told with its claim: first_token.lua; complete.lua stores
-the TTFT to it), plus any result fields given to complete().
+the TTFT to it), ``stop_at`` (its answer ends with this many tokens, on every attempt: stop_at.lua), plus any
+result fields given to complete().
 
 Drain rate formula (per tier, jobs/s): an exponentially decayed count of completions,
 ``rate(t) = (1/tau) * sum_i exp(-(t - t_i) / tau)`` over completion times ``t_i``. It is

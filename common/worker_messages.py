@@ -115,6 +115,9 @@ class DispatchJob:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # As CancelJob.stop_at, for a job stopped before this attempt (kept in its hash: stop_at.lua), so that a
+    # re-dispatch ends where its caller's answer did. Sent only to workers whose hello says ``stops_at``.
+    stop_at: int | None = None
 
 
 @dataclass(frozen=True)

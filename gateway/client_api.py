@@ -238,16 +238,21 @@ class ClientApi:
         if req.stop_at is not None and self._stop_at(rec, req.stop_at):
             self._send(self.clients, ident, P.CancelReply(req.job_id, True))
             return
+        self._send(self.clients, ident, P.CancelReply(req.job_id, self.cancel_job(req.job_id) is not None))
+
+    def cancel_job(self, job_id: str):
+        """Cancel a queued or dispatched job (its worker told, its listeners given its end); the job as it was, or
+        None if it had ended already."""
         # What this gateway's next token-log flush would write into the job's record goes with the cancel: the
         # record a job ended with is final (first_token.lua), and its final message tells that record's figures.
-        start_ms = self.waits.unrecorded_start_ms(req.job_id)
-        claim = self.config.gateway_id if metrics.first_token_pending(req.job_id) else None
-        before, won = self.queue.cancel_recording(req.job_id, reason=CANCELLED, first_prefill_ms=start_ms,
+        start_ms = self.waits.unrecorded_start_ms(job_id)
+        claim = self.config.gateway_id if metrics.first_token_pending(job_id) else None
+        before, won = self.queue.cancel_recording(job_id, reason=CANCELLED, first_prefill_ms=start_ms,
                                                   first_token_claim=claim)
         if start_ms is not None:
-            self.waits.recorded({req.job_id: start_ms})
+            self.waits.recorded({job_id: start_ms})
         if claim is not None:
-            metrics.claimed(req.job_id, won)
+            metrics.claimed(job_id, won)
         if before is not None and before.state == "queued":
             # Ended when cancel.lua cancelled it, on Redis's clock as its wait's start is (ended on this gateway's
             # wall clock, a gateway behind Redis's told a job that waited seconds that it waited none): the time
@@ -257,12 +262,12 @@ class ClientApi:
         if before is not None and before.state == "dispatched":
             w = self.workers.workers.get(before.worker)
             if w is not None:
-                self._send(self.worker_sock, w.identity, P.CancelJob(req.job_id, before.attempt))
-        self.leases.pop(req.job_id, None)
-        self._send(self.clients, ident, P.CancelReply(req.job_id, before is not None))
+                self._send(self.worker_sock, w.identity, P.CancelJob(job_id, before.attempt))
+        self.leases.pop(job_id, None)
         if before is not None:
-            metrics.ended(req.job_id, before.tier_granted.value, "cancelled", self.clock())
-            self._finish_stream(req.job_id, "cancelled", None, CANCELLED, ended=before)
+            metrics.ended(job_id, before.tier_granted.value, "cancelled", self.clock())
+            self._finish_stream(job_id, "cancelled", None, CANCELLED, ended=before)
+        return before
 
     def _withdraw(self, ident: bytes, req: P.CancelRequest) -> P.CancelRequest | None:
         """A cancel by idempotency key: the cancel of the job admitted under it, to go on with; or None, replied to
@@ -282,14 +287,28 @@ class ClientApi:
         return dataclasses.replace(req, job_id=job_id, idempotency_key=None)
 
     def _stop_at(self, rec, n: int) -> bool:
-        """Tell the worker running ``rec`` to end it done with its first ``n`` tokens (its answer ended there): the
-        worker's completion stores it, as any other. False where it cannot (the job is not running on a worker
-        registered here, or that worker is older than CancelJob.stop_at): the caller cancels it instead."""
-        w = self.workers.workers.get(rec.worker) if rec.state == "dispatched" else None
-        if w is None or not w.hello.stops_at:
+        """End ``rec`` done with its first ``n`` tokens (its answer ended there): the stop is kept with the job in
+        Redis (stop_at.lua), so that a re-dispatch (its worker died, drained, handed it back) ends there too, and the
+        worker running it is told (CancelJob.stop_at); its completion stores it, as any other. A queued job keeps
+        the stop for its next attempt. False where it cannot (running on a worker older than CancelJob.stop_at, or
+        one not registered here, which might run it to its end; or ended already): the caller cancels it instead."""
+        if rec.state == "dispatched" and not self._stops_at(rec.worker):
             return False
-        self._send(self.worker_sock, w.identity, P.CancelJob(rec.id, rec.attempt, stop_at=n))
+        kept = self.queue.stop_at(rec.id, n)
+        if kept is None:
+            return False  # ended meanwhile: the cancel that follows finds it so, and says so
+        if kept.state == "dispatched":
+            # Its holder as Redis tells it with the stop (a claim since ``rec`` was read holds the stop or is told).
+            if not self._stops_at(kept.worker):
+                return False
+            # The smaller of the stops kept: a later, larger one does not raise the one its worker was told.
+            w = self.workers.workers[kept.worker]
+            self._send(self.worker_sock, w.identity, P.CancelJob(kept.id, kept.attempt, stop_at=kept.stop_at))
         return True
+
+    def _stops_at(self, worker_id: str | None) -> bool:
+        w = self.workers.workers.get(worker_id) if worker_id else None
+        return w is not None and bool(w.hello.stops_at)
 
 
 def _submitted(result: Admitted, adm: admission.Admission) -> P.SubmitReply:

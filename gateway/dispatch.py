@@ -39,6 +39,12 @@ class Dispatcher:
             busy = w.stepping  # before this pass's jobs join w.pending: the worker reads them together
             for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
                                         lease_ms=_ms(self.config.lease_s)):
+                if rec.stop_at is not None and not w.hello.stops_at:
+                    # Stopped (CancelRequest.stop_at) and going to a worker that cannot end it there: it would run
+                    # to its end, past the answer its caller was given, so it is cancelled, as a stop of a job on
+                    # such a worker is (the worker is sent a cancel of a job it never got: nothing).
+                    self.cancel_job(rec.id)
+                    continue
                 body = msgpack.unpackb(rec.payload)
                 # Span times are Unix times: ``now`` is the loop's monotonic clock, good for intervals only.
                 now_ns = time.time_ns()
@@ -58,6 +64,8 @@ class Dispatcher:
                     body["max_tokens"], body["temperature"], body["top_p"], body["top_k"], body["seed"],
                     self.config.gateway_id, ctx, bool(body.get("ignore_eos", False)),
                     resume_token_ids=list(stream.tokens) if resume else [],
+                    # A stop kept with the job (stop_at.lua): this attempt ends where its caller's answer did.
+                    stop_at=rec.stop_at if w.hello.stops_at else None,
                     **{name: body[name] for name in P.SAMPLING_EXTRAS if name in body}))
                 self.leases[rec.id] = (wid, rec.attempt)
                 waited_s = (rec.dispatched_at_ms - rec.enqueued_at_ms) / 1e3 if rec.dispatched_at_ms else None

@@ -72,6 +72,12 @@ class QueueEnds:
         return Stored(float(queued) if queued else None, int(total_ms) / 1000, float(ttft) if ttft else None), won
 
     # --- cancel ----------------------------------------------------------------------------
+    def stop_at(self, job_id: str, n: int) -> JobRecord | None:
+        """Keep the stop ``n`` with a queued or dispatched job (stop_at.lua: lowered, never raised), so that every
+        later attempt ends there too; the job as it is now, or None (finished or unknown: nothing changed)."""
+        raw = self._scripts["stop_at"](keys=[self.keys.job(job_id)], args=[int(n)])
+        return JobRecord.from_redis(raw) if raw else None
+
     def cancel(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled") -> JobRecord | None:
         """Cancel a queued or dispatched job; returns it as it was, with the reason and finished_at_ms it ended
         with, or None if unknown or final."""

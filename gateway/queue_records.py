@@ -27,7 +27,7 @@ class JobState(str, enum.Enum):
 # a JobRecord field too, but complete() may set it (why a job failed).
 _QUEUE_FIELDS = frozenset(
     "id tenant tier tier_requested tier_granted state payload enqueued_at_ms tier_since_ms attempt "
-    "estimate_s deadline_ms worker gateway dispatched_at_ms finished_at_ms releases released_attempt".split()
+    "estimate_s deadline_ms worker gateway dispatched_at_ms finished_at_ms releases released_attempt stop_at".split()
 )
 _CORE_FIELDS = _QUEUE_FIELDS | {"reason"}  # everything else in the hash is a result field
 
@@ -126,6 +126,7 @@ class JobRecord:
     finished_at_ms: int | None
     result: dict[str, bytes] = field(default_factory=dict)  # the fields given to complete()
     released_attempt: int | None = None  # the last attempt its worker handed back (release.lua), if any
+    stop_at: int | None = None  # its answer ends with this many tokens, on every attempt (stop_at.lua)
 
     @classmethod
     def from_redis(cls, raw: Mapping[bytes, bytes] | Sequence[bytes]) -> JobRecord:
@@ -148,7 +149,7 @@ class JobRecord:
             worker=text("worker"), gateway=text("gateway"), dispatched_at_ms=integer("dispatched_at_ms"),
             reason=text("reason"), finished_at_ms=integer("finished_at_ms"),
             result={k: v for k, v in d.items() if k not in _CORE_FIELDS},
-            released_attempt=integer("released_attempt"),
+            released_attempt=integer("released_attempt"), stop_at=integer("stop_at"),
         )  # fmt: skip
 
 

@@ -4,7 +4,8 @@ strings), so the job ends done there, finish_reason "stop", with exactly those t
 The gateway passes the stop to the job's worker (CancelJob.stop_at) and stores the completion that worker sends,
 as any other; the worker's result may be shorter than what it streamed (the step that passed the stop streamed
 on), and only such a result, ended "stop" and the start of the streamed tokens, is taken. Where the worker is
-older (its hello does not say ``stops_at``) or the job is not running, it is cancelled as before.
+older (its hello does not say ``stops_at``), it is cancelled as before; a queued job keeps the stop for its next
+attempt (tests/test_stop_at_redispatch.py).
 
 A real gateway process and Redis; the workers are raw sockets speaking the wire protocol (as worker/service.py
 does), so that the test chooses what each sends. The real worker's side, through the real cluster and the HTTP
@@ -128,15 +129,21 @@ def test_a_worker_older_than_the_stop_has_the_job_cancelled(gateway, worker, sdk
         wait_for(lambda: sdk.info().workers == [worker.worker_id], 60, "the gateway to forget the older worker")
 
 
-def test_a_queued_job_is_cancelled(worker, sdk):
+def test_a_queued_job_keeps_the_stop_for_its_attempt(worker, sdk):
+    """Not cancelled: the stop is kept with it (stop_at.lua) and its attempt ends there (DispatchJob.stop_at)."""
     job, d = running(worker, sdk, 5)  # holds the raw worker's one slot
     queued = sdk.submit(prompt_token_ids=[3, 4], max_tokens=4)
     assert sdk.status(queued.id).state == "queued"
     assert sdk.cancel(queued.id, stop_at=2) is True
-    with pytest.raises(JobCancelled):
-        queued.result(timeout=30)
+    assert sdk.status(queued.id).state == "queued"
     finish(worker, d, "length", TOKENS[:5] + [20, 21])
     assert job.result(timeout=30).token_ids == TOKENS[:5] + [20, 21]
+    d2 = worker.recv(P.DispatchJob, 30)
+    assert d2 is not None and (d2.job_id, d2.stop_at) == (queued.id, 2)
+    worker.held = [queued.id]
+    finish(worker, d2, "stop", [30, 31])
+    result = queued.result(timeout=30)
+    assert (result.token_ids, result.finish_reason) == ([30, 31], "stop")
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "3", 2**63, [3]])

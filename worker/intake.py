@@ -118,6 +118,12 @@ class Intake:
         # one id) took its tokens.
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, sock, self.clock(), resumed)
         self.rates.added(msg.job_id)
+        if msg.stop_at is not None:
+            # Stopped before this attempt (its worker died or handed it back after the stop): it ends where its
+            # caller's answer did, at once if its resumed tokens reach that far.
+            self._stop_at(msg.job_id, msg.attempt, msg.stop_at)
+            if msg.job_id not in self.jobs:
+                return
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
 
     def _stop_at(self, job_id: str, attempt: int | None, n: int) -> None:
