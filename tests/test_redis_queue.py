@@ -138,7 +138,7 @@ def test_lua_scripts_have_headers_and_load_once(client):
     scripts = load_scripts(client)
     assert set(scripts) == {"admit", "peek", "claim", "extend", "complete", "requeue", "age", "expire", "cancel",
                             "promote", "release", "first_token", "first_prefill",
-                            "append_tokens", "note_drained"}
+                            "append_tokens", "note_drained", "stop_at"}
     assert load_scripts(client) is scripts
     for path in LUA_DIR.glob("*.lua"):
         header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("--"))
@@ -552,6 +552,20 @@ def test_a_requeued_job_gets_its_queue_timeout_again_from_the_requeue(queue, cli
     assert [s[:2] for s in queue.requeue_expired(T0 + 2000, max_attempts=3)] == [("b", "queued")]
     assert queue.expire(T0 + 60_000) == [] and queue.expire(T0 + 62_000) == ["b"]
     assert queue.get("b").reason == "queue timeout of 60s for tier P1 exceeded"
+
+
+def test_a_stop_is_kept_through_requeues_lowered_never_raised_and_not_kept_on_an_ended_job(queue, client, keys):
+    admit(queue, "s", P1)
+    assert queue.stop_at("s", 9).stop_at == 9  # queued: kept for its next attempt
+    got = queue.claim(["s"], worker="w", gateway="g", now_ms=T0, lease_ms=1000)
+    assert [j.stop_at for j in got] == [9]  # the claim hands it to the dispatch
+    assert queue.stop_at("s", 12).stop_at == 9 and queue.stop_at("s", 4).stop_at == 4
+    assert queue.get("s").result == {} and queue.requeue_expired(T0 + 1000, max_attempts=5)[0][:2] == ("s", "queued")
+    assert queue.claim(["s"], worker="w2", gateway="g", now_ms=T0 + 1001, lease_ms=1000)[0].stop_at == 4
+    assert queue.complete("s", attempt=2, state="done", now_ms=T0 + 1002, worker="w2", fields=WHOLE)
+    ended = snapshot(client, keys)
+    assert queue.stop_at("s", 2) is None and queue.stop_at("unknown", 2) is None
+    assert snapshot(client, keys) == ended
 
 
 def test_cancel_queued_and_dispatched_jobs(queue, client, keys):

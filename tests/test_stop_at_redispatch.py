@@ -157,3 +157,20 @@ def test_a_stop_of_a_finished_job_changes_nothing(gateway, sdk, workers):
     assert gateway.redis.hgetall(gateway.job_key(job.id)) == before
     result = job.result(timeout=30)
     assert (result.token_ids, result.finish_reason) == (TOKENS, "length")
+
+
+def test_a_job_handed_back_after_the_stop_ends_there_on_its_next_worker(gateway, sdk, workers):
+    """A draining worker hands it back (JobReleased) rather than die: the re-dispatch carries the stop as well."""
+    a = workers("wk-a")
+    job, d = running(a, sdk, 2)
+    started(job, 2)
+    assert sdk.cancel(job.id, stop_at=5) is True
+    assert a.recv(P.CancelJob, 30) is not None
+    a.held = ["busy"]  # full: its job goes elsewhere
+    a.send(P.JobReleased(job.id, d.attempt))
+    b = workers("wk-b")
+    d2 = redispatched(b, job)
+    assert d2.stop_at == 5
+    finish(b, d2, "stop", TOKENS[:5])
+    result = job.result(timeout=30)
+    assert (result.token_ids, result.finish_reason) == (TOKENS[:5], "stop")
