@@ -25,6 +25,7 @@ from common import tokenizer_digest
 from common.sockets import make_socket
 from common.tiers import ALL_TIERS, Tier, parse_tier
 from gateway.client_api import ClientApi
+from gateway.client_cancel import ClientCancels
 from gateway import estimate_dump, promises, security
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalText
@@ -51,7 +52,8 @@ from gateway.workers import WorkerRegistry
 log = logging.getLogger("gateway")
 
 
-class Gateway(ClientApi, WorkerLink, OutageFrames, Streaming, Dispatcher, Maintenance, Frames, RedisBackoff):
+class Gateway(ClientApi, ClientCancels, WorkerLink, OutageFrames, Streaming, Dispatcher, Maintenance, Frames,
+              RedisBackoff):
     """The poll loop and the sockets; the handlers live in the mixins, one module per concern."""
 
     def __init__(self, config: GatewayConfig, queue: RedisQueue, tenants: TenantDirectory,

@@ -322,7 +322,8 @@ from common import client_messages as m, protocol as P
 for name, new in (("SubmitRequest", "retry_key"), ("CancelRequest", "idempotency_key")):
     cls = getattr(m, name)
     fields = [(f.name, f.type, f) for f in dataclasses.fields(cls) if f.name != new]
-    older = dataclasses.make_dataclass(name, fields, frozen=True, namespace={new: cls.__dataclass_fields__[new].default})
+    default = cls.__dataclass_fields__[new].default
+    older = dataclasses.make_dataclass(name, fields, frozen=True, namespace={new: default})
     setattr(m, name, older); setattr(P, name, older); P.MESSAGES[name] = older
 sys.argv = ["gateway"] + sys.argv[1:]
 runpy.run_module("gateway", run_name="__main__")
