@@ -31,10 +31,41 @@ class RunningJob:
     stop_at: int | None = None  # CancelJob.stop_at: it ends done with this many tokens once it has them
 
 
+class EarlyStops:
+    """Stops (CancelJob.stop_at) of an attempt not here yet. Each gateway has its own connection: a stop sent by
+    one may come before the dispatch another sent first (the job claimed there as the stop was kept in Redis), and
+    dropped, it let that attempt run past its caller's answer. Kept ``KEEP_S``, at most ``MAX`` of them."""
+
+    KEEP_S = 60.0  # a dispatch comes within a round trip of its claim; a stop never claimed is let go
+    MAX = 4096
+
+    def __init__(self) -> None:
+        self._stops: dict[tuple[str, int], tuple[int, float]] = {}  # (job, attempt) -> (n, kept at), oldest first
+
+    def keep(self, job_id: str, attempt: int, n: int, now: float) -> None:
+        self._prune(now)
+        if len(self._stops) >= self.MAX:
+            del self._stops[next(iter(self._stops))]
+        kept = self._stops.get((job_id, attempt))
+        self._stops[(job_id, attempt)] = (n, now) if kept is None else (min(n, kept[0]), kept[1])
+
+    def take(self, job_id: str, attempt: int, now: float) -> int | None:
+        self._prune(now)
+        kept = self._stops.pop((job_id, attempt), None)
+        return None if kept is None else kept[0]
+
+    def __len__(self) -> int:
+        return len(self._stops)
+
+    def _prune(self, now: float) -> None:
+        while self._stops and next(iter(self._stops.values()))[1] < now - self.KEEP_S:
+            del self._stops[next(iter(self._stops))]
+
+
 class Intake:
     """The worker service's inbound side (a mixin of worker.service.WorkerService): needs its ``jobs``, ``engine``,
-    ``rates``, ``linger``, ``drain``, ``unconfirmed``, ``unconfirmed_releases``, ``counters``, ``clock``,
-    ``_finish``, ``_hello``, ``_replay_tokens``, ``_release`` and ``_beat_soon``."""
+    ``rates``, ``linger``, ``drain``, ``unconfirmed``, ``unconfirmed_releases``, ``early_stops``, ``counters``,
+    ``clock``, ``_finish``, ``_hello``, ``_replay_tokens``, ``_release`` and ``_beat_soon``."""
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):
@@ -118,10 +149,11 @@ class Intake:
         # one id) took its tokens.
         self.jobs[msg.job_id] = RunningJob(msg.job_id, msg.attempt, sock, self.clock(), resumed)
         self.rates.added(msg.job_id)
-        if msg.stop_at is not None:
-            # Stopped before this attempt (its worker died or handed it back after the stop): it ends where its
-            # caller's answer did, at once if its resumed tokens reach that far.
-            self._stop_at(msg.job_id, msg.attempt, msg.stop_at)
+        # Stopped before this attempt (its worker died or handed it back after the stop), or since, by a stop that
+        # came before this dispatch: it ends where its caller's answer did, at once if its resumed tokens reach it.
+        stops = [n for n in (msg.stop_at, self.early_stops.take(msg.job_id, msg.attempt, self.clock())) if n]
+        if stops:
+            self._stop_at(msg.job_id, msg.attempt, min(stops))
             if msg.job_id not in self.jobs:
                 return
         self._beat_soon()  # confirm it now: the gateway counts it against this worker's credit until then
@@ -133,6 +165,10 @@ class Intake:
         if type(n) is not int or n < 1:
             self.counters["malformed"] += 1
             log.warning("dropped a stop of job %s at %r tokens: not an integer >= 1", job_id, n)
+            return
+        if attempt is not None and (job is None or job.attempt < attempt):
+            self.counters["early_stops"] += 1  # its dispatch may be on its way from another gateway
+            self.early_stops.keep(job_id, attempt, n, self.clock())
             return
         if job is None or (attempt is not None and job.attempt != attempt):
             # Another attempt's tokens need not be the ones its caller read: that one runs on, as a cancel of

@@ -26,7 +26,7 @@ from worker.completions import Unconfirmed
 from worker.heartbeat import Heartbeat
 from worker.calibration import RateTracker, calibrate
 from worker.drain import Drain, Draining
-from worker.intake import Intake, RunningJob
+from worker.intake import EarlyStops, Intake, RunningJob
 from worker.linger import Linger, offers_room
 from worker.redelivery import Redelivery
 from worker.reporting import HELLO_EVERY_S, Reporting
@@ -51,6 +51,7 @@ class WorkerService(Intake, Reporting, Redelivery, Draining):
         # Which gateways are connected (worker/routes.py), and which refuse this worker's handshake.
         self.routes = GatewayRoutes(self.sockets, list(config.gateways), curve=bool(config.gateway_public_key))
         self.jobs: dict[str, RunningJob] = {}
+        self.early_stops = EarlyStops()  # stops of attempts whose dispatch has not come yet (worker/intake.py)
         self.counters: Counter = Counter()
         # Every socket use, from the step loop and the heartbeat thread; reentrant: a dispatch read under it may be
         # handed back at once (worker/drain.py), which sends under it too.
