@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8, help="concurrent client threads")
     ap.add_argument("--workers", type=int, default=2, help="instant stand-in workers")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--redis-aof", choices=("off", "everysec", "always"), default="off",
+                    help="Redis's append-only file: off (the default, as before), or on with that appendfsync "
+                         "(compose runs everysec; always: no acknowledged admission lost to a host crash)")
     args = ap.parse_args(argv)
     print("NOTE: workers are instant stand-ins (1 token per job, no model): this measures the gateway alone.")
 
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "tenants.toml").write_text('[[tenant]]\nname = "bench"\napi_key = "bench-key"\ntiers = ["P3"]\n')
     client_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     keys = generate_keys(tmp / "keys", [f"instant-{i}" for i in range(args.workers)])
-    with RedisServer() as rs:
+    aof = {} if args.redis_aof == "off" else {"appendonly": True, "extra_args": ["--appendfsync", args.redis_aof]}
+    with RedisServer(**aof) as rs:
         gw = subprocess.Popen([sys.executable, "-m", "gateway", "--client-bind", client_ep, "--worker-bind",
                                worker_ep, "--redis-url", rs.url, "--tenants-file", str(tmp / "tenants.toml"),
                                "--gateway-id", "gw-bench", "--log-level", "WARNING"], cwd=ROOT,

@@ -178,6 +178,23 @@ def test_redis(compose, env_example):
     assert any(m["target"] == "/data" and m["type"] == "volume" for m in mounts(redis)), "AOF needs a volume"
 
 
+def test_redis_appendfsync_is_the_operator_s_choice(raw_compose, env_example):
+    """everysec unless .env says always: a host crash then loses no admission Redis acknowledged."""
+    from tests.compose_helpers import interpolate
+
+    def fsync(env):
+        return _flags(interpolate(raw_compose, env, set())["services"]["redis"]["command"])["appendfsync"]
+
+    assert fsync(env_example | {"REDIS_APPENDFSYNC": "always"}) == "always"
+    assert fsync({k: v for k, v in env_example.items() if k != "REDIS_APPENDFSYNC"}) == "everysec"
+    try:
+        binary = find_redis_server()
+    except RedisServerError as e:
+        pytest.skip(str(e))
+    with RedisServer(appendonly=True, extra_args=["--appendfsync", "always"], binary=binary) as server:
+        assert server.client().config_get("appendfsync") == {"appendfsync": "always"}
+
+
 def test_redis_flags_and_healthcheck_on_a_real_redis_server(compose, env_example):
     """The compose command's flags on a real redis-server, and the healthcheck command with a real redis-cli."""
     redis_svc = compose["services"]["redis"]

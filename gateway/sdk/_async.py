@@ -1,4 +1,4 @@
-"""The asyncio client: AsyncGatewayClient and its AsyncJob.
+"""The asyncio client: AsyncGatewayClient (its AsyncJob: gateway.sdk._async_job).
 
 One connection per gateway (_async_connection) carries every call and stream of the client at once; each request
 gets a request id, under which its answers reach it.
@@ -10,93 +10,27 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import zmq.asyncio
 from opentelemetry import trace
 
 from common import protocol as P
-from common.errors import JobExpired, JobFailed, ServingError
+from common.errors import ServingError
 from gateway.sdk._async_connection import _check_open, _Connection
-from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
+from gateway.sdk._async_job import AsyncJob
+from gateway.sdk._common import SDK_TRACER, on_submit_reply, submit_span
 from gateway.sdk._drops import DROPPED, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, cancel_requests, client_settings, endpoint_list, job_request,
-                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id,
+                                   new_request_id, server_key, sized_submit_request, with_request_id,
                                    withdraw_request)
-from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
+from gateway.sdk._results import (Chunk, JobStatus, info_requests, raise_for, refused_as_unknown,
                                   to_result, to_status, without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at, outcome_unknown, withdraw_retries
 from gateway.sdk._stream_state import StreamState
 
 log = logging.getLogger("gateway.sdk")
-
-
-class AsyncJob(JobBase):
-
-    def stream(self, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[Chunk]:
-        """As Job.stream, with ``async for``."""
-        return _Chunks(self, from_index, timeout)
-
-    async def result(self, timeout: float | None = None) -> JobResult:
-        """As Job.result."""
-        if self._done is None:
-            deadline = None if wait_limit(timeout) is None else asyncio.get_running_loop().time() + timeout
-            async for _ in self._client._stream(self, 0, deadline=deadline):
-                pass
-        return to_result(self._done)
-
-    async def status(self) -> JobStatus:
-        return await self._client.status(self.id)
-
-    async def cancel(self, *, stop_at: int | None = None) -> bool:
-        """As GatewayClient.cancel of this job."""
-        return await self._client.cancel(self.id, stop_at=stop_at)
-
-
-class _Chunks:
-    """AsyncJob.stream's iterator. A wait for its next chunk that ends in an exception (asyncio.wait_for(anext(it),
-    T) timing out, a stream(timeout=T) with no chunk in time) does not end it: the next wait subscribes again from
-    the next index not delivered. An async generator ended for good there, and the same loop's next anext() ended
-    the stream quietly, short of its tokens."""
-
-    def __init__(self, job: AsyncJob, from_index: int, timeout: float | None) -> None:
-        self._job, self._next, self._timeout = job, from_index, timeout
-        self._chunks: AsyncGenerator[Chunk, None] | None = None
-        self._ended = False
-
-    def __aiter__(self) -> _Chunks:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self._ended:
-            raise StopAsyncIteration
-        if self._chunks is None:
-            self._chunks = self._job._client._stream(self._job, self._next, chunk_timeout=self._timeout)
-        chunks = self._chunks
-        try:
-            chunk = await anext(chunks)
-        except StopAsyncIteration:
-            self._ended = True
-            raise
-        except (JobFailed, JobExpired):
-            # The job's end (JobCancelled among them): raised once, as the blocking stream raises it; a call after
-            # it is the stream's end, not another round trip to be told it again.
-            self._ended, self._chunks = True, None
-            raise
-        except BaseException:
-            if chunks.ag_frame is None and self._chunks is chunks:  # not a concurrent anext() refused
-                self._chunks = None  # it ended, and left its subscription in its finally
-            raise
-        self._next = chunk.index + len(chunk.token_ids)
-        return chunk
-
-    async def aclose(self) -> None:
-        """Stop reading: its gateway is told now, not when the garbage collector gets to the stream."""
-        self._ended = True
-        if self._chunks is not None:
-            chunks, self._chunks = self._chunks, None
-            await chunks.aclose()
 
 
 class AsyncGatewayClient:
