@@ -83,8 +83,10 @@ class ClientCancels:
             self._reply_error(ident, Unauthorized("unknown API key"))
             return None
         if (job_id := self.queue.withdraw(tenant.name, key, self._retry_key_ttl_s())) is None:
+            metrics.withdrawn("before_admission")
             self._send(self.clients, ident, P.CancelReply("", True))
             return None
+        metrics.withdrawn("admitted")
         return dataclasses.replace(req, job_id=job_id, idempotency_key=None)
 
     def _stop_at(self, rec, n: int) -> bool:

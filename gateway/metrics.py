@@ -59,8 +59,15 @@ REQUEUES = Counter("ts_requeues_total", "Dispatched jobs this gateway put back i
                    "dead-lettered (dead), by cause: lease_expired (its worker went silent: the attempt's work is "
                    "lost) or released (a draining worker handed it back, worker/drain.py)", ["cause", "outcome"])
 
+WITHDRAWALS = Counter("ts_withdrawals_total", "Submissions their client gave up on and withdrew (the SDK does after a "
+                      "submit() that got no answer: cancelled, timed out): admitted (a job was, and the withdrawal "
+                      "cancelled it unless it had ended) or before_admission (none yet: one on its way is refused)",
+                      ["outcome"])
+
 for _cause in ("lease_expired", "released"):
     REQUEUES.labels(_cause, "queued")
+for _outcome in ("admitted", "before_admission"):
+    WITHDRAWALS.labels(_outcome)
 
 for _t in TIER_VALUES:  # every tier's series exists from the start, so rate() sees the first event
     ADMISSIONS.labels(_t)
@@ -156,6 +163,10 @@ def let_go(job_id: str) -> None:
 def held_tier(job_id: str) -> str | None:
     held = _HELD.get(job_id)
     return held[0] if held is not None else None
+
+
+def withdrawn(outcome: str) -> None:
+    WITHDRAWALS.labels(outcome).inc()
 
 
 def refused(code: str) -> None:

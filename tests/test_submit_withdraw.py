@@ -21,12 +21,15 @@ import sys
 import threading
 import uuid
 
+import httpx
 import pytest
 import redis
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import protocol as P
 from common.errors import InvalidRequest, ServingError
+from common.ports import free_port
 from common.redis_keys import KeySpace
 from common.redis_server import RedisServer
 from common.sockets import make_socket
@@ -63,6 +66,12 @@ class _Cluster:
     def frozen(self):
         return _Frozen(self.gw.proc.pid)
 
+    def withdrawals(self) -> dict[str, float]:
+        """The gateway's ts_withdrawals_total, by outcome."""
+        text = httpx.get(self.metrics_url, timeout=10).text
+        return {s.labels["outcome"]: s.value for family in text_string_to_metric_families(text)
+                if family.name == "ts_withdrawals" for s in family.samples if s.name == "ts_withdrawals_total"}
+
 
 class _Frozen:
     """The gateway stopped (SIGSTOP) for the block; continued however it ends."""
@@ -82,9 +91,16 @@ class _Frozen:
 def cluster(tmp_path_factory):
     with RedisServer() as redis_server:
         prefix = f"withdraw-{uuid.uuid4().hex[:8]}"
-        gw = _Gateway(tmp_path_factory.mktemp("withdraw"), "gw-withdraw", redis_server.url, prefix)
+        metrics_at = f"127.0.0.1:{free_port()}"
+        os.environ["TS_GATEWAY_METRICS_BIND"] = metrics_at  # the gateway process's environment is this one's
         try:
-            yield _Cluster(gw.started(), redis_server.url, prefix)
+            gw = _Gateway(tmp_path_factory.mktemp("withdraw"), "gw-withdraw", redis_server.url, prefix)
+        finally:
+            del os.environ["TS_GATEWAY_METRICS_BIND"]
+        try:
+            c = _Cluster(gw.started(), redis_server.url, prefix)
+            c.metrics_url = f"http://{metrics_at}/metrics"
+            yield c
         finally:
             os.kill(gw.proc.pid, signal.SIGCONT)  # a test that failed inside frozen() must not leave it stopped
             gw.stop()
@@ -114,6 +130,7 @@ def test_the_sdk_s_own_keys_are_kept_as_long_as_a_result_a_caller_s_for_the_idem
 
 def test_a_withdrawn_key_admits_nothing_and_charges_nothing(cluster):
     key = f"gone-{uuid.uuid4().hex}"
+    counted = cluster.withdrawals()
     with GatewayClient(cluster.gw.clients, cluster.key("chat-co"), timeout_s=30) as client:
         reply = client._call(withdraw_request(client.api_key, key))
         assert (reply.job_id, reply.cancelled) == ("", True)
@@ -129,10 +146,12 @@ def test_a_withdrawn_key_admits_nothing_and_charges_nothing(cluster):
         reply = client._call(withdraw_request(client.api_key, key))
         assert (reply.job_id, reply.cancelled) == ("", True)
         assert cluster.state() == before
+    assert cluster.withdrawals() == counted | {"before_admission": counted["before_admission"] + 2}
 
 
 def test_withdrawing_a_key_whose_job_was_admitted_cancels_that_job(cluster, sdk):
     key = f"late-{uuid.uuid4().hex}"
+    counted = cluster.withdrawals()
     job = sdk.submit(prompt_token_ids=PROMPT, max_tokens=4, tier="P2", idempotency_key=key)
     assert job.status().state == "queued"
     reply = sdk._call(withdraw_request(sdk.api_key, key))
@@ -140,6 +159,7 @@ def test_withdrawing_a_key_whose_job_was_admitted_cancels_that_job(cluster, sdk)
     assert job.status().state == "cancelled"
     reply = sdk._call(withdraw_request(sdk.api_key, key))
     assert (reply.job_id, reply.cancelled) == (job.id, False)  # it had ended
+    assert cluster.withdrawals() == counted | {"admitted": counted["admitted"] + 2}
     again = sdk.submit(prompt_token_ids=PROMPT, max_tokens=4, tier="P2", idempotency_key=key)
     assert again.id == job.id and again.status().state == "cancelled"  # the key still names its job
 
