@@ -11,6 +11,7 @@ A real WorkerService (bench model, real ZeroMQ) facing two gateway sockets the t
 from __future__ import annotations
 
 from common import protocol as P
+from tests.cluster_helpers import wait_for
 from tests.test_worker_drain import FakeGateway, is_, serving_worker
 from worker.intake import EarlyStops
 
@@ -24,6 +25,7 @@ def test_a_stop_sent_before_its_dispatch_by_another_gateway_ends_the_job_there(b
     with serving_worker(bench_model_dir, [a, b], worker_id="wk-early") as (service, _):
         _stop(b, "job", 1, 6)
         _stop(b, "job", 1, 9)  # a later, larger stop does not raise it
+        wait_for(lambda: service.counters["early_stops"] == 2, 30, "the worker to read the stops")
         a.dispatch("job", 300)
         done = a.receive(is_(P.JobFinished, "job"), timeout_s=120)
         assert (done.attempt, done.state, done.finish_reason, done.num_tokens) == (1, "done", "stop", 6), done
@@ -40,10 +42,25 @@ def test_a_stop_of_the_next_attempt_waits_for_it_and_leaves_the_current_one_to_i
         a.dispatch("job", 300, attempt=1)
         a.receive(is_(P.JobTokens, "job"))
         _stop(b, "job", 2, 5)
+        wait_for(lambda: service.counters["early_stops"] == 1, 30, "the worker to read the stop")
         b.dispatch("job", 300, attempt=2)
         done = b.receive(lambda m: isinstance(m, P.JobFinished) and m.job_id == "job", timeout_s=120)
         assert (done.attempt, done.state, done.finish_reason, done.num_tokens) == (2, "done", "stop", 5), done
         assert service.counters["early_stops"] == 1 and len(service.early_stops) == 0
+
+
+def test_a_dispatch_s_malformed_stop_leaves_the_early_one(bench_model_dir):
+    """A buggy gateway's stop_at of -1 in the dispatch is dropped (counted), not taken for the smaller stop, and the
+    stop that came first still ends the job."""
+    a, b = FakeGateway(), FakeGateway()
+    with serving_worker(bench_model_dir, [a, b], worker_id="wk-early-3") as (service, _):
+        _stop(b, "job", 1, 4)
+        wait_for(lambda: service.counters["early_stops"] == 1, 30, "the worker to read the stop")
+        a.sock.send_multipart([a.ident, P.encode(P.DispatchJob(
+            "job", 1, "P2", "t", [5, 6, 7], 50, 0.0, 1.0, None, 1, "gw", ignore_eos=True, stop_at=-1))])
+        done = a.receive(is_(P.JobFinished, "job"), timeout_s=120)
+        assert (done.state, done.finish_reason, done.num_tokens) == ("done", "stop", 4), done
+        assert service.counters["malformed"] == 1
 
 
 def test_a_stop_that_is_never_dispatched_is_let_go():

@@ -151,7 +151,12 @@ class Intake:
         self.rates.added(msg.job_id)
         # Stopped before this attempt (its worker died or handed it back after the stop), or since, by a stop that
         # came before this dispatch: it ends where its caller's answer did, at once if its resumed tokens reach it.
-        stops = [n for n in (msg.stop_at, self.early_stops.take(msg.job_id, msg.attempt, self.clock())) if n]
+        stop = msg.stop_at
+        if stop is not None and (type(stop) is not int or stop < 1):  # a buggy gateway's: the job runs as without
+            self.counters["malformed"] += 1
+            log.warning("dropped the stop of a dispatch of job %s: %r tokens is not an integer >= 1", msg.job_id, stop)
+            stop = None
+        stops = [n for n in (stop, self.early_stops.take(msg.job_id, msg.attempt, self.clock())) if n is not None]
         if stops:
             self._stop_at(msg.job_id, msg.attempt, min(stops))
             if msg.job_id not in self.jobs:
