@@ -13,8 +13,10 @@ RETRYABLE = (TimeoutError, Unavailable)
 
 def outcome_unknown(e: BaseException) -> bool:
     """Did a call end with no answer, its request perhaps taken all the same (no reply in time, the caller's task
-    cancelled, the process interrupted)? A refusal the gateway answered changed nothing."""
-    return isinstance(e, (*RETRYABLE, asyncio.CancelledError, KeyboardInterrupt))
+    cancelled, the process interrupted)? A refusal the gateway answered changed nothing, Unavailable too ("nothing
+    was stored": admit.lua refuses to store what comes after its caller gave up). Withdrawing after it also sent a
+    flood of frames to gateways already struggling without Redis, each a try that stood their loop still."""
+    return isinstance(e, (TimeoutError, asyncio.CancelledError, KeyboardInterrupt))
 
 
 def withdraw_retries(retries: int) -> int:
