@@ -56,6 +56,8 @@ class Frames:
                 else:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if sock is self.clients:
+                    self._clients_answered()
                 return
             if len(frames) != 2:
                 self.counters["malformed"] += 1

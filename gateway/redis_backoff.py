@@ -21,6 +21,9 @@ log = logging.getLogger("gateway")
 
 # A full Redis refused a write of the background work (dispatch, results, maintenance): it tries again after this.
 REDIS_FULL_RETRY_S = 0.5
+# After a failed try, the next waits until the client frames that piled up meanwhile are answered, but no longer than
+# this past the back-off's end: a flood that never leaves the socket empty must not keep Redis untried for ever.
+ANSWER_FIRST_MAX_S = 2.0
 
 
 class RedisBackoff:
@@ -36,13 +39,24 @@ class RedisBackoff:
             log.warning("Redis unreachable (%s); admission answers 'unavailable' until it is back", e)
         self._redis_backoff_s = min(2.0, max(0.1, self._redis_backoff_s * 2))
         self._redis_retry_at = self.clock() + self._redis_backoff_s
+        # The try stood the loop still for up to the socket timeout, and client frames piled up meanwhile. Answering
+        # them can take longer than the first back-offs (0.1 s, 0.2 s): the next try would then stand the loop still
+        # again with them unanswered, two timeouts in a row (a client's timeout, not 'unavailable').
+        self._answer_clients_first = True
         self._dirty = True
 
     def _redis_down(self) -> bool:
-        """Redis did not answer lately and the back-off is not over: a site that tries Redis and goes on without it
-        (keepalives, the shared memories of drained workers and worker keys) skips it, rather than wait out the
-        socket timeout again, one try after another, while no client hears even 'unavailable'."""
-        return self.clock() < self._redis_retry_at
+        """Redis did not answer lately and the back-off is not over, or the client frames that waited out the failed
+        try are not all answered yet: a site that tries Redis and goes on without it (keepalives, the shared memories
+        of drained workers and worker keys) skips it, rather than wait out the socket timeout again, one try after
+        another, while no client hears even 'unavailable'."""
+        now = self.clock()
+        return now < self._redis_retry_at or (
+            self._answer_clients_first and now < self._redis_retry_at + ANSWER_FIRST_MAX_S)
+
+    def _clients_answered(self) -> None:
+        """The client socket was found empty: every frame that waited out a failed try has its answer."""
+        self._answer_clients_first = False
 
     def _redis_full(self, e: Exception) -> None:
         """Redis is reachable but at its maxmemory (noeviction) and refused a write. Reads, streams and cancels

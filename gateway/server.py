@@ -106,6 +106,7 @@ class Gateway(ClientApi, ClientCancels, WorkerLink, OutageFrames, Streaming, Dis
         self._last_tokens_io = 0.0
         self._redis_backoff_s = 0.0  # > 0 while Redis is unreachable: wait this long between tries
         self._redis_retry_at = 0.0
+        self._answer_clients_first = False  # client frames that waited out a failed Redis try are answered first
         self.kept = KeptFrames()  # worker frames that need Redis, kept during its back-off (outage.py)
         self._background_retry_at = 0.0  # a full Redis refused the background work's writes: wait until then
         self._redis_full_logged_at = float("-inf")  # when a full Redis was last logged (client_api)
@@ -150,11 +151,13 @@ class Gateway(ClientApi, ClientCancels, WorkerLink, OutageFrames, Streaming, Dis
                 self._drain(self.worker_sock, self._worker_handlers)
             if self.clients in events:
                 self._drain(self.clients, self._client_handlers)
+            else:
+                self._clients_answered()
             now = self.clock()
             if now - self._last_keepalive >= self.config.maintenance_interval_s:
                 self._last_keepalive = now
                 # Also while Redis is down: a client must not fail over from a gateway waiting out a blip.
-                self.send_keepalives(now, redis_up=now >= self._redis_retry_at)
+                self.send_keepalives(now, redis_up=not self._redis_down())
             if redis_down or now < max(self._redis_retry_at, self._background_retry_at):
                 continue
             try:

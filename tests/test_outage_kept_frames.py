@@ -159,6 +159,7 @@ def test_past_the_bound_frames_wait_in_the_socket_and_come_after_the_kept_ones(t
             assert len(gw.kept) == 3  # full: nothing more was read
 
             gw._redis_retry_at = gw.clock()  # the back-off is over
+            gw._clients_answered()  # and no client waits for an answer
             gw.replay_kept()
             assert len(gw.kept) == 0
             deadline = time.monotonic() + 10
@@ -235,6 +236,7 @@ def test_a_completion_whose_replay_finds_redis_down_again_is_kept_for_the_next(t
             os.kill(server.pid, signal.SIGSTOP)
             try:
                 gw._redis_retry_at = gw.clock()  # the back-off is over, Redis is not back
+                gw._clients_answered()  # and no client waits for an answer
                 gw.replay_kept()  # its lease read waits out the socket timeout and starts the back-off again
                 assert gw._redis_down()
             finally:
@@ -243,6 +245,7 @@ def test_a_completion_whose_replay_finds_redis_down_again_is_kept_for_the_next(t
             assert worker.poll(0) == 0, "a completion was confirmed while Redis was down"
 
             gw._redis_retry_at = gw.clock()  # Redis is back; the worker sends the completion no more
+            gw._clients_answered()
             gw.replay_kept()
             gw.retry_unstored()
             assert worker.poll(10_000), "the completion was never confirmed"

@@ -94,6 +94,7 @@ def test_a_flood_of_unknown_leases_tokens_leaves_room_for_the_held_jobs_frames(t
             assert _replies(worker) == [], "a frame was answered while Redis was down"
 
             gw._redis_retry_at = gw.clock()  # the back-off is over
+            gw._clients_answered()  # and no client waits for an answer
             gw.replay_kept()
             assert (len(gw.kept), gw.kept.bytes) == (0, 0)
             assert _replies(worker) == [P.JobFinishedAck("job-held", attempt)]

@@ -107,3 +107,49 @@ def test_keepalives_wait_out_a_frozen_redis_once_not_once_a_stream(tmp_path):
             os.kill(server.pid, signal.SIGCONT)
     assert took < LONGEST_ANSWER_S, f"four keepalives stood the loop still {took:.2f} s"
     assert in_backoff, "a Redis that did not answer a keepalive's read started no back-off"
+
+
+PILED = 12_000  # client frames behind the one whose Redis try stands the loop still; their answers take ~0.5 s
+
+
+def test_the_frames_that_waited_out_a_redis_try_are_all_answered_before_the_next_try(tmp_path):
+    """Client frames pile up while a try of a frozen Redis stands the loop still (2 s). The back-off after it was
+    shorter (0.1 s at first) than answering them took, so the next try stood the loop still again with most of them
+    unanswered: they waited two timeouts (the SDK's TimeoutError, not Unavailable; the flaky
+    test_long_pauses::test_redis_paused_...). The next try now waits until every frame that waited is answered.
+    Counted, not timed: every answer must come before the gateway's second Redis error. The gateway is built as
+    `python -m gateway` builds it, on a real redis-server; its loop runs in a thread."""
+    with built_gateway(tmp_path, "piled") as (gw, tenants, server):
+        stop = threading.Event()
+        loop = threading.Thread(target=gw.serve, args=(stop.is_set,), daemon=True)
+        loop.start()
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER)
+        sock.connect(gw.clients.getsockopt_string(zmq.LAST_ENDPOINT))
+        api_key = tenants["lab-co"]["api_key"]
+        errors_seen: list[int] = []
+        try:
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                errors_before = gw.counters["redis_errors"]
+                # One pipe, so the gateway reads them in order: the first one's admission tries Redis (unless the
+                # loop's own work tried it first), and the rest wait in the socket behind it.
+                for i in range(PILED + 1):
+                    sock.send(P.encode(P.SubmitRequest(api_key, 2, prompt_token_ids=[5, 5], request_id=f"p{i}")))
+                answers = []
+                for _ in range(PILED + 1):
+                    assert sock.poll(30_000), f"{len(answers)} of {PILED + 1} frames answered, then none"
+                    answers.append(P.decode(sock.recv()))
+                    errors_seen.append(gw.counters["redis_errors"])
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+        finally:
+            stop.set()
+            loop.join(10)
+            sock.close(linger=0)
+        assert not loop.is_alive()
+        assert {a.request_id for a in answers} == {f"p{i}" for i in range(PILED + 1)}  # each answered once
+        assert all(isinstance(a, P.ErrorReply) and a.code == "unavailable" for a in answers), \
+            {getattr(a, "code", type(a).__name__) for a in answers}
+        late = sum(e > errors_before + 1 for e in errors_seen)
+        assert late == 0, (f"{late} of {PILED + 1} frames answered only after the gateway tried the frozen Redis again "
+                           f"(errors: {errors_before} before, {max(errors_seen)} at the last answer)")
