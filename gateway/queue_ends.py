@@ -88,14 +88,13 @@ class QueueEnds:
         then marked withdrawn for ``ttl_s`` (admit.lua refuses a submission under it; a mark set before stays). SET NX
         first, so an admission racing it either wrote the key before (its job is returned) or finds the mark."""
         key = self.keys.idem(tenant, idempotency_key)
-        if self.client.set(key, WITHDRAWN_MARK, nx=True, px=ttl_s * 1000):
-            return None
-        stored = self.client.get(key)
-        # Gone in between (it expired): no job holds the key now, and a late submission may still come; mark it.
-        if stored is None:
-            return self.withdraw(tenant, idempotency_key, ttl_s)
-        job_id = stored.decode(errors="replace").partition(" ")[0]
-        return None if job_id == WITHDRAWN_MARK else job_id
+        while not self.client.set(key, WITHDRAWN_MARK, nx=True, px=ttl_s * 1000):
+            stored = self.client.get(key)
+            if stored is not None:
+                job_id = stored.decode(errors="replace").partition(" ")[0]
+                return None if job_id == WITHDRAWN_MARK else job_id
+            # Gone in between (it expired): no job holds the key now, and a late submission may still come; mark it.
+        return None
 
     def cancel_recording(self, job_id: str, *, now_ms: int | None = None, reason: str = "cancelled",
                          first_prefill_ms: int | None = None,

@@ -1,4 +1,4 @@
-"""The blocking client: GatewayClient and its Job."""
+"""The blocking client: GatewayClient (its Job: _sync_job.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import zmq
 from opentelemetry import trace
@@ -16,49 +16,20 @@ from opentelemetry import trace
 from common import protocol as P
 from common.errors import ServingError
 from common.sockets import curve_client, make_socket
-from gateway.sdk._common import SDK_TRACER, JobBase, on_submit_reply, submit_span
+from gateway.sdk._common import SDK_TRACER, on_submit_reply, submit_span
 from gateway.sdk._drops import DROPPED, DropWatch, failure
 from gateway.sdk._frames import FrameSizes, frame_bytes
 from gateway.sdk._requests import (auto_idempotency_key, cancel_requests, client_settings, endpoint_list, job_request,
-                                   new_request_id, server_key, sized_submit_request, wait_limit, with_request_id,
+                                   new_request_id, server_key, sized_submit_request, with_request_id,
                                    withdraw_request)
-from gateway.sdk._results import (Chunk, JobResult, JobStatus, info_requests, raise_for, refused_as_unknown,
-                                  to_result, to_status, without_defaulted)
+from gateway.sdk._results import (Chunk, JobStatus, info_requests, raise_for, refused_as_unknown, to_status,
+                                  without_defaulted)
 from gateway.sdk._retry import RETRYABLE, RetryBudget, failed_at, outcome_unknown, withdraw_retries
+from gateway.sdk._sync_job import Job
 from gateway.sdk._sync_sockets import ThreadSockets, reply_to
-from gateway.sdk._sync_stream import Chunks, stream
+from gateway.sdk._sync_stream import stream
 
 log = logging.getLogger("gateway.sdk")
-
-
-class Job(JobBase):
-
-    def stream(self, from_index: int = 0, timeout: float | None = None) -> Iterator[Chunk]:
-        """Yield the job's tokens from ``from_index`` until it ends. ``timeout``: the longest wait between token
-        chunks (None: as long as the job takes; keepalives tell a queued job from a dead gateway). A TimeoutError
-        (or any exception) out of a wait does not end the stream: the next ``next()`` reads on from the next token.
-        ``close()`` stops it at once."""
-        return Chunks(self, from_index, timeout)
-
-    def result(self, timeout: float | None = None) -> JobResult:
-        """The job's result; ``timeout``: seconds to wait in all (None: as long as the job takes)."""
-        if self._done is None:
-            deadline = None if wait_limit(timeout) is None else time.monotonic() + timeout
-            try:
-                for _ in self._client._stream(self, 0, deadline=deadline):
-                    pass
-            except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id} not done within {timeout}s") from None
-                raise
-        return to_result(self._done)
-
-    def status(self) -> JobStatus:
-        return self._client.status(self.id)
-
-    def cancel(self, *, stop_at: int | None = None) -> bool:
-        """As GatewayClient.cancel of this job."""
-        return self._client.cancel(self.id, stop_at=stop_at)
 
 
 class GatewayClient:
