@@ -4,16 +4,22 @@ a gateway, a fake worker on its worker socket (tests/test_durability.Adversary).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
 
 from common import protocol as P
 from common.sockets import make_socket
+from tests.cluster_helpers import ROOT, wait_for
 from tests.durable_cluster import DurableCluster
 from tests.gateway_helpers import built_gateway
 from tests.test_durability import Adversary
@@ -112,6 +118,23 @@ def test_keepalives_wait_out_a_frozen_redis_once_not_once_a_stream(tmp_path):
 PILED = 12_000  # client frames behind the one whose Redis try stands the loop still; their answers take ~0.5 s
 
 
+@contextmanager
+def serving(gw) -> Iterator[zmq.Socket]:
+    """``gw``'s loop in a thread, and a DEALER connected to its client socket; both stopped after."""
+    stop = threading.Event()
+    loop = threading.Thread(target=gw.serve, args=(stop.is_set,), daemon=True)
+    loop.start()
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER)
+    sock.connect(gw.clients.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        yield sock
+    finally:
+        stop.set()
+        loop.join(10)
+        sock.close(linger=0)
+        assert not loop.is_alive(), "the gateway's loop did not stop"
+
+
 def test_the_frames_that_waited_out_a_redis_try_are_all_answered_before_the_next_try(tmp_path):
     """Client frames pile up while a try of a frozen Redis stands the loop still (2 s). The back-off after it was
     shorter (0.1 s at first) than answering them took, so the next try stood the loop still again with most of them
@@ -119,37 +142,82 @@ def test_the_frames_that_waited_out_a_redis_try_are_all_answered_before_the_next
     test_long_pauses::test_redis_paused_...). The next try now waits until every frame that waited is answered.
     Counted, not timed: every answer must come before the gateway's second Redis error. The gateway is built as
     `python -m gateway` builds it, on a real redis-server; its loop runs in a thread."""
-    with built_gateway(tmp_path, "piled") as (gw, tenants, server):
-        stop = threading.Event()
-        loop = threading.Thread(target=gw.serve, args=(stop.is_set,), daemon=True)
-        loop.start()
-        sock = make_socket(zmq.Context.instance(), zmq.DEALER)
-        sock.connect(gw.clients.getsockopt_string(zmq.LAST_ENDPOINT))
+    with built_gateway(tmp_path, "piled") as (gw, tenants, server), serving(gw) as sock:
         api_key = tenants["lab-co"]["api_key"]
         errors_seen: list[int] = []
+        os.kill(server.pid, signal.SIGSTOP)
         try:
-            os.kill(server.pid, signal.SIGSTOP)
+            errors_before = gw.counters["redis_errors"]
+            # One pipe, so the gateway reads them in order: the first one's admission tries Redis (unless the
+            # loop's own work tried it first), and the rest wait in the socket behind it.
+            for i in range(PILED + 1):
+                sock.send(P.encode(P.SubmitRequest(api_key, 2, prompt_token_ids=[5, 5], request_id=f"p{i}")))
+            answers = []
+            for _ in range(PILED + 1):
+                assert sock.poll(30_000), f"{len(answers)} of {PILED + 1} frames answered, then none"
+                answers.append(P.decode(sock.recv()))
+                errors_seen.append(gw.counters["redis_errors"])
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    assert {a.request_id for a in answers} == {f"p{i}" for i in range(PILED + 1)}  # each answered once
+    assert all(isinstance(a, P.ErrorReply) and a.code == "unavailable" for a in answers), \
+        {getattr(a, "code", type(a).__name__) for a in answers}
+    late = sum(e > errors_before + 1 for e in errors_seen)
+    assert late == 0, (f"{late} of {PILED + 1} frames answered only after the gateway tried the frozen Redis again "
+                       f"(errors: {errors_before} before, {max(errors_seen)} at the last answer)")
+
+
+# A client in a process of its own (in the test's, it would take the gateway thread's interpreter lock): status
+# requests sent as fast as its queue takes them, the codes of the answers written to a file as they come.
+FLOODER = """
+import collections, json, os, sys, zmq
+sys.path.insert(0, os.getcwd())
+from common import protocol as P
+endpoint, api_key, out = sys.argv[1:4]
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(endpoint)
+frame, codes, n = P.encode(P.StatusRequest(api_key, "job-none", request_id="f")), collections.Counter(), 0
+while True:
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:  # its queue to the gateway is full: the gateway's socket is far from empty
+        pass
+    while sock.poll(0):
+        codes[getattr(P.decode(sock.recv()), "code", "other")] += 1
+    n += 1
+    if n % 2000 == 0:
+        with open(out + ".tmp", "w") as f:
+            json.dump(codes, f)
+        os.replace(out + ".tmp", out)
+"""
+
+
+def test_a_client_flood_that_never_leaves_the_socket_empty_does_not_keep_redis_untried(tmp_path):
+    """The other side of answering waiting frames first: a flood of status requests, sent faster than the gateway
+    refuses them, never leaves its client socket empty. Redis, back from its stand-still, must be tried again all
+    the same (redis_backoff.ANSWER_FIRST_MAX_S after the back-off's end), and the flood then gets Redis's answers."""
+    out = tmp_path / "codes.json"
+
+    def codes() -> dict:
+        try:
+            return json.loads(out.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    with built_gateway(tmp_path, "flood") as (gw, tenants, server), serving(gw):
+        os.kill(server.pid, signal.SIGSTOP)
+        flooder = subprocess.Popen([sys.executable, "-c", FLOODER, gw.clients.getsockopt_string(zmq.LAST_ENDPOINT),
+                                    tenants["lab-co"]["api_key"], str(out)], cwd=ROOT)
+        try:
             try:
-                errors_before = gw.counters["redis_errors"]
-                # One pipe, so the gateway reads them in order: the first one's admission tries Redis (unless the
-                # loop's own work tried it first), and the rest wait in the socket behind it.
-                for i in range(PILED + 1):
-                    sock.send(P.encode(P.SubmitRequest(api_key, 2, prompt_token_ids=[5, 5], request_id=f"p{i}")))
-                answers = []
-                for _ in range(PILED + 1):
-                    assert sock.poll(30_000), f"{len(answers)} of {PILED + 1} frames answered, then none"
-                    answers.append(P.decode(sock.recv()))
-                    errors_seen.append(gw.counters["redis_errors"])
+                wait_for(lambda: gw.counters["redis_errors"] >= 1 and codes().get("unavailable"), 30,
+                         "the flood refused as unavailable")
             finally:
                 os.kill(server.pid, signal.SIGCONT)
+            wait_for(lambda: codes().get("not_found"), 30, "Redis tried again under the flood")
+            assert flooder.poll() is None, "the flood stopped: this tested nothing"
         finally:
-            stop.set()
-            loop.join(10)
-            sock.close(linger=0)
-        assert not loop.is_alive()
-        assert {a.request_id for a in answers} == {f"p{i}" for i in range(PILED + 1)}  # each answered once
-        assert all(isinstance(a, P.ErrorReply) and a.code == "unavailable" for a in answers), \
-            {getattr(a, "code", type(a).__name__) for a in answers}
-        late = sum(e > errors_before + 1 for e in errors_seen)
-        assert late == 0, (f"{late} of {PILED + 1} frames answered only after the gateway tried the frozen Redis again "
-                           f"(errors: {errors_before} before, {max(errors_seen)} at the last answer)")
+            flooder.kill()
+            flooder.wait(10)
+        refused = gw.counters["refused_unavailable"]
+    assert refused > 1000, f"{refused} frames refused: too few for a flood that never left the socket empty"
