@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build(config: GatewayConfig):
-    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     from common.redis_keys import KeySpace
     from gateway import tokenizer_pin
     from gateway.redis_queue import RedisQueue
+    from gateway.redis_startup import until_redis_answers
     from gateway.server import Gateway, tier_timeouts
     from gateway.tenants import TenantDirectory
 
@@ -78,10 +78,8 @@ def build(config: GatewayConfig):
     # Redis, not 2), standing the loop still that long, and the reply deadlines assume the socket timeout.
     client = redis_client(config.redis_url, config.redis_password_file, socket_timeout=2.0,
                           socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        raise settings.ConfigError(f"cannot reach Redis at {redact_url(config.redis_url)}: {e}") from None
+    until_redis_answers(client.ping, config.redis_startup_wait_s,
+                        f"cannot reach Redis at {redact_url(config.redis_url)}")
     tokenizer = None
     if config.tokenizer:
         from transformers import AutoTokenizer
@@ -94,7 +92,8 @@ def build(config: GatewayConfig):
     policy = gw.hello_policy
     try:
         ours = policy.tokenizer_digest if tokenizer is not None else None
-        policy.adopt(tokenizer_pin.claim(client, queue.keys, ours))
+        policy.adopt(until_redis_answers(lambda: tokenizer_pin.claim(client, queue.keys, ours),
+                                         config.redis_startup_wait_s, "cannot read the cluster's tokenizer from Redis"))
     except settings.ConfigError:
         gw.close()
         raise

@@ -111,10 +111,16 @@ class GatewayConfig:
     client_queue_bytes_per_peer: int = 32 * 2**20
     # File holding the Redis password (kept out of redis_url, argv and logs); "" uses redis_url's own.
     redis_password_file: str = ""
+    # At start, how long to wait for a Redis that does not answer (restarting, loading its AOF, standing still, or
+    # starting beside this gateway) before exiting; a refused password exits at once. 0: exit at once.
+    redis_startup_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the gateway could not run with (before anything is started)."""
         require(self, positive=POSITIVE, at_least=AT_LEAST)
+        wait = self.redis_startup_wait_s
+        if not (isinstance(wait, (int, float)) and not isinstance(wait, bool) and math.isfinite(wait) and wait >= 0):
+            raise ConfigError(f"redis_startup_wait_s must be a finite number >= 0, got {wait!r}")
         timeouts = self.tier_timeouts_s
         names = {t.value for t in ALL_TIERS}
         if not isinstance(timeouts, dict) or not set(timeouts) <= names or not all(

@@ -18,13 +18,11 @@ from common.settings import ConfigError
 
 def claim(client: redis.Redis, keys: KeySpace, digest: str | None) -> str | None:
     """Pin ``digest`` (this gateway's tokenizer's; None: it has none) unless one is pinned; return the pinned one
-    (None: none yet). Raises ConfigError when the pinned one is not ``digest``, or Redis does not answer."""
-    try:
-        if digest is not None:
-            client.set(keys.tokenizer, digest, nx=True)
-        held = client.get(keys.tokenizer)
-    except redis.RedisError as e:
-        raise ConfigError(f"cannot read the cluster's tokenizer from Redis: {e}") from None
+    (None: none yet). Raises ConfigError when the pinned one is not ``digest``, redis.RedisError when Redis does not
+    answer (gateway/redis_startup.py tries again)."""
+    if digest is not None:
+        client.set(keys.tokenizer, digest, nx=True)
+    held = client.get(keys.tokenizer)
     pinned = held.decode() if held is not None else None
     if digest is not None and pinned is not None and pinned != digest:
         raise ConfigError(
