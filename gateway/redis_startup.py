@@ -22,11 +22,10 @@ T = TypeVar("T")
 RETRY_EVERY_S = 0.5
 
 
-def until_redis_answers(call: Callable[[], T], wait_s: float, failure: str, *,
-                        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> T:
-    """``call()``, made again every RETRY_EVERY_S while Redis is unreachable, for up to ``wait_s``; then ConfigError
-    ``failure: <the last error>``."""
-    deadline = clock() + wait_s
+def until_redis_answers(call: Callable[[], T], wait_s: float, failure: str) -> T:
+    """``call()``, made again every RETRY_EVERY_S while Redis is unreachable, for up to ``wait_s``; then, as for any
+    other Redis error (an answer, a refused password), ConfigError ``failure: <the error>``."""
+    deadline = time.monotonic() + wait_s
     waited = False
     while True:
         try:
@@ -34,10 +33,12 @@ def until_redis_answers(call: Callable[[], T], wait_s: float, failure: str, *,
         except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as e:
             raise ConfigError(f"{failure}: {e}") from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            left = deadline - clock()
+            left = deadline - time.monotonic()
             if left <= 0:
                 raise ConfigError(f"{failure}: {e}" + (f" (waited {wait_s:g} s)" if waited else "")) from None
             if not waited:
                 log.warning("%s (%s); trying again for up to %g s (redis_startup_wait_s)", failure, e, wait_s)
             waited = True
-            sleep(min(RETRY_EVERY_S, left))
+            time.sleep(min(RETRY_EVERY_S, left))
+        except redis.RedisError as e:  # an answer (WRONGTYPE, READONLY ...): no blip to wait out
+            raise ConfigError(f"{failure}: {e}") from None

@@ -124,3 +124,20 @@ def test_a_refused_password_exits_at_once_without_waiting(tmp_path):
 def test_a_startup_wait_that_is_no_duration_is_refused_naming_the_key(value):
     with pytest.raises(ConfigError, match="redis_startup_wait_s"):
         GatewayConfig(redis_startup_wait_s=value)
+
+
+def test_a_redis_that_answers_with_an_error_is_a_config_error_at_once_not_a_traceback(tmp_path):
+    """An answer is no blip: the cluster's tokenizer key holding another type (WRONGTYPE) exits 2 naming it, as
+    before the start-up wait, not with a traceback and not after waiting."""
+    from common.redis_keys import KeySpace
+
+    with RedisServer() as server:
+        server.client().hset(KeySpace(prefix="ts").tokenizer, "not", "a string")
+        gw = StartingGateway(tmp_path, server.url)
+        try:
+            assert gw.proc.wait(60) == 2
+        finally:
+            gw.stop()
+    out = gw.log()
+    assert "cannot read the cluster's tokenizer from Redis" in out and "WRONGTYPE" in out, out[-2000:]
+    assert "Traceback" not in out and "trying again" not in out, out[-2000:]
