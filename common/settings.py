@@ -29,13 +29,19 @@ class ConfigError(ValueError):
 
 
 def require(config: Any, *, positive: typing.Iterable[str] = (), at_least: typing.Mapping[str, int] | None = None,
-            ) -> None:
+            non_negative: typing.Mapping[str, str] | None = None) -> None:
     """Raise ConfigError naming the first of ``config``'s keys out of bounds: those in ``positive`` must be finite
-    numbers > 0 (a process divides by them, or waits them out), those in ``at_least`` integers >= their bound."""
+    numbers > 0 (a process divides by them, or waits them out), those in ``at_least`` integers >= their bound, those
+    in ``non_negative`` finite numbers >= 0 (key -> what 0 means, said in the error)."""
     for key in positive:
         value = getattr(config, key)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+    for key, zero in (non_negative or {}).items():
+        value = getattr(config, key)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value >= 0):
+            raise ConfigError(f"{key} must be a finite number >= 0 (0: {zero}), got {value!r}")
     for key, least in (at_least or {}).items():
         value = getattr(config, key)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):

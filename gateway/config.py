@@ -117,10 +117,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         """Refuse, naming the key, a value the gateway could not run with (before anything is started)."""
-        require(self, positive=POSITIVE, at_least=AT_LEAST)
-        wait = self.redis_startup_wait_s
-        if not (isinstance(wait, (int, float)) and not isinstance(wait, bool) and math.isfinite(wait) and wait >= 0):
-            raise ConfigError(f"redis_startup_wait_s must be a finite number >= 0, got {wait!r}")
+        require(self, positive=POSITIVE, at_least=AT_LEAST, non_negative={"redis_startup_wait_s": "exit at once"})
         timeouts = self.tier_timeouts_s
         names = {t.value for t in ALL_TIERS}
         if not isinstance(timeouts, dict) or not set(timeouts) <= names or not all(

@@ -3,7 +3,6 @@ environment variables TS_HTTP_<KEY> (e.g. TS_HTTP_GATEWAYS='["tcp://gateway:5555
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from common.settings import ConfigError, require
@@ -57,11 +56,8 @@ class HttpConfig:
         """Refuse, naming the key, a value the door could not serve with (a zero timeout failed every request
         as a 504; a zero body limit refused every body)."""
         require(self, positive=("upstream_timeout_s", "body_timeout_s"),
-                at_least={"port": 0, "default_max_tokens": 1, "max_body_bytes": 1, "max_clients": 1})
-        ka = self.sse_keepalive_s
-        if not (isinstance(ka, (int, float)) and not isinstance(ka, bool) and math.isfinite(ka) and ka >= 0):
-            raise ConfigError(f"sse_keepalive_s must be a finite number >= 0 (0: no keep-alives), got "
-                              f"{ka!r}")
+                at_least={"port": 0, "default_max_tokens": 1, "max_body_bytes": 1, "max_clients": 1},
+                non_negative={"sse_keepalive_s": "no keep-alives"})
         if self.port > 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port!r}")
         if not (isinstance(self.gateways, list) and self.gateways and all(isinstance(g, str) and g
