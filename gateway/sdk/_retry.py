@@ -10,6 +10,9 @@ from common.errors import Unavailable
 # Failures that another attempt (on the next gateway) may cure; every other error is final.
 RETRYABLE = (TimeoutError, Unavailable)
 
+# The share of a gateway's retry_after_s added, at random, to the pause (RetryBudget.pause_s).
+RETRY_AFTER_SPREAD = 0.25
+
 
 def outcome_unknown(e: BaseException) -> bool:
     """Did a call end with no answer, its request perhaps taken all the same (no reply in time, the caller's task
@@ -34,8 +37,9 @@ class RetryBudget:
     """Whether a failed attempt may be retried, and after what pause.
 
     A silent gateway (TimeoutError): up to ``retries`` times in a row, at once, on the next gateway. An
-    unavailable cluster (its Redis unreachable): retried after the pause the gateway asks for (else 0.1 s
-    doubling to 2 s, with jitter) until the pauses add up to ``budget_s``, so a Redis blip is waited out.
+    unavailable cluster (its Redis unreachable): retried after the pause the gateway asks for (up to a quarter
+    more, at random; else 0.1 s doubling to 2 s, with jitter) until the pauses add up to ``budget_s``, so a
+    Redis blip is waited out.
     """
 
     def __init__(self, retries: int, budget_s: float) -> None:
@@ -55,8 +59,13 @@ class RetryBudget:
                 raise error
             return 0.0
         self.unavailable += 1
-        pause = getattr(error, "retry_after_s", None) or min(2.0, 0.1 * 2 ** (self.unavailable - 1)) * \
-            random.uniform(0.5, 1.0)
+        asked = getattr(error, "retry_after_s", None)
+        if asked:
+            # Every client the gateway refused during one back-off is told its same end: spread over a quarter of it
+            # more, their retries do not all land on the gateway in the one instant it tries Redis again.
+            pause = asked * random.uniform(1.0, 1.0 + RETRY_AFTER_SPREAD)
+        else:
+            pause = min(2.0, 0.1 * 2 ** (self.unavailable - 1)) * random.uniform(0.5, 1.0)
         if self.waited_s + pause > self.budget_s:
             raise error
         self.waited_s += pause
