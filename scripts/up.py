@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.ports import draw_range  # noqa: E402
 from common.redis_server import redact_url  # noqa: E402
 from common.spans_file import prune as prune_spans, rotate as rotate_spans  # noqa: E402
 # The processes live in up_cluster.py, the files in up_files.py; their names stay importable from here, where the
@@ -112,6 +113,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:
+        draw_range()  # a bad TS_PORT_RANGE stops the launch here, not as a traceback from the first port picked
+    except ValueError as e:
+        print(f"up.py: {e}", file=sys.stderr)
+        return 2
     # Removed and rewritten, it would be this cluster's while the other runs on (and removes it as it stops).
     if (pid := running_launcher(args.state_file)) is not None:
         print(f"up.py: --state-file {args.state_file} is the state of a running cluster (up.py pid {pid}); "

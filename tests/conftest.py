@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from common.ports import PORT_RANGE_ENV, split_range
 from scripts.make_tiny_model import build
 from tests import compose_helpers, zmq_watchdog
 
 CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
+
+# Under pytest-xdist (`make test` runs the suites on several processes) each process picks free ports for the
+# clusters it starts without seeing the others' picks: a port picked by two before either's child binds it would
+# fail one of them. Each gets a share of the range of its own, and every process it starts inherits it.
+if "PYTEST_XDIST_WORKER" in os.environ and PORT_RANGE_ENV not in os.environ:
+    os.environ[PORT_RANGE_ENV] = split_range(int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
+                                             int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 @pytest.hookimpl(tryfirst=True)

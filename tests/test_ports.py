@@ -41,6 +41,7 @@ def test_ports_are_free_and_below_the_range_outgoing_connections_draw_from():
 
 def _only(monkeypatch, tmp_path, port: int) -> None:
     """Leave exactly one port below the ephemeral range: ``port``, as if this process had handed out none yet."""
+    monkeypatch.delenv(ports.PORT_RANGE_ENV, raising=False)  # set under pytest-xdist: the range is this test's
     monkeypatch.setattr(ports, "_given", deque(maxlen=ports._REMEMBERED))
     range_file = tmp_path / "ip_local_port_range"
     range_file.write_text(f"{port + 1}\t60999\n")
@@ -92,3 +93,45 @@ def test_a_range_that_leaves_no_room_below_uses_the_kernels_choice(monkeypatch, 
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_port_range_of_its_own_keeps_a_process_to_it(monkeypatch):
+    low, high = (int(x) for x in ports.split_range(1, 3).split("-"))
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, f"{low}-{high}")
+    picked = [free_port() for _ in range(300)]
+    assert all(low <= p <= high for p in picked)
+    assert len(set(picked)) == len(picked)
+
+
+def test_split_ranges_are_disjoint_and_below_the_ephemeral_range():
+    low, _ = ephemeral_range(ports._EPHEMERAL_RANGE_FILE)
+    if low - 1 < ports._LOWEST + 4:
+        pytest.skip(f"this machine's ephemeral range starts at {low}: no room below it to split")
+    shares = [tuple(int(x) for x in ports.split_range(i, 4).split("-")) for i in range(4)]
+    assert shares[0][0] == ports._LOWEST and shares[-1][1] < low
+    for (_, high), (next_low, _) in zip(shares, shares[1:]):
+        assert high < next_low
+
+
+@pytest.mark.parametrize("text", ["garbage", "2000", "3000-2000", "80-90", "60000-70000", "1-2-3"])
+def test_a_bad_port_range_is_refused_naming_the_variable(monkeypatch, text):
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, text)
+    with pytest.raises(ValueError, match=ports.PORT_RANGE_ENV):
+        free_port()
+
+
+def test_up_py_refuses_a_bad_port_range_before_starting_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    state = tmp_path / "cluster.json"
+    done = subprocess.run([sys.executable, str(root / "scripts" / "up.py"), "--workers", "1", "--model", "tiny",
+                           "--state-file", str(state), "--logs-dir", str(tmp_path / "logs")],
+                          env=os.environ | {ports.PORT_RANGE_ENV: "9000-8000"}, capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert ports.PORT_RANGE_ENV in done.stderr and "Traceback" not in done.stderr
+    assert not state.exists() and not (tmp_path / "logs").exists()
