@@ -14,7 +14,7 @@ from tests import compose_helpers, zmq_watchdog
 
 CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
 
-# Under pytest-xdist (`make test` runs the suites on several processes) each process picks free ports for the
+# Under pytest-xdist (`make test JOBS=N` runs each suite on N processes) each process picks free ports for the
 # clusters it starts without seeing the others' picks: a port picked by two before either's child binds it would
 # fail one of them. Each gets a share of the range of its own, and every process it starts inherits it.
 if "PYTEST_XDIST_WORKER" in os.environ and PORT_RANGE_ENV not in os.environ:
