@@ -84,7 +84,7 @@ def draw_range() -> tuple[int, int]:
     just below the kernel's ephemeral range (an empty range where it leaves no room: then the kernel picks)."""
     text = os.environ.get(PORT_RANGE_ENV, "").strip()
     if not text:
-        return _LOWEST, ephemeral_range(_EPHEMERAL_RANGE_FILE)[0] - 1
+        return _below_ephemeral()
     try:
         low, high = (int(x) for x in text.split("-"))
     except ValueError:
@@ -97,9 +97,14 @@ def draw_range() -> tuple[int, int]:
 def split_range(index: int, count: int) -> str:
     """The ``index``-th of ``count`` disjoint shares of the default draw range, as a ``TS_PORT_RANGE`` value: for
     processes that pick ports side by side (tests/conftest.py gives each pytest-xdist worker one)."""
-    lowest, highest = _LOWEST, ephemeral_range(_EPHEMERAL_RANGE_FILE)[0] - 1
+    lowest, highest = _below_ephemeral()
     size = (highest - lowest + 1) // count
     if size < 1:
         raise ValueError(f"no room for {count} port ranges in {lowest}-{highest}")
     low = lowest + index * size
     return f"{low}-{low + size - 1}"
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """The default draw range: from ``_LOWEST`` to just below the kernel's ephemeral range (inclusive)."""
+    return _LOWEST, ephemeral_range(_EPHEMERAL_RANGE_FILE)[0] - 1

@@ -4,8 +4,12 @@ died 12 times in a row on its metrics port in a CI run when ports came from bind
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from collections import deque
+from pathlib import Path
 
 import pytest
 
@@ -121,11 +125,6 @@ def test_a_bad_port_range_is_refused_naming_the_variable(monkeypatch, text):
 
 
 def test_up_py_refuses_a_bad_port_range_before_starting_anything(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     state = tmp_path / "cluster.json"
     done = subprocess.run([sys.executable, str(root / "scripts" / "up.py"), "--workers", "1", "--model", "tiny",
