@@ -115,7 +115,13 @@ def test_keepalives_wait_out_a_frozen_redis_once_not_once_a_stream(tmp_path):
     assert in_backoff, "a Redis that did not answer a keepalive's read started no back-off"
 
 
-PILED = 12_000  # client frames behind the one whose Redis try stands the loop still; their answers take ~0.5 s
+# Client frames behind the one whose Redis try stands the loop still. Their answers must take longer than the first
+# back-off (0.1 s), or the old gateway passes too, and well under redis_backoff.ANSWER_FIRST_MAX_S (2 s), which lets
+# Redis be tried with frames still unanswered, by design: so the pile is sized to what this machine answers in
+# PILE_ANSWER_S, measured on a first pile, not fixed (12,000 took ~0.5 s alone and over 2 s beside two other suites).
+PILE_ANSWER_S = 0.6
+MOST_PILED = 12_000
+FIRST_PILE = 2_000
 
 
 @contextmanager
@@ -135,6 +141,30 @@ def serving(gw) -> Iterator[zmq.Socket]:
         assert not loop.is_alive(), "the gateway's loop did not stop"
 
 
+def pile_through_a_try(gw, sock, api_key: str, n: int, tag: str) -> tuple[list, list[int], list[float]]:
+    """``n`` submissions sent at once while Redis stands still (the caller froze it): the first one's admission
+    tries Redis (unless the loop's own work tried it first), and the rest wait in the socket behind it. (the answers,
+    the gateway's Redis error count at each, the time of each)."""
+    # One pipe, so the gateway reads them in order.
+    for i in range(n):
+        sock.send(P.encode(P.SubmitRequest(api_key, 2, prompt_token_ids=[5, 5], request_id=f"{tag}{i}")))
+    answers, errors_seen, times = [], [], []
+    for _ in range(n):
+        assert sock.poll(30_000), f"{len(answers)} of {n} frames answered, then none"
+        answers.append(P.decode(sock.recv()))
+        errors_seen.append(gw.counters["redis_errors"])
+        times.append(time.monotonic())
+    return answers, errors_seen, times
+
+
+def answer_rate(errors_seen: list[int], times: list[float]) -> float:
+    """Frames answered a second between one Redis try and the next (the first run of answers at one error count):
+    what the gateway answers while it tries nothing, whether or not it then waits for the rest."""
+    k = errors_seen.count(errors_seen[0])
+    assert k >= 100, f"only {k} frames answered before the gateway tried Redis again: no pace to measure"
+    return (k - 1) / max(times[k - 1] - times[0], 1e-3)
+
+
 def test_the_frames_that_waited_out_a_redis_try_are_all_answered_before_the_next_try(tmp_path):
     """Client frames pile up while a try of a frozen Redis stands the loop still (2 s). The back-off after it was
     shorter (0.1 s at first) than answering them took, so the next try stood the loop still again with most of them
@@ -144,27 +174,35 @@ def test_the_frames_that_waited_out_a_redis_try_are_all_answered_before_the_next
     `python -m gateway` builds it, on a real redis-server; its loop runs in a thread."""
     with built_gateway(tmp_path, "piled") as (gw, tenants, server), serving(gw) as sock:
         api_key = tenants["lab-co"]["api_key"]
-        errors_seen: list[int] = []
+        # This machine's pace at answering a pile, through the same path: a first pile, then Redis back.
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            rate = answer_rate(*pile_through_a_try(gw, sock, api_key, FIRST_PILE, "m")[1:])
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+
+        def redis_back() -> bool:
+            sock.send(P.encode(P.StatusRequest(api_key, "job-none", request_id="up")))  # a try, once backed off
+            while sock.poll(100):
+                sock.recv()
+            return not gw._redis_backoff_s
+
+        wait_for(redis_back, 30, "the gateway to find Redis back", interval=0.2)
+        piled = min(MOST_PILED, int(PILE_ANSWER_S * rate))
+        assert piled >= 200, f"{rate:.0f} frames answered a second: too slow a machine for this test"
         os.kill(server.pid, signal.SIGSTOP)
         try:
             errors_before = gw.counters["redis_errors"]
-            # One pipe, so the gateway reads them in order: the first one's admission tries Redis (unless the
-            # loop's own work tried it first), and the rest wait in the socket behind it.
-            for i in range(PILED + 1):
-                sock.send(P.encode(P.SubmitRequest(api_key, 2, prompt_token_ids=[5, 5], request_id=f"p{i}")))
-            answers = []
-            for _ in range(PILED + 1):
-                assert sock.poll(30_000), f"{len(answers)} of {PILED + 1} frames answered, then none"
-                answers.append(P.decode(sock.recv()))
-                errors_seen.append(gw.counters["redis_errors"])
+            answers, errors_seen, _ = pile_through_a_try(gw, sock, api_key, piled + 1, "p")
         finally:
             os.kill(server.pid, signal.SIGCONT)
-    assert {a.request_id for a in answers} == {f"p{i}" for i in range(PILED + 1)}  # each answered once
+    assert {a.request_id for a in answers} == {f"p{i}" for i in range(piled + 1)}  # each answered once
     assert all(isinstance(a, P.ErrorReply) and a.code == "unavailable" for a in answers), \
         {getattr(a, "code", type(a).__name__) for a in answers}
     late = sum(e > errors_before + 1 for e in errors_seen)
-    assert late == 0, (f"{late} of {PILED + 1} frames answered only after the gateway tried the frozen Redis again "
-                       f"(errors: {errors_before} before, {max(errors_seen)} at the last answer)")
+    assert late == 0, (f"{late} of {piled + 1} frames answered only after the gateway tried the frozen Redis again "
+                       f"(errors: {errors_before} before, {max(errors_seen)} at the last answer; {piled} piled at "
+                       f"{rate:.0f} answers a second, measured)")
 
 
 # A client in a process of its own (in the test's, it would take the gateway thread's interpreter lock): status
