@@ -95,8 +95,9 @@ class Cluster:
         # At least one worker key: a gateway refuses to start with an empty allow-list (--workers 0 starts one).
         key_paths = curve_keys.generate(self.secrets / "keys", [f"wk-{i}" for i in range(max(1, a.workers))])
         tenants = write_tenants(self.secrets / "tenants.toml")
-        # CPU workers split the cores; each torch pool spinning on all of them would thrash.
-        threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
+        # CPU workers split the cores; each torch pool spinning on all of them would thrash. A count set in the
+        # environment wins: the cores may be shared beyond this cluster (test runs side by side: tests/conftest.py).
+        threads = os.environ.get("TS_WORKER_TORCH_THREADS") or max(1, (os.cpu_count() or 1) // max(1, a.workers))
         env = dict(os.environ, PYTHONPATH=str(ROOT), TS_GATEWAY_AGING_INTERVAL_S=str(a.aging_interval),
                    TS_GATEWAY_LEASE_S=str(a.lease_s), TS_GATEWAY_TOKENIZER=str(model),
                    TS_WORKER_TORCH_THREADS=str(threads), TS_WORKER_POLICY=a.policy,

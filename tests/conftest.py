@@ -17,9 +17,14 @@ CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
 # Under pytest-xdist (`make test JOBS=N` runs each suite on N processes) each process picks free ports for the
 # clusters it starts without seeing the others' picks: a port picked by two before either's child binds it would
 # fail one of them. Each gets a share of the range of its own, and every process it starts inherits it.
-if "PYTEST_XDIST_WORKER" in os.environ and PORT_RANGE_ENV not in os.environ:
-    os.environ[PORT_RANGE_ENV] = split_range(int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
-                                             int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+# And each of their clusters' workers gets one torch thread (scripts/up.py honours the variable): up.py splits the
+# cores among one cluster's workers only, and the pools of clusters side by side spin on the same cores (a run with
+# two workers' pools on them saw one short job's step take 20 s, past its lease).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    if PORT_RANGE_ENV not in os.environ:
+        os.environ[PORT_RANGE_ENV] = split_range(int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
+                                                 int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("TS_WORKER_TORCH_THREADS", "1")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -33,6 +33,9 @@ def fill_slots(c: dict, lab: GatewayClient, max_tokens: int) -> list:
     jobs = [lab.submit(prompt_token_ids=[3, 4, 5], max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(2)]
     wait_for(lambda: total(scrape(c["metrics"][len(c["gateways"])]), "ts_num_requests_running", tier="P3") == 2, 60,
              "the worker to run both jobs")
+    # Their first tokens told (first_token.lua): a job cancelled before has no time to first token to count. Running
+    # is not enough on a loaded machine, where a first token can take seconds.
+    wait_for(lambda: all(job_hash(c, j.id).get("first_token_ms") for j in jobs), 60, "both jobs' first tokens")
     # Its load reports say so to both gateways: until then, one that did not send a job thinks its slot free.
     time.sleep(1.0)
     return jobs
