@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# JOBS=N runs each suite on N pytest-xdist processes, each picking ports from a range of its own (tests/conftest.py):
-# on 2 cores about 1.4x faster (BENCHMARKS.md). The default is one: the suites' timing bounds were written for one
-# test at a time, and a run beside others is a slower machine to them.
-JOBS ?= 1
+# JOBS=N runs each suite on N pytest-xdist processes, each picking ports from a range of its own and giving its
+# clusters' workers one torch thread (tests/conftest.py): on 2 cores about 1.7x faster (BENCHMARKS.md). Two by
+# default where there are 2 cores or more; JOBS=1 runs one test at a time, as the suites ran before.
+JOBS ?= $(if $(filter 0 1,$(shell nproc 2>/dev/null || echo 1)),1,2)
 XDIST := $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile)
 
 # --durations: each run's slowest tests in its log, to keep `make test` near its 15-minute budget.
