@@ -18,7 +18,7 @@ import pytest
 
 from common.ports import free_port
 from common.traces import otlp_json
-from common.traces.schema import attr_str
+from common.traces.schema import GATEWAY_QUEUE, attr_str
 from tests.cluster_helpers import wait_for
 from tests.durable_cluster import DurableCluster
 
@@ -129,7 +129,7 @@ def test_explain_tells_a_hand_back_from_a_lost_lease(tmp_path, bench_model_dir, 
     # milliseconds, a worker's spans end on nanoseconds), when the requeue can read up to 1 ms before wk-0's last span
     # ended (seen once: 0.054 ms before, and a hand-back of 0 s).
     read = otlp_json.read_spans_file(spans, job.id).spans
-    requeue = min(x.start_ns for x in read if x.name == "gateway.queue" and attr_str(x.get("queue.attempt")) == "2")
+    requeue = min(x.start_ns for x in read if x.name == GATEWAY_QUEUE and attr_str(x.get("queue.attempt")) == "2")
     last_on_wk0 = max(x.end_ns for x in read if x.name.startswith("worker.") and x.start_ns < requeue)
     assert d["transit"]["hand_back"] > 0 or 0 <= last_on_wk0 - requeue < 1_000_000, (d["transit"], last_on_wk0,
                                                                                       requeue)
