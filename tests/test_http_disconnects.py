@@ -28,13 +28,13 @@ def cluster(tiny_model_dir, tmp_path_factory):
 class served_door:
     """The door's app (gateway.http.__main__.build) under uvicorn on a thread of this process, on a free port."""
 
-    def __init__(self, tokenizer, gateway: str) -> None:
+    def __init__(self, tokenizer, gateway: str, **config) -> None:
         import uvicorn
 
         from gateway.http.__main__ import build
 
         self.port = free_port()
-        self.app = build(HttpConfig(port=self.port, gateways=[gateway], tokenizer=str(tokenizer)))
+        self.app = build(HttpConfig(port=self.port, gateways=[gateway], tokenizer=str(tokenizer), **config))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

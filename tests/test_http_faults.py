@@ -178,3 +178,34 @@ def test_a_million_ids_past_the_serving_limits_do_not_stop_the_door(cluster, tin
         r = done["response"]
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # refused as before
         assert slowest < 0.5, f"the door answered nothing for {slowest:.2f}s"
+
+
+def test_a_million_ids_are_checked_off_the_door_s_event_loop(cluster, tiny_model_dir, monkeypatch):
+    # The test above tells a door that checks the ids on its event loop only where the check outlasts its bound:
+    # with the check put back on the loop (LOOP_SUBMIT_MAX_IDS past a million), it passed two runs of three here
+    # (slowest answer 0.17 s). Here the door runs in this process, and each check of a submission says which thread
+    # ran it.
+    from common import protocol as P
+    from gateway.sdk import _async, _sync
+    from tests.test_http_disconnects import served_door
+
+    checked = []
+    real = _async.sized_submit_request
+
+    def sized_submit_request(*args, **kwargs):
+        checked.append((threading.current_thread(), len(args[2] or ())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_async, "sized_submit_request", sized_submit_request)
+    monkeypatch.setattr(_sync, "sized_submit_request", sized_submit_request)
+    body = json.dumps({"prompt": [7] * P.MAX_LIST_LEN, "max_tokens": 1}).encode()
+    headers = {"Authorization": f"Bearer {key(cluster, 'api-co')}", "Content-Type": "application/json"}
+    with served_door(tiny_model_dir, endpoints(cluster)[0], max_body_bytes=len(body) + 1024) as door:
+        base = f"http://127.0.0.1:{door.port}"
+        assert httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=60,
+                          headers=headers).status_code == 200
+        r = httpx.post(base + "/v1/completions", content=body, timeout=300, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    big = [thread for thread, n in checked if n == P.MAX_LIST_LEN]
+    assert big, f"the million ids were never checked: {checked}"
+    assert door.thread not in big, "the SDK checked a million ids on the door's event loop"
