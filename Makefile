@@ -22,10 +22,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # JOBS=N runs each suite on N pytest-xdist processes, each picking ports from a range of its own and giving its
-# clusters' workers one torch thread (tests/conftest.py): on 2 cores about 1.7x faster (BENCHMARKS.md). The default
-# is one: a clean run side by side failed a fault test one at a time has not (BENCHMARKS.md); JOBS=2 where that is
-# mended and runs side by side pass again and again.
-JOBS ?= 1
+# clusters' workers one torch thread (tests/conftest.py): on 2 cores about 1.7x faster (BENCHMARKS.md). Two by
+# default where there are 2 cores or more; JOBS=1 runs one test at a time.
+JOBS ?= $(if $(filter 0 1,$(shell nproc 2>/dev/null || echo 1)),1,2)
 XDIST := $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile)
 
 # --durations: each run's slowest tests in its log, to keep `make test` near its 15-minute budget.
