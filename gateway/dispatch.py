@@ -37,8 +37,14 @@ class Dispatcher:
         for wid, job_ids in by_worker.items():
             w = self.workers.workers[wid]
             busy = w.stepping  # before this pass's jobs join w.pending: the worker reads them together
-            for rec in self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
-                                        lease_ms=_ms(self.config.lease_s)):
+            claimed = self.queue.claim(job_ids, worker=wid, gateway=self.config.gateway_id,
+                                       lease_ms=_ms(self.config.lease_s))
+            # The claim's moment on this gateway's clock: ``now`` was read before this pass's Redis round trips,
+            # and the times below are the claim's Redis times put on this clock (a job's admission, for its TTFT;
+            # the offset its first start is written to Redis with). From ``now``, a pass that stood still before
+            # its claim added that time to the job's TTFT and wait.
+            claimed_at = self.clock()
+            for rec in claimed:
                 if rec.stop_at is not None and not w.hello.stops_at:
                     # Stopped (CancelRequest.stop_at) and going to a worker that cannot end it there: it would run
                     # to its end, past the answer its caller was given, so it is cancelled, as a stop of a job on
@@ -72,12 +78,12 @@ class Dispatcher:
                 # A token held here was observed where it arrived. None held (a worker that cannot resume, or an
                 # earlier attempt that produced none): this attempt's first token is claimed, and the claim loses
                 # if an earlier one was observed (first_token.lua), so it is counted once either way.
-                metrics.holding(rec.id, rec.tier_granted.value, None if waited_s is None else now - waited_s,
-                                bool(stream.tokens))
+                metrics.holding(rec.id, rec.tier_granted.value,
+                                None if waited_s is None else claimed_at - waited_s, bool(stream.tokens))
                 stream.tenant = rec.tenant
                 stream.touched = now
                 w.pending.add(rec.id)
-                self.waits.dispatched(rec.id, now, busy, rec.attempt, sent_ms=rec.dispatched_at_ms,
+                self.waits.dispatched(rec.id, claimed_at, busy, rec.attempt, sent_ms=rec.dispatched_at_ms,
                                       enqueued_ms=rec.enqueued_at_ms, first_ms=first_prefill_ms(rec))
                 if rec.tier_granted in PREEMPTING_TIERS:
                     self._urgent_sent.add(rec.id)
