@@ -18,9 +18,11 @@ from gateway import metrics
 from common.redis_server import redact_url, redis_client
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.security import check_config, secure_sockets
+from gateway.torchless import keep_torch_out
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_torch_out()  # before anything imports transformers
     ap = process.parser("python -m gateway", __doc__, GatewayConfig, ENV_PREFIX)
     ap.add_argument("--client-bind", help="override client_bind")
     ap.add_argument("--worker-bind", help="override worker_bind")

@@ -104,6 +104,22 @@ def test_chat_completion_whole(cluster, tiny_model_dir):
         assert job.result(timeout=60).text == choice["message"]["content"]
 
 
+def _maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's shared library loaded (it does once anything imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_the_gateway_and_the_door_load_their_tokenizer_without_torch(cluster):
+    """They tokenize only, as in their image (docker/gateway.Dockerfile installs no torch); in an environment that
+    has torch for the workers, transformers imported it for them anyway: ~2 s more of start-up a process, and
+    ~300 MiB resident against ~70."""
+    pids = cluster["pids"]
+    assert _maps_torch(pids["wk-0"]), "the check cannot see torch where it is loaded"
+    assert not _maps_torch(pids["gw-0"]), "the gateway loaded torch"
+    assert not _maps_torch(pids["http"]), "the front door loaded torch"
+
+
 def test_completion_stream_with_usage(cluster):
     body = {"prompt": "The quick brown fox", "max_tokens": 7, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}

@@ -11,9 +11,11 @@ import sys
 
 from common import process, settings
 from gateway.http.config import ENV_PREFIX, HttpConfig
+from gateway.torchless import keep_torch_out
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_torch_out()  # before anything imports transformers
     ap = process.parser("python -m gateway.http", __doc__, HttpConfig, ENV_PREFIX)
     ap.add_argument("--host", help="override host")
     ap.add_argument("--port", type=int, help="override port")
