@@ -5,12 +5,14 @@ of start-up a process and ~300 MiB resident against ~70, for nothing the gateway
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def keep_torch_out() -> None:
-    """Make ``import torch`` fail in this process as where it is not installed (transformers then says "PyTorch
-    was not found" and tokenizes as in the image), unless something imported it already. For a process's entry
-    point, never an import: a process that imports the gateway's modules beside a model (a test, a notebook)
-    keeps its torch."""
+    """Make ``import torch`` fail in this process as where it is not installed (transformers tokenizes as in the
+    image), unless something imported it already. For a process's entry point, never an import: a process that
+    imports the gateway's modules beside a model (a test, a notebook) keeps its torch."""
     sys.modules.setdefault("torch", None)
+    # transformers' "PyTorch was not found. Models won't be available" in every gateway's log reads as a fault.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
