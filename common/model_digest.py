@@ -9,8 +9,13 @@ the gateway compares digests, not paths.
 
 What it covers, cheaply enough to compute at every start (a few MiB read, however large the model):
 the model's config.json (less the keys that name where and by which library version it was saved), every weight
-file's name and size, a safetensors file's header (each tensor's name, dtype, shape and place), and 64 KiB at 16
-places spread over each file's data: a fine-tune changes nearly every weight, so sampled bytes tell it apart.
+file's name and size, a safetensors file's header (each tensor's name, dtype, shape and place), 4 KiB at the
+start, middle and end of each of its tensors, and 64 KiB at 16 places spread over each file's data. A fine-tune
+changes nearly every weight of each tensor it tunes, but may tune few tensors (layers frozen, a LoRA merged into
+some projections): the 16 places alone missed 60 of the 75 tensors of a 32M-parameter model, each tuned alone.
+
+Digests say their scheme before the colon ("sha256t:" here; "sha256:", an earlier one, sampled no tensor): digests
+of two schemes cannot be compared (gateway/hello_policy.py then compares paths).
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PREFIX = "sha256:"
+PREFIX = "sha256t:"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 SAMPLES = 16
 SAMPLE_BYTES = 64 * 1024
+TENSOR_SAMPLE_BYTES = 4096
 VOLATILE_CONFIG = ("_name_or_path", "transformers_version")  # where and by what it was saved, not what it is
 
 
@@ -61,9 +67,39 @@ def _file(h, path: Path) -> None:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > size - 8:
                 raise ValueError(f"{path.name}: a safetensors header of {header_len} bytes in a {size}-byte file")
-            h.update(f.read(header_len))
+            header = f.read(header_len)
+            h.update(header)
             start = 8 + header_len
+            for begin, end in _tensor_spans(header, size - start):
+                for at, length in _tensor_reads(begin, end):
+                    f.seek(start + at)
+                    h.update(f.read(length))
         span = max(0, size - start - SAMPLE_BYTES)
         for i in range(SAMPLES):
             f.seek(start + span * i // max(1, SAMPLES - 1))
             h.update(f.read(SAMPLE_BYTES))
+
+
+def _tensor_spans(header: bytes, data_size: int) -> list[tuple[int, int]]:
+    """Each tensor's (begin, end) in a safetensors file's data, in the order they lie there."""
+    tensors = json.loads(header)
+    if not isinstance(tensors, dict):
+        raise ValueError("a safetensors header that is not a JSON object")
+    spans = []
+    for name, t in tensors.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} outside the file's {data_size} bytes of data")
+        spans.append((offsets[0], offsets[1]))
+    return sorted(spans)
+
+
+def _tensor_reads(begin: int, end: int) -> list[tuple[int, int]]:
+    """(where, how many bytes) of a tensor's samples: its start, middle and end; the whole of a small one."""
+    n = TENSOR_SAMPLE_BYTES
+    if end - begin <= 3 * n:
+        return [(begin, end - begin)]
+    return [(begin, n), ((begin + end - n) // 2, n), (end - n, n)]

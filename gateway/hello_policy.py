@@ -14,7 +14,8 @@ MAX_WARNED = 1024  # worker ids warned about as unchecked (HelloPolicy)
 class HelloPolicy:
     """One model per cluster: the first acceptable hello pins model, vocab_size and max_model_len, and a
     later hello that differs is refused, so no worker can narrow (or widen) what admission accepts. The model is
-    its weights' digest where the hellos say one (common/model_digest.py), its path where not.
+    its weights' digest where the hellos say one of a scheme pinned (common/model_digest.py: workers of two versions
+    name one model by two schemes), its path where not.
 
     And one tokenizer: a gateway with a tokenizer refuses a worker whose model's tokenizer differs from it
     (common/tokenizer_digest.py: its text jobs would run on ids the model never learnt, and come back as nonsense
@@ -28,7 +29,7 @@ class HelloPolicy:
         self.model: str | None = None
         self.vocab_size: int | None = None
         self.max_model_len: int | None = None
-        self.weights_digest: str | None = None
+        self.weights_digests: dict[str, str] = {}  # the scheme ("sha256t") -> the cluster's digest of that scheme
         self.tokenizer_digest = tokenizer_digest
         self._own_tokenizer = tokenizer_digest is not None
         self._unchecked: set[str] = set()  # worker ids warned about once
@@ -42,12 +43,13 @@ class HelloPolicy:
             return f"worker_id {OTHER_WORKERS!r} is the metrics' series for workers past the first {HANDOFF_WORKERS}"
         if min(msg.vocab_size, msg.max_model_len, msg.max_num_seqs) < 1 or msg.num_kv_blocks < 0:
             return "vocab_size, max_model_len and max_num_seqs must be >= 1, num_kv_blocks >= 0"
-        weighed = msg.weights_digest is not None and self.weights_digest is not None
-        if weighed and msg.weights_digest != self.weights_digest:
+        pinned_digest = self.weights_digests.get(_scheme(msg.weights_digest))
+        weighed = msg.weights_digest is not None and pinned_digest is not None
+        if weighed and msg.weights_digest != pinned_digest:
             return (f"the weights of model {msg.model!r} differ from this cluster's model {self.model!r} "
-                    f"({msg.weights_digest[:19]} vs {self.weights_digest[:19]})")
+                    f"({msg.weights_digest[:20]} vs {pinned_digest[:20]})")
         pinned_fields = [("vocab_size", self.vocab_size), ("max_model_len", self.max_model_len)]
-        if not weighed:  # digests of both: one model wherever each keeps it; else its path names it
+        if not weighed:  # digests of both, of one scheme: one model wherever each keeps it; else its path names it
             pinned_fields.insert(0, ("model", self.model))
         for name, pinned in pinned_fields:
             if pinned is not None and getattr(msg, name) != pinned:
@@ -75,7 +77,11 @@ class HelloPolicy:
         stay; the gateway's own tokenizer, where it has one)."""
         if self.model is None:
             self.model, self.vocab_size, self.max_model_len = msg.model, msg.vocab_size, msg.max_model_len
-        if self.weights_digest is None:
-            self.weights_digest = msg.weights_digest
+        if msg.weights_digest is not None:
+            self.weights_digests.setdefault(_scheme(msg.weights_digest), msg.weights_digest)
         if self.tokenizer_digest is None:
             self.tokenizer_digest = msg.tokenizer_digest
+
+
+def _scheme(digest: str | None) -> str | None:
+    return None if digest is None else digest.split(":", 1)[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import time
 import uuid
 
@@ -53,7 +54,7 @@ def copies(tiny_model_dir, tmp_path_factory):
 
 def test_the_digest_names_the_weights_not_the_path(tiny_model_dir, copies, tmp_path):
     same = of_weights(str(tiny_model_dir))
-    assert same is not None and same.startswith("sha256:")
+    assert same is not None and same.startswith("sha256t:")
     assert of_weights(str(copies["a"])) == of_weights(str(copies["b"])) == same
     assert of_weights(str(copies["tuned"])) != same
     assert of_weights(str(copies["config"])) != same
@@ -67,6 +68,43 @@ def test_the_digest_names_the_weights_not_the_path(tiny_model_dir, copies, tmp_p
     (weights,) = broken.glob("*.safetensors")
     weights.write_bytes((10**12).to_bytes(8, "little") + b"{}")  # a header longer than the file
     assert of_weights(str(broken)) is None
+
+
+def _tensor_places(weights) -> list[tuple[str, int, int]]:
+    """(name, first byte, end) of each tensor's data in the safetensors file ``weights``."""
+    with weights.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return [(name, 8 + header_len + t["data_offsets"][0], 8 + header_len + t["data_offsets"][1])
+            for name, t in header.items() if name != "__metadata__"]
+
+
+def test_a_fine_tune_of_any_one_tensor_changes_the_digest(bench_model_dir, tmp_path):
+    """A fine-tune that leaves most tensors as they were (layers frozen, a LoRA merged into a few projections) is
+    other weights. Bytes sampled at 16 places across a file missed most of a 32M-parameter model's tensors (64 KiB
+    each of 128 MiB): a copy with any one of them tuned was named as the model, and taken beside it."""
+    import numpy as np
+
+    model = tmp_path / "bench"
+    shutil.copytree(bench_model_dir, model)
+    original = of_weights(str(model))
+    (weights,) = model.glob("*.safetensors")
+    places = _tensor_places(weights)
+    assert len(places) > 16 and weights.stat().st_size > 64 * 2**20, "a model too small to show it"
+    data = np.memmap(weights, dtype=np.uint8, mode="r+")
+    missed = []
+    for name, begin, end in places:
+        kept = data[begin:end].copy()
+        tensor = data[begin:end].view(np.float32)
+        tensor += np.float32(1e-3)  # every weight of this tensor tuned, no other
+        data.flush()
+        if of_weights(str(model)) == original:
+            missed.append(name)
+        data[begin:end] = kept
+        data.flush()
+    del data
+    assert of_weights(str(model)) == original, "the copy was not put back"
+    assert not missed, f"{len(missed)} of {len(places)} tensors tuned alone kept the digest: {missed[:5]}"
 
 
 def _hello(worker_id: str, model: str, digest: str | None) -> P.WorkerHello:
@@ -90,6 +128,24 @@ def test_the_policy_compares_digests_where_both_say_one_and_paths_where_not():
     assert older.refusal(_hello("wk-2", "/srv/b/tiny", d)) is not None
     older.pin(_hello("wk-1", "/mnt/a/tiny", d))
     assert older.refusal(_hello("wk-3", "/mnt/a/tiny", e)) is not None
+
+
+def test_digests_of_two_schemes_are_not_compared_and_each_scheme_pins_its_own():
+    """Workers of two versions in one cluster (a rolling upgrade): their digests of one model differ by scheme
+    ("sha256:" sampled no tensor; "sha256t:" does). Compared, every worker of the newer version was refused as other
+    weights; now their paths decide, as for a worker that says no digest, and each scheme's first digest is pinned."""
+    old, new, other = "sha256:" + "d" * 64, "sha256t:" + "e" * 64, "sha256t:" + "f" * 64
+    policy = HelloPolicy()
+    policy.pin(_hello("wk-old", "/mnt/a/tiny", old))
+    assert policy.refusal(_hello("wk-1", "/mnt/a/tiny", new)) is None  # the same path: taken
+    refused = policy.refusal(_hello("wk-2", "/srv/b/tiny", new))
+    assert refused is not None and "model" in refused, refused  # another path, no digest to compare: refused
+    policy.pin(_hello("wk-1", "/mnt/a/tiny", new))
+    assert policy.refusal(_hello("wk-2", "/srv/b/tiny", new)) is None  # the newer scheme's digest names it now
+    refused = policy.refusal(_hello("wk-3", "/mnt/a/tiny", other))
+    assert refused is not None and "weights" in refused, refused
+    assert policy.refusal(_hello("wk-old-2", "/srv/b/tiny", old)) is None  # the older scheme's, as before
+    assert policy.refusal(_hello("wk-old-3", "/mnt/a/tiny", "sha256:" + "0" * 64)) is not None
 
 
 def _raw_hello(endpoint: str, hello: P.WorkerHello):
