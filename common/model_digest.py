@@ -10,9 +10,10 @@ the gateway compares digests, not paths.
 What it covers, cheaply enough to compute at every start (a few MiB read, however large the model):
 the model's config.json (less the keys that name where and by which library version it was saved), every weight
 file's name and size, a safetensors file's header (each tensor's name, dtype, shape and place), 4 KiB at the
-start, middle and end of each of its tensors, and 64 KiB at 16 places spread over each file's data. A fine-tune
-changes nearly every weight of each tensor it tunes, but may tune few tensors (layers frozen, a LoRA merged into
-some projections): the 16 places alone missed 60 of the 75 tensors of a 32M-parameter model, each tuned alone.
+start, middle and end of each of its tensors (of each entry of a zip file, torch.save's format: a tensor's storage
+each), and 64 KiB at 16 places spread over each file's data. A fine-tune changes nearly every weight of each
+tensor it tunes, but may tune few tensors (layers frozen, a LoRA merged into some projections): the 16 places alone
+missed 60 of the 75 tensors of a 32M-parameter model, each tuned alone.
 
 Digests say their scheme before the colon ("sha256t:" here; "sha256:", an earlier one, sampled no tensor): digests
 of two schemes cannot be compared (gateway/hello_policy.py then compares paths).
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import struct
+import zipfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,12 @@ def _file(h, path: Path) -> None:
                 for at, length in _tensor_reads(begin, end):
                     f.seek(start + at)
                     h.update(f.read(length))
+        elif zipfile.is_zipfile(f):  # torch.save's: each tensor's storage an entry of its own
+            for name, begin, end in _zip_entries(f, size):
+                h.update(f"\0{name}\0".encode())
+                for at, length in _tensor_reads(begin, end):
+                    f.seek(at)
+                    h.update(f.read(length))
         span = max(0, size - start - SAMPLE_BYTES)
         for i in range(SAMPLES):
             f.seek(start + span * i // max(1, SAMPLES - 1))
@@ -95,6 +103,27 @@ def _tensor_spans(header: bytes, data_size: int) -> list[tuple[int, int]]:
             raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} outside the file's {data_size} bytes of data")
         spans.append((offsets[0], offsets[1]))
     return sorted(spans)
+
+
+def _zip_entries(f, size: int) -> list[tuple[str, int, int]]:
+    """(name, begin, end) of each entry's data in the zip file ``f``, in the order they lie there."""
+    try:
+        with zipfile.ZipFile(f) as z:  # given a file, it leaves it open
+            infos = z.infolist()
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"a zip file whose directory is unreadable: {e}") from e
+    entries = []
+    for info in infos:
+        f.seek(info.header_offset)
+        local = f.read(30)  # the entry's local header; its extra field may differ from the central directory's
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            raise ValueError(f"zip entry {info.filename!r}: no local header at {info.header_offset}")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        begin = info.header_offset + 30 + name_len + extra_len
+        if begin + info.compress_size > size:
+            raise ValueError(f"zip entry {info.filename!r}: its data runs past the file's {size} bytes")
+        entries.append((info.filename, begin, begin + info.compress_size))
+    return sorted(entries, key=lambda e: e[1])
 
 
 def _tensor_reads(begin: int, end: int) -> list[tuple[int, int]]:

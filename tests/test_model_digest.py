@@ -15,6 +15,7 @@ import shutil
 import struct
 import time
 import uuid
+import zipfile
 
 import pytest
 import zmq
@@ -68,27 +69,58 @@ def test_the_digest_names_the_weights_not_the_path(tiny_model_dir, copies, tmp_p
     (weights,) = broken.glob("*.safetensors")
     weights.write_bytes((10**12).to_bytes(8, "little") + b"{}")  # a header longer than the file
     assert of_weights(str(broken)) is None
+    # torch.save's zip with its directory or an entry's header broken: nothing to name it by, not a crash.
+    import torch
+
+    weights.unlink()
+    torch.save({"w": torch.ones(4)}, broken / "pytorch_model.bin")
+    whole = (broken / "pytorch_model.bin").read_bytes()
+    assert of_weights(str(broken)) is not None
+    for signature in (b"PK\x01\x02", b"PK\x03\x04"):  # the central directory's first entry; the first local header
+        at = whole.index(signature)
+        (broken / "pytorch_model.bin").write_bytes(whole[:at] + b"\0" * 4 + whole[at + 4:])
+        assert of_weights(str(broken)) is None, signature
 
 
 def _tensor_places(weights) -> list[tuple[str, int, int]]:
-    """(name, first byte, end) of each tensor's data in the safetensors file ``weights``."""
+    """(name, first byte, end) of each tensor's data in the weight file ``weights``: a safetensors file, or
+    torch.save's zip (a tensor's storage an entry of its own, after its local header)."""
     with weights.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    return [(name, 8 + header_len + t["data_offsets"][0], 8 + header_len + t["data_offsets"][1])
-            for name, t in header.items() if name != "__metadata__"]
+        if weights.suffix == ".safetensors":
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            return [(name, 8 + header_len + t["data_offsets"][0], 8 + header_len + t["data_offsets"][1])
+                    for name, t in header.items() if name != "__metadata__"]
+        with zipfile.ZipFile(weights) as z:
+            storages = [i for i in z.infolist() if "/data/" in i.filename]
+        places = []
+        for info in storages:
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            begin = info.header_offset + 30 + name_len + extra_len
+            places.append((info.filename, begin, begin + info.file_size))
+        return places
 
 
-def test_a_fine_tune_of_any_one_tensor_changes_the_digest(bench_model_dir, tmp_path):
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_fine_tune_of_any_one_tensor_changes_the_digest(bench_model_dir, tmp_path, fmt):
     """A fine-tune that leaves most tensors as they were (layers frozen, a LoRA merged into a few projections) is
     other weights. Bytes sampled at 16 places across a file missed most of a 32M-parameter model's tensors (64 KiB
-    each of 128 MiB): a copy with any one of them tuned was named as the model, and taken beside it."""
+    each of 128 MiB): a copy with any one of them tuned was named as the model, and taken beside it. ``bin``: the
+    model saved as torch.save saves it (pytorch_model.bin, a zip)."""
     import numpy as np
 
     model = tmp_path / "bench"
     shutil.copytree(bench_model_dir, model)
+    if fmt == "bin":
+        import torch
+        from safetensors.torch import load_file
+
+        (safetensors,) = model.glob("*.safetensors")
+        torch.save(load_file(safetensors), model / "pytorch_model.bin")
+        safetensors.unlink()
     original = of_weights(str(model))
-    (weights,) = model.glob("*.safetensors")
+    (weights,) = model.glob(f"*.{fmt}")
     places = _tensor_places(weights)
     assert len(places) > 16 and weights.stat().st_size > 64 * 2**20, "a model too small to show it"
     data = np.memmap(weights, dtype=np.uint8, mode="r+")
