@@ -65,6 +65,10 @@ key                     type         contents and lifetime
                                      job only it fits waiting for its return. An entry counts until
                                      DRAINED_MEMORY_S + worker timeout after its last draining report;
                                      deleted when the worker says hello or reports as not draining.
+``model``               hash         the cluster's one model (gateway/model_pin.py): ``model``,
+                                     ``vocab_size``, ``max_model_len`` and ``digest:<scheme>`` of the
+                                     first worker a gateway took. TTL 2 x max(lease, worker timeout),
+                                     refreshed by the hellos and load reports of workers taken.
 ``tokenizer``           string       common/tokenizer_digest of the tokenizer the queued jobs' ids
                                      were made with: set by the first gateway started with a
                                      tokenizer (gateway/tokenizer_pin.py); one with another refuses
@@ -178,6 +182,10 @@ class KeySpace:
     @property
     def drained_workers(self) -> str:
         return f"{self.base}:drained-workers"
+
+    @property
+    def model(self) -> str:
+        return f"{self.base}:model"
 
     @property
     def tokenizer(self) -> str:

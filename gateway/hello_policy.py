@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from gateway.metrics import HANDOFF_WORKERS, OTHER_WORKERS
 
 log = logging.getLogger("gateway.security")
 
 MAX_WARNED = 1024  # worker ids warned about as unchecked (HelloPolicy)
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """The cluster's model (gateway/model_pin.py): the first taken worker's, with each digest scheme's first."""
+    model: str
+    vocab_size: int
+    max_model_len: int
+    weights_digests: dict[str, str] = field(default_factory=dict)
 
 
 class HelloPolicy:
@@ -43,7 +53,7 @@ class HelloPolicy:
             return f"worker_id {OTHER_WORKERS!r} is the metrics' series for workers past the first {HANDOFF_WORKERS}"
         if min(msg.vocab_size, msg.max_model_len, msg.max_num_seqs) < 1 or msg.num_kv_blocks < 0:
             return "vocab_size, max_model_len and max_num_seqs must be >= 1, num_kv_blocks >= 0"
-        pinned_digest = self.weights_digests.get(_scheme(msg.weights_digest))
+        pinned_digest = self.weights_digests.get(scheme(msg.weights_digest))
         weighed = msg.weights_digest is not None and pinned_digest is not None
         if weighed and msg.weights_digest != pinned_digest:
             return (f"the weights of model {msg.model!r} differ from this cluster's model {self.model!r} "
@@ -72,16 +82,27 @@ class HelloPolicy:
         if not self._own_tokenizer and cluster_digest is not None:
             self.tokenizer_digest = cluster_digest
 
+    def follow(self, pinned: Pinned | None) -> None:
+        """The cluster's pin (gateway/model_pin.py) is this gateway's too; None: none is (no worker of the last one
+        kept it alive), and the next taken worker's model is the cluster's."""
+        if pinned is None:
+            self.model = self.vocab_size = self.max_model_len = None
+            self.weights_digests = {}
+        else:
+            self.model, self.vocab_size, self.max_model_len = pinned.model, pinned.vocab_size, pinned.max_model_len
+            self.weights_digests = dict(pinned.weights_digests)
+
     def pin(self, msg) -> None:
         """An accepted hello's model, vocab_size, max_model_len and tokenizer are this cluster's (the first one's
         stay; the gateway's own tokenizer, where it has one)."""
         if self.model is None:
             self.model, self.vocab_size, self.max_model_len = msg.model, msg.vocab_size, msg.max_model_len
         if msg.weights_digest is not None:
-            self.weights_digests.setdefault(_scheme(msg.weights_digest), msg.weights_digest)
+            self.weights_digests.setdefault(scheme(msg.weights_digest), msg.weights_digest)
         if self.tokenizer_digest is None:
             self.tokenizer_digest = msg.tokenizer_digest
 
 
-def _scheme(digest: str | None) -> str | None:
+def scheme(digest: str | None) -> str | None:
+    """A weights digest's scheme, the part before its colon (common/model_digest.py)."""
     return None if digest is None else digest.split(":", 1)[0]

@@ -32,6 +32,7 @@ from gateway.detokenize import IncrementalText
 from gateway.drained import SharedDrained
 from gateway.dispatch import Dispatcher
 from gateway.hello_policy import HelloPolicy
+from gateway.model_pin import ModelPin
 # Peer, CLIENT_DRAIN_BUDGET_S, _request_id_of and REDIS_FULL_RETRY_S were defined here; still importable from here.
 from gateway.frames import CLIENT_DRAIN_BUDGET_S, Frames, Peer, _request_id_of  # noqa: F401
 from gateway.keepalive import Keepalives
@@ -96,6 +97,9 @@ class Gateway(ClientApi, ClientCancels, WorkerLink, OutageFrames, Streaming, Dis
         self.token_log = TokenLog(queue.client, queue.keys)
         # The cluster's memory of drained workers (worker_link._track_drain): as long as this gateway's own, and
         # the worker's timeout, since it counts from the worker's last draining report.
+        # As long as a worker's key binding (security.py): it outlives whatever a worker may hold.
+        self.model_pin = ModelPin(queue.client, queue.keys, 2 * max(config.lease_s, config.worker_timeout_s),
+                                  self._redis_down, self._redis_failed)
         self.drained_memory = SharedDrained(queue.client, queue.keys,
                                             self.workers.drained_memory_s + self.workers.timeout_s, self._redis_failed)
         self.leases: dict[str, tuple[str, int]] = {}  # job id -> (worker, attempt) of the leases this gateway holds

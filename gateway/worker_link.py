@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 from common import protocol as P
 from gateway import metrics, security
+from gateway.model_pin import UNKNOWN as UNKNOWN_PIN
 from gateway.waits import first_prefill_ms
 from gateway.worker_completions import WorkerCompletions
 
@@ -36,11 +37,9 @@ class WorkerLink(WorkerCompletions):
         if ident != msg.worker_id.encode():
             self.counters["malformed"] += 1
             return
+        self._follow_model_pin(self.model_pin.read())
         if (why := self.hello_policy.refusal(msg)) is not None:
-            self.counters["hello_refused"] += 1
-            log.warning("refused hello from %s: %s", msg.worker_id, why)
-            self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
-            self._hello_asked[ident] = math.inf  # asking it for another would only repeat the refusal
+            self._refuse_hello(ident, msg, why)
             return
         if not security.room_for_worker(self, ident, msg.worker_id):  # before its key is bound: a refusal binds nothing
             return
@@ -53,12 +52,28 @@ class WorkerLink(WorkerCompletions):
                                                                            "to another key"))
             return
         self.hello_policy.pin(msg)  # only now: a hello refused for its key had pinned another model for good
+        if self._follow_model_pin(self.model_pin.keep(msg)) and (why := self.hello_policy.refusal(msg)) is not None:
+            self._refuse_hello(ident, msg, why)  # another gateway pinned another model since the read above
+            return
         self._hello_asked.pop(ident, None)
         if (forgotten := self.workers.hello(msg, ident, self.clock())) is not None:
             security.forgot_worker(self, forgotten, msg.worker_id)
         self._track_drain(msg.worker_id)
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
         self._dirty = True
+
+    def _refuse_hello(self, ident: bytes, msg: P.WorkerHello, why: str) -> None:
+        self.counters["hello_refused"] += 1
+        log.warning("refused hello from %s: %s", msg.worker_id, why)
+        self._send(self.worker_sock, ident, P.ErrorReply("forbidden", f"hello refused: {why}"))
+        self._hello_asked[ident] = math.inf  # asking it for another would only repeat the refusal
+
+    def _follow_model_pin(self, pinned) -> bool:
+        """Hold hellos to the cluster's model (gateway/model_pin.py); False where Redis did not say it."""
+        if pinned is UNKNOWN_PIN:
+            return False
+        self.hello_policy.follow(pinned)
+        return True
 
     def on_load(self, ident: bytes, msg: P.WorkerLoad) -> None:
         now = self.clock()
@@ -76,6 +91,10 @@ class WorkerLink(WorkerCompletions):
             # loop for a second timeout in a row (4 s in which no client heard even 'unavailable').
             return
         w = self.workers.workers[msg.worker_id]
+        if self.model_pin.due(msg.worker_id) and self._follow_model_pin(self.model_pin.keep(w.hello)) \
+                and (why := self.hello_policy.refusal(w.hello)) is not None:
+            # Taken while Redis did not answer, by this gateway's memory alone.
+            log.warning("worker %s is registered here, but the cluster's model is another: %s", msg.worker_id, why)
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
         # another gateway or that was cancelled or requeued, would hold credit here forever.
         for job_id in list(w.pending):

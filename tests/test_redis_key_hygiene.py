@@ -44,7 +44,8 @@ FIXED |= {f"tenant-jobs:{t}" for t in TENANTS}
 # Per-job, per-request, per-worker or per-tenant keys: each must expire, within this many ms at most.
 EXPIRING = [(re.compile(r"job:[^:]+"), HOUR_MS), (re.compile(r"tok:[^:]+"), HOUR_MS),
             (re.compile(r"idem:[^:]+:.+"), DAY_MS), (re.compile(r"quota:[^:]+"), HOUR_MS),
-            (re.compile(r"worker-key:[^:]+"), 10 * 60_000), (re.compile(r"drained-workers"), 10 * 60_000)]
+            (re.compile(r"worker-key:[^:]+"), 10 * 60_000), (re.compile(r"drained-workers"), 10 * 60_000),
+            (re.compile(r"model"), 10 * 60_000)]
 # Sets that hold one entry per job only while it is queued or dispatched: empty once the cluster is idle.
 LIVE_ONLY = ("q:P0", "q:P1", "q:P2", "q:P3", "inflight", "aging", "deadlines")
 

@@ -1,0 +1,93 @@
+"""One model per cluster, pinned in its Redis (gateway/model_pin.py), not per gateway.
+
+Each gateway pinned the model of the first worker it took, in its memory: two gateways that heard workers of two
+models in another order each took one and refused the other, and a restarted gateway took whichever came first.
+The jobs in their shared queues went to both models, each answer marked done. Real parts: a real redis-server,
+two real `python -m gateway` processes on it, and raw worker hellos over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import redis
+import zmq
+
+from common import protocol as P
+from common.redis_server import RedisServer
+from common.sockets import make_socket
+from tests.cluster_helpers import wait_for
+from tests.gateway_helpers import built_gateway
+from tests.test_model_digest import _raw_hello
+from tests.test_tokenizer_match import _Gateway
+
+TTL_ENV = {"TS_GATEWAY_LEASE_S": "1", "TS_GATEWAY_WORKER_TIMEOUT_S": "1"}  # the pin outlives its last worker 2 s
+
+
+def _hello(worker_id: str, model: str, digest: str | None) -> P.WorkerHello:
+    return P.WorkerHello(worker_id, model, 512, 2048, 4, 512, weights_digest=digest)
+
+
+def _welcomed(endpoint: str, hello: P.WorkerHello) -> bool:
+    reply = _raw_hello(endpoint, hello)
+    assert isinstance(reply, (P.GatewayWelcome, P.ErrorReply)), reply
+    return isinstance(reply, P.GatewayWelcome)
+
+
+def test_two_gateways_and_a_restarted_one_hold_workers_to_the_clusters_one_model(tmp_path, monkeypatch):
+    d1, d2 = "sha256t:" + "1" * 64, "sha256t:" + "2" * 64
+    for name, value in TTL_ENV.items():
+        monkeypatch.setenv(name, value)
+    with RedisServer() as redis_server:
+        prefix = f"pin-{uuid.uuid4().hex[:8]}"
+        gws = [_Gateway(tmp_path, f"gw-{i}", redis_server.url, prefix) for i in range(2)]
+        try:
+            for gw in gws:
+                gw.started()
+            assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", d1))
+            # gw-1 has taken no worker yet: the cluster's model is wk-a's, not the first gw-1 hears.
+            assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", d2))
+            assert "refused hello from wk-b" in gws[1].log.read_text()
+            assert _welcomed(gws[1].workers, _hello("wk-c", "/srv/c/model", d1))  # the same weights elsewhere
+            gws[0].stop()
+            gws[0] = _Gateway(tmp_path, "gw-0-again", redis_server.url, prefix).started()
+            assert not _welcomed(gws[0].workers, _hello("wk-d", "/mnt/b/model", d2))
+            assert _welcomed(gws[0].workers, _hello("wk-e", "/mnt/a/model", d1))
+            # With no worker of it heard for the pin's lifetime, the cluster may serve another model.
+            time.sleep(2.5)
+            assert _welcomed(gws[1].workers, _hello("wk-f", "/mnt/b/model", d2))
+            assert not _welcomed(gws[0].workers, _hello("wk-g", "/mnt/a/model", d1))
+        finally:
+            for gw in gws:
+                gw.stop()
+
+
+def _hello_in_process(gw, hello: P.WorkerHello):
+    """``hello`` sent to the in-process gateway ``gw`` from a worker socket of its own; the gateway's reply."""
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=hello.worker_id.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        sock.send(P.encode(hello))
+        wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), sock.poll(0))[1], 10, "the answer")
+        return P.decode(sock.recv())
+    finally:
+        sock.close()
+
+
+def test_while_redis_does_not_answer_the_gateways_memory_of_the_model_decides(tmp_path):
+    d1, d2 = "sha256t:" + "1" * 64, "sha256t:" + "2" * 64
+    with built_gateway(tmp_path, "pin-outage") as (gw, _, server):
+        assert isinstance(_hello_in_process(gw, _hello("wk-a", "/mnt/a/model", d1)), P.GatewayWelcome)
+        assert gw.queue.client.hget(gw.queue.keys.model, "digest:sha256t") == d1.encode()
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
+            gw._redis_retry_at = gw.clock() + 600  # it lasts the test, whatever the machine's pace
+            assert isinstance(_hello_in_process(gw, _hello("wk-b", "/srv/b/model", d1)), P.GatewayWelcome)
+            refused = _hello_in_process(gw, _hello("wk-c", "/mnt/a/model", d2))
+            assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
