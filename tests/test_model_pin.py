@@ -23,7 +23,8 @@ from tests.gateway_helpers import built_gateway
 from tests.test_model_digest import _raw_hello
 from tests.test_tokenizer_match import _Gateway
 
-TTL_ENV = {"TS_GATEWAY_LEASE_S": "1", "TS_GATEWAY_WORKER_TIMEOUT_S": "1"}  # the pin outlives its last worker 2 s
+LAPSE_ENV = {"TS_GATEWAY_LEASE_S": "1", "TS_GATEWAY_WORKER_TIMEOUT_S": "1"}  # the pin outlives its last worker 2 s
+D1, D2 = "sha256t:" + "1" * 64, "sha256t:" + "2" * 64
 
 
 def _hello(worker_id: str, model: str, digest: str | None) -> P.WorkerHello:
@@ -36,9 +37,30 @@ def _welcomed(endpoint: str, hello: P.WorkerHello) -> bool:
     return isinstance(reply, P.GatewayWelcome)
 
 
-def test_two_gateways_and_a_restarted_one_hold_workers_to_the_clusters_one_model(tmp_path, monkeypatch):
-    d1, d2 = "sha256t:" + "1" * 64, "sha256t:" + "2" * 64
-    for name, value in TTL_ENV.items():
+def test_two_gateways_and_a_restarted_one_hold_workers_to_the_clusters_one_model(tmp_path):
+    with RedisServer() as redis_server:
+        prefix = f"pin-{uuid.uuid4().hex[:8]}"
+        gws = [_Gateway(tmp_path, f"gw-{i}", redis_server.url, prefix) for i in range(2)]
+        try:
+            for gw in gws:
+                gw.started()
+            assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", D1))
+            # gw-1 has taken no worker yet: the cluster's model is wk-a's, not the first gw-1 hears.
+            assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
+            assert "refused hello from wk-b" in gws[1].log.read_text()
+            assert _welcomed(gws[1].workers, _hello("wk-c", "/srv/c/model", D1))  # the same weights elsewhere
+            gws[0].stop()  # well within the pin's 20 s (lease 10 s, worker timeout 5 s)
+            gws[0] = _Gateway(tmp_path, "gw-0-again", redis_server.url, prefix).started()
+            assert not _welcomed(gws[0].workers, _hello("wk-d", "/mnt/b/model", D2))
+            assert _welcomed(gws[0].workers, _hello("wk-e", "/mnt/a/model", D1))
+        finally:
+            for gw in gws:
+                gw.stop()
+
+
+def test_with_no_worker_of_it_heard_for_the_pins_lifetime_the_cluster_may_serve_another_model(tmp_path,
+                                                                                           monkeypatch):
+    for name, value in LAPSE_ENV.items():
         monkeypatch.setenv(name, value)
     with RedisServer() as redis_server:
         prefix = f"pin-{uuid.uuid4().hex[:8]}"
@@ -46,19 +68,11 @@ def test_two_gateways_and_a_restarted_one_hold_workers_to_the_clusters_one_model
         try:
             for gw in gws:
                 gw.started()
-            assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", d1))
-            # gw-1 has taken no worker yet: the cluster's model is wk-a's, not the first gw-1 hears.
-            assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", d2))
-            assert "refused hello from wk-b" in gws[1].log.read_text()
-            assert _welcomed(gws[1].workers, _hello("wk-c", "/srv/c/model", d1))  # the same weights elsewhere
-            gws[0].stop()
-            gws[0] = _Gateway(tmp_path, "gw-0-again", redis_server.url, prefix).started()
-            assert not _welcomed(gws[0].workers, _hello("wk-d", "/mnt/b/model", d2))
-            assert _welcomed(gws[0].workers, _hello("wk-e", "/mnt/a/model", d1))
-            # With no worker of it heard for the pin's lifetime, the cluster may serve another model.
-            time.sleep(2.5)
-            assert _welcomed(gws[1].workers, _hello("wk-f", "/mnt/b/model", d2))
-            assert not _welcomed(gws[0].workers, _hello("wk-g", "/mnt/a/model", d1))
+            assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", D1))
+            assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
+            time.sleep(2.5)  # no load report kept it: wk-a's hello was its last keep
+            assert _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
+            assert not _welcomed(gws[0].workers, _hello("wk-c", "/mnt/a/model", D1))
         finally:
             for gw in gws:
                 gw.stop()
@@ -78,16 +92,15 @@ def _hello_in_process(gw, hello: P.WorkerHello):
 
 
 def test_while_redis_does_not_answer_the_gateways_memory_of_the_model_decides(tmp_path):
-    d1, d2 = "sha256t:" + "1" * 64, "sha256t:" + "2" * 64
     with built_gateway(tmp_path, "pin-outage") as (gw, _, server):
-        assert isinstance(_hello_in_process(gw, _hello("wk-a", "/mnt/a/model", d1)), P.GatewayWelcome)
-        assert gw.queue.client.hget(gw.queue.keys.model, "digest:sha256t") == d1.encode()
+        assert isinstance(_hello_in_process(gw, _hello("wk-a", "/mnt/a/model", D1)), P.GatewayWelcome)
+        assert gw.queue.client.hget(gw.queue.keys.model, "digest:sha256t") == D1.encode()
         os.kill(server.pid, signal.SIGSTOP)
         try:
             gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
             gw._redis_retry_at = gw.clock() + 600  # it lasts the test, whatever the machine's pace
-            assert isinstance(_hello_in_process(gw, _hello("wk-b", "/srv/b/model", d1)), P.GatewayWelcome)
-            refused = _hello_in_process(gw, _hello("wk-c", "/mnt/a/model", d2))
+            assert isinstance(_hello_in_process(gw, _hello("wk-b", "/srv/b/model", D1)), P.GatewayWelcome)
+            refused = _hello_in_process(gw, _hello("wk-c", "/mnt/a/model", D2))
             assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
         finally:
             os.kill(server.pid, signal.SIGCONT)
