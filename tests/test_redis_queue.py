@@ -138,7 +138,7 @@ def test_lua_scripts_have_headers_and_load_once(client):
     scripts = load_scripts(client)
     assert set(scripts) == {"admit", "peek", "claim", "extend", "complete", "requeue", "age", "expire", "cancel",
                             "promote", "release", "first_token", "first_prefill",
-                            "append_tokens", "note_drained", "stop_at"}
+                            "append_tokens", "note_drained", "stop_at", "model_pin"}
     assert load_scripts(client) is scripts
     for path in LUA_DIR.glob("*.lua"):
         header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("--"))
