@@ -7,7 +7,8 @@ any gateway takes pins its model in Redis; every gateway holds a hello to that p
 alive (its hello, then its load reports, at most every quarter of the pin's lifetime). The pin lapses
 2 x max(lease, worker timeout) after the last such report: with no worker of it left anywhere, the cluster may
 serve another model (to change models: stop every worker, wait that long, start the new ones). While Redis does
-not answer, a gateway's own memory decides, as it did.
+not answer, a gateway's own memory decides, as it did; a worker so taken that the pin refuses is dropped at its
+first load report once Redis answers (gateway/worker_link.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class ModelPin:
     def keep(self, hello):
         """Pin the model of ``hello`` (a worker this gateway took) where none is, and keep the pin alive; the
         cluster's pin after (Pinned), or UNKNOWN."""
+        if self.redis_down():  # not noted as kept: the first report after the back-off asks
+            return UNKNOWN
         self._kept[hello.worker_id] = time.monotonic()
         self._kept.move_to_end(hello.worker_id)
         while len(self._kept) > KEPT_MEMORY:

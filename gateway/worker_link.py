@@ -93,8 +93,14 @@ class WorkerLink(WorkerCompletions):
         w = self.workers.workers[msg.worker_id]
         if self.model_pin.due(msg.worker_id) and self._follow_model_pin(self.model_pin.keep(w.hello)) \
                 and (why := self.hello_policy.refusal(w.hello)) is not None:
-            # Taken while Redis did not answer, by this gateway's memory alone.
-            log.warning("worker %s is registered here, but the cluster's model is another: %s", msg.worker_id, why)
+            # Taken while Redis did not answer, by this gateway's memory alone, and the cluster serves another model:
+            # kept, its jobs' answers would come from another model than their neighbours', marked done. Dropped,
+            # its leases run out (not extended below) and their jobs go to the cluster's model; its frames are a
+            # stranger's, and its next hello is refused.
+            del self.workers.workers[msg.worker_id]
+            self.counters["workers_of_another_model"] += 1
+            log.error("dropped worker %s, taken while Redis did not answer: %s", msg.worker_id, why)
+            return
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
         # another gateway or that was cancelled or requeued, would hold credit here forever.
         for job_id in list(w.pending):

@@ -18,6 +18,7 @@ import zmq
 from common import protocol as P
 from common.redis_server import RedisServer
 from common.sockets import make_socket
+from gateway.model_pin import ModelPin
 from tests.cluster_helpers import wait_for
 from tests.gateway_helpers import built_gateway
 from tests.test_model_digest import _raw_hello
@@ -104,3 +105,39 @@ def test_while_redis_does_not_answer_the_gateways_memory_of_the_model_decides(tm
             assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
         finally:
             os.kill(server.pid, signal.SIGCONT)
+
+
+def test_a_worker_taken_by_memory_alone_is_dropped_once_redis_says_the_cluster_serves_another_model(tmp_path):
+    """While Redis did not answer, a gateway with no model in its memory took wk-a; meanwhile another gateway had
+    pinned another model. Kept, wk-a would answer jobs with its own model, every answer marked done: its first load
+    report once Redis answers drops it (its leases run out, and its jobs go to the cluster's model)."""
+    with built_gateway(tmp_path, "pin-drop") as (gw, _, server):
+        # One socket throughout: a ROUTER refuses a second connection with an identity in use.
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+        def answer(msg):
+            sock.send(P.encode(msg))
+            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), sock.poll(0))[1], 10, "the answer")
+            return P.decode(sock.recv())
+
+        try:
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
+                gw._redis_retry_at = gw.clock() + 600
+                assert isinstance(answer(_hello("wk-a", "/mnt/a/model", D1)), P.GatewayWelcome)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            gw._redis_retry_at, gw._answer_clients_first = 0.0, False  # the back-off is over
+            other = ModelPin(gw.queue.client, gw.queue.keys, 20.0)  # another gateway's, taking a worker of its model
+            assert other.keep(_hello("wk-b", "/mnt/b/model", D2)).weights_digests == {"sha256t": D2}
+            sock.send(P.encode(P.WorkerLoad("wk-a", 1, 1024, {}, {}, [], 0.0)))
+            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" not in gw.workers.workers)[1],
+                     10, "wk-a to be dropped")
+            refused = answer(_hello("wk-a", "/mnt/a/model", D1))
+            assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
+        finally:
+            sock.close()
+        assert gw.counters["workers_of_another_model"] == 1
