@@ -110,7 +110,10 @@ def test_a_huge_prompt_being_tokenized_does_not_stop_the_door(cluster, tiny_mode
         assert done["response"].status_code == 400, done["response"].text
         assert done["response"].json()["error"]["param"] == "prompt"
         assert done["took"] > 3, "the prompt was tokenized too fast to tell"
-        assert slowest < 1.5, f"the door answered nothing for {slowest:.1f}s (the prompt took {done['took']:.1f}s)"
+        # Tokenized on the loop, one probe waits out the whole tokenizing (slowest ~ took); off it, the loop still
+        # pauses for single GIL-holding steps, longer on a slower machine (2.8 s of a 34.8 s prompt in a CI run).
+        bound = max(1.5, done["took"] / 4)
+        assert slowest < bound, f"the door answered nothing for {slowest:.1f}s (the prompt took {done['took']:.1f}s)"
 
 
 def test_a_stream_the_door_gives_up_on_is_cancelled_like_a_whole_request(cluster, tiny_model_dir, tmp_path):
