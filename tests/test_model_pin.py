@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import uuid
+from contextlib import contextmanager
 
 import redis
 import zmq
@@ -21,15 +22,11 @@ from common.sockets import make_socket
 from gateway.model_pin import ModelPin
 from tests.cluster_helpers import wait_for
 from tests.gateway_helpers import built_gateway
-from tests.test_model_digest import _raw_hello
+from tests.test_model_digest import _hello, _raw_hello
 from tests.test_tokenizer_match import _Gateway
 
 LAPSE_ENV = {"TS_GATEWAY_LEASE_S": "1", "TS_GATEWAY_WORKER_TIMEOUT_S": "1"}  # the pin outlives its last worker 2 s
 D1, D2 = "sha256t:" + "1" * 64, "sha256t:" + "2" * 64
-
-
-def _hello(worker_id: str, model: str, digest: str | None) -> P.WorkerHello:
-    return P.WorkerHello(worker_id, model, 512, 2048, 4, 512, weights_digest=digest)
 
 
 def _welcomed(endpoint: str, hello: P.WorkerHello) -> bool:
@@ -38,45 +35,45 @@ def _welcomed(endpoint: str, hello: P.WorkerHello) -> bool:
     return isinstance(reply, P.GatewayWelcome)
 
 
-def test_two_gateways_and_a_restarted_one_hold_workers_to_the_clusters_one_model(tmp_path):
+@contextmanager
+def _two_gateways(tmp_path):
+    """Two `python -m gateway` processes on one real redis-server, under one key prefix; (their list, the Redis url,
+    the prefix): a test may replace one in the list, and every one in it is stopped after."""
     with RedisServer() as redis_server:
         prefix = f"pin-{uuid.uuid4().hex[:8]}"
         gws = [_Gateway(tmp_path, f"gw-{i}", redis_server.url, prefix) for i in range(2)]
         try:
             for gw in gws:
                 gw.started()
-            assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", D1))
-            # gw-1 has taken no worker yet: the cluster's model is wk-a's, not the first gw-1 hears.
-            assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
-            assert "refused hello from wk-b" in gws[1].log.read_text()
-            assert _welcomed(gws[1].workers, _hello("wk-c", "/srv/c/model", D1))  # the same weights elsewhere
-            gws[0].stop()  # well within the pin's 20 s (lease 10 s, worker timeout 5 s)
-            gws[0] = _Gateway(tmp_path, "gw-0-again", redis_server.url, prefix).started()
-            assert not _welcomed(gws[0].workers, _hello("wk-d", "/mnt/b/model", D2))
-            assert _welcomed(gws[0].workers, _hello("wk-e", "/mnt/a/model", D1))
+            yield gws, redis_server.url, prefix
         finally:
             for gw in gws:
                 gw.stop()
+
+
+def test_two_gateways_and_a_restarted_one_hold_workers_to_the_clusters_one_model(tmp_path):
+    with _two_gateways(tmp_path) as (gws, redis_url, prefix):
+        assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", D1))
+        # gw-1 has taken no worker yet: the cluster's model is wk-a's, not the first gw-1 hears.
+        assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
+        assert "refused hello from wk-b" in gws[1].log.read_text()
+        assert _welcomed(gws[1].workers, _hello("wk-c", "/srv/c/model", D1))  # the same weights elsewhere
+        gws[0].stop()  # well within the pin's 20 s (lease 10 s, worker timeout 5 s)
+        gws[0] = _Gateway(tmp_path, "gw-0-again", redis_url, prefix).started()
+        assert not _welcomed(gws[0].workers, _hello("wk-d", "/mnt/b/model", D2))
+        assert _welcomed(gws[0].workers, _hello("wk-e", "/mnt/a/model", D1))
 
 
 def test_with_no_worker_of_it_heard_for_the_pins_lifetime_the_cluster_may_serve_another_model(tmp_path,
                                                                                            monkeypatch):
     for name, value in LAPSE_ENV.items():
         monkeypatch.setenv(name, value)
-    with RedisServer() as redis_server:
-        prefix = f"pin-{uuid.uuid4().hex[:8]}"
-        gws = [_Gateway(tmp_path, f"gw-{i}", redis_server.url, prefix) for i in range(2)]
-        try:
-            for gw in gws:
-                gw.started()
-            assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", D1))
-            assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
-            time.sleep(2.5)  # no load report kept it: wk-a's hello was its last keep
-            assert _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
-            assert not _welcomed(gws[0].workers, _hello("wk-c", "/mnt/a/model", D1))
-        finally:
-            for gw in gws:
-                gw.stop()
+    with _two_gateways(tmp_path) as (gws, _, _):
+        assert _welcomed(gws[0].workers, _hello("wk-a", "/mnt/a/model", D1))
+        assert not _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
+        time.sleep(2.5)  # no load report kept it: wk-a's hello was its last keep
+        assert _welcomed(gws[1].workers, _hello("wk-b", "/mnt/b/model", D2))
+        assert not _welcomed(gws[0].workers, _hello("wk-c", "/mnt/a/model", D1))
 
 
 def _hello_in_process(gw, hello: P.WorkerHello):
