@@ -111,12 +111,19 @@ def recv_from(peers: list[Adversary], kind: type, timeout_s: float, beat: list[s
 def test_1_gateway_restarted_with_the_same_id_loses_no_token(tmp_path, tiny_model_dir, reference):  # noqa: F811
     with DurableCluster(tmp_path, tiny_model_dir, gateways=2, workers=2) as c:
         lab = c.client("lab-co", "gw-0")
-        specs = [([3, i + 1], 160) for i in range(4)]
+        # Long enough to run through both restarts (~9 s here, each restart ~2.5 s): 160-token jobs ran 0.3 s, so
+        # the restarts came after they ended, and a test process paused that long missed their token logs
+        # (deleted at completion) and waited out its 120 s.
+        specs = [([3, i + 1], 2000) for i in range(4)]
         jobs = [lab.submit(prompt_token_ids=p, max_tokens=n, seed=11 + i, ignore_eos=True)
                 for i, (p, n) in enumerate(specs)]
         lab.close()
-        wait_for(lambda: sum(len(c.redis.keys(f"ts:{{c}}:tok:{j.id}")) > 0 for j in jobs) >= 2, 120,
-                 "tokens of running jobs in Redis")
+
+        def running_with_tokens() -> bool:
+            ended = [j for j in jobs if c.state(j.id) in {"done", "failed", "dead"}]
+            assert not ended, f"jobs ended before the restart, the test needs longer ones: {ended}"
+            return sum(len(c.redis.keys(f"ts:{{c}}:tok:{j.id}")) > 0 for j in jobs) >= 2
+        wait_for(running_with_tokens, 120, "tokens of running jobs in Redis")
         for gw in ("gw-0", "gw-1"):  # each gateway holds some of the leases: restart both, one after the other
             c.kill(gw)
             c.restart(gw)
