@@ -7,8 +7,9 @@ any gateway takes pins its model in Redis; every gateway holds a hello to that p
 alive (its hello, then its load reports, at most every quarter of the pin's lifetime). The pin lapses
 2 x max(lease, worker timeout) after the last such report: with no worker of it left anywhere, the cluster may
 serve another model (to change models: stop every worker, wait that long, start the new ones). While Redis does
-not answer, a gateway's own memory decides, as it did; a worker so taken that the pin refuses is dropped at its
-first load report once Redis answers (gateway/worker_link.py).
+not answer, a gateway's own memory decides, as it did; a worker so taken gets no job until a load report once Redis
+answers finds its model the cluster's, and is dropped there if the pin refuses it (gateway/worker_link.py,
+WorkerState.unconfirmed).
 """
 
 from __future__ import annotations
@@ -47,17 +48,17 @@ class ModelPin:
     def keep(self, hello):
         """Pin the model of ``hello`` (a worker this gateway took) where none is, and keep the pin alive; the
         cluster's pin after (Pinned), or UNKNOWN."""
-        if self.redis_down():  # not noted as kept: the first report after the back-off asks
-            return UNKNOWN
-        self._kept[hello.worker_id] = time.monotonic()
-        self._kept.move_to_end(hello.worker_id)
-        while len(self._kept) > KEPT_MEMORY:
-            self._kept.popitem(last=False)
         digest = hello.weights_digest
         args = [str(self.ttl_ms), hello.model, str(hello.vocab_size), str(hello.max_model_len),
                 scheme(digest) or "", digest or ""]
-        return self._ask(lambda: _as_hash(load_scripts(self.client)["model_pin"](keys=[self.keys.model],
-                                                                                 args=args)))
+        pinned = self._ask(lambda: _as_hash(load_scripts(self.client)["model_pin"](keys=[self.keys.model],
+                                                                                   args=args)))
+        if pinned is not UNKNOWN:  # else not noted as kept: the next report asks (noted, they skipped a quarter TTL)
+            self._kept[hello.worker_id] = time.monotonic()
+            self._kept.move_to_end(hello.worker_id)
+            while len(self._kept) > KEPT_MEMORY:
+                self._kept.popitem(last=False)
+        return pinned
 
     def due(self, worker_id: str) -> bool:
         """True if ``worker_id`` last kept the pin here a quarter of its lifetime ago or more."""

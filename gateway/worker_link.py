@@ -52,11 +52,12 @@ class WorkerLink(WorkerCompletions):
                                                                            "to another key"))
             return
         self.hello_policy.pin(msg)  # only now: a hello refused for its key had pinned another model for good
-        if self._follow_model_pin(self.model_pin.keep(msg)) and (why := self.hello_policy.refusal(msg)) is not None:
+        confirmed = self._follow_model_pin(self.model_pin.keep(msg))
+        if confirmed and (why := self.hello_policy.refusal(msg)) is not None:
             self._refuse_hello(ident, msg, why)  # another gateway pinned another model since the read above
             return
         self._hello_asked.pop(ident, None)
-        if (forgotten := self.workers.hello(msg, ident, self.clock())) is not None:
+        if (forgotten := self.workers.hello(msg, ident, self.clock(), confirmed)) is not None:
             security.forgot_worker(self, forgotten, msg.worker_id)
         self._track_drain(msg.worker_id)
         self._send(self.worker_sock, ident, P.GatewayWelcome(self.config.gateway_id))
@@ -91,16 +92,18 @@ class WorkerLink(WorkerCompletions):
             # loop for a second timeout in a row (4 s in which no client heard even 'unavailable').
             return
         w = self.workers.workers[msg.worker_id]
-        if self.model_pin.due(msg.worker_id) and self._follow_model_pin(self.model_pin.keep(w.hello)) \
-                and (why := self.hello_policy.refusal(w.hello)) is not None:
-            # Taken while Redis did not answer, by this gateway's memory alone, and the cluster serves another model:
-            # kept, its jobs' answers would come from another model than their neighbours', marked done. Dropped,
-            # its leases run out (not extended below) and their jobs go to the cluster's model; its frames are a
-            # stranger's, and its next hello is refused.
-            del self.workers.workers[msg.worker_id]
-            self.counters["workers_of_another_model"] += 1
-            log.error("dropped worker %s, taken while Redis did not answer: %s", msg.worker_id, why)
-            return
+        due = w.unconfirmed or self.model_pin.due(msg.worker_id)
+        if due and self._follow_model_pin(self.model_pin.keep(w.hello)):
+            if (why := self.hello_policy.refusal(w.hello)) is not None:
+                # Taken while Redis did not answer, by this gateway's memory alone, and the cluster serves another
+                # model: kept, its jobs' answers would come from another model than their neighbours', marked done.
+                # Dropped, its leases run out (not extended below) and their jobs go to the cluster's model; its
+                # frames are a stranger's, and its next hello is refused.
+                del self.workers.workers[msg.worker_id]
+                self.counters["workers_of_another_model"] += 1
+                log.error("dropped worker %s, taken while Redis did not answer: %s", msg.worker_id, why)
+                return
+            w.unconfirmed = False
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
         # another gateway or that was cancelled or requeued, would hold credit here forever.
         for job_id in list(w.pending):

@@ -88,6 +88,10 @@ class WorkerState:
     # before, the requeued job went back to it by that report's credit, and lost another lease and another of
     # its max_attempts.
     lost_lease: bool = False
+    # Taken by this gateway's memory alone while Redis did not answer (gateway/model_pin.py): it gets no job until a
+    # load report, once Redis answers, finds its model the cluster's. Its answers would otherwise come from whatever
+    # model it serves, stored as done, until that check drops it.
+    unconfirmed: bool = False
 
     @property
     def draining(self) -> bool:
@@ -98,7 +102,7 @@ class WorkerState:
     def credit(self) -> int:
         # None before its first report: a hello says how many slots it has, not how many are free (a gateway that
         # restarted hears the hellos of workers whose slots are all busy).
-        if self.lost_lease or self.draining or self.load is None:
+        if self.lost_lease or self.unconfirmed or self.draining or self.load is None:
             return 0
         return max(0, self.load.free_slots - len(self.pending))
 
@@ -117,7 +121,7 @@ class WorkerState:
         Left out, an urgent job admitted while a job just sent here ran its first step waited in the queue for the
         report at that step's end, and its dispatch then came just after the worker had begun the next step: it
         waited two steps, a second or two beside a long prompt's chunks, where the wait model told it one."""
-        if self.load is None or self.lost_lease or self.draining:
+        if self.load is None or self.lost_lease or self.unconfirmed or self.draining:
             return {}
         unreported = len(self.pending & urgent_sent)
         sent = [t for t in map(tier_of, self.pending - urgent_sent) if t is not None]
@@ -178,9 +182,10 @@ class WorkerRegistry:
         silent = [w for w in self.workers.values() if w.load is None]
         return min(silent, key=lambda w: w.last_seen).hello.worker_id if silent else None
 
-    def hello(self, msg: WorkerHello, identity: bytes, now: float) -> str | None:
+    def hello(self, msg: WorkerHello, identity: bytes, now: float, confirmed: bool = True) -> str | None:
         """Register (or refresh) the worker; the caller asked ``has_room``. Returns the id of the worker forgotten to
-        make room, if one was."""
+        make room, if one was. ``confirmed``: Redis said its model is the cluster's (else a worker registered
+        unconfirmed stays so; one confirmed before stays confirmed: its model was held to this gateway's memory)."""
         forgotten = None
         if msg.worker_id not in self.workers and len(self.workers) >= self.max_workers:
             forgotten = self._silent()
@@ -193,7 +198,8 @@ class WorkerRegistry:
         # advances the running work it lists, gateway/wait_estimator.report_age_s).
         self.workers[msg.worker_id] = WorkerState(msg, identity, now, old.load if old else None,
                                                   old.pending if old else set(), old.load_at if old else 0.0,
-                                                  old.lost_lease if old else False)
+                                                  old.lost_lease if old else False,
+                                                  not confirmed and (old is None or old.unconfirmed))
         return forgotten
 
     def load(self, msg: WorkerLoad, now: float) -> bool:

@@ -13,16 +13,19 @@ import time
 import uuid
 from contextlib import contextmanager
 
+import pytest
 import redis
 import zmq
 
 from common import protocol as P
 from common.redis_server import RedisServer
 from common.sockets import make_socket
-from gateway.model_pin import ModelPin
+from common.redis_keys import KeySpace
+from gateway.model_pin import UNKNOWN, ModelPin
 from tests.cluster_helpers import wait_for
 from tests.gateway_helpers import built_gateway
 from tests.test_model_digest import _hello, _raw_hello
+from tests.test_outage_token_share import _admit
 from tests.test_tokenizer_match import _Gateway
 
 LAPSE_ENV = {"TS_GATEWAY_LEASE_S": "1", "TS_GATEWAY_WORKER_TIMEOUT_S": "1"}  # the pin outlives its last worker 2 s
@@ -138,3 +141,96 @@ def test_a_worker_taken_by_memory_alone_is_dropped_once_redis_says_the_cluster_s
         finally:
             sock.close()
         assert gw.counters["workers_of_another_model"] == 1
+
+
+
+
+def _answered(gw, sock) -> P.Message:
+    wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), sock.poll(0))[1], 10, "the answer")
+    return P.decode(sock.recv())
+
+
+def _report(gw, sock, read) -> None:
+    """wk-a reports a free slot, and the gateway reads it (until ``read()``)."""
+    sock.send(P.encode(P.WorkerLoad("wk-a", 1, 1024, {}, {}, [], 0.0)))
+    wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), read())[1], 10, "the report read")
+
+
+
+@contextmanager
+def _in_process(tmp_path, pinned: str | None):
+    """An in-process gateway on a real Redis (pinned first to ``pinned``'s weights by another gateway, if given), its
+    redis-server and wk-a's socket."""
+    with built_gateway(tmp_path, "pin-confirm") as (gw, _, server):
+        if pinned is not None:
+            assert ModelPin(gw.queue.client, gw.queue.keys, 20.0).keep(_hello("wk-b", "/mnt/b/model", pinned))
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            yield gw, sock, server
+        finally:
+            sock.close()
+
+
+@contextmanager
+def _stopped(server):
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def _welcomed_in_an_outage(gw, sock) -> None:
+    """wk-a says hello while the gateway waits out a Redis back-off: its memory alone takes it."""
+    gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
+    gw._redis_retry_at = gw.clock() + 600
+    sock.send(P.encode(_hello("wk-a", "/mnt/a/model", D1)))
+    assert isinstance(_answered(gw, sock), P.GatewayWelcome)
+
+
+def _back(gw) -> None:
+    """Redis answers again and the back-off is over: the loop replays the frames kept meanwhile first."""
+    gw._redis_retry_at, gw._answer_clients_first = 0.0, False
+    gw.replay_kept()
+
+
+def test_a_keep_redis_did_not_answer_is_not_noted_as_done(tmp_path):
+    """A keep whose call timed out was noted as done: the worker's reports skipped the pin's check for a quarter of
+    its lifetime (5 s by default), a worker taken while Redis did not answer included."""
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url, socket_timeout=0.5)
+        pin = ModelPin(client, KeySpace(f"pin-{uuid.uuid4().hex[:8]}"), 20.0)
+        with _stopped(server):
+            assert pin.keep(_hello("wk-a", "/mnt/a/model", D1)) is UNKNOWN
+        assert pin.due("wk-a")
+        assert pin.keep(_hello("wk-a", "/mnt/a/model", D1)).weights_digests == {"sha256t": D1}
+        assert not pin.due("wk-a")
+        client.close()
+
+
+@pytest.mark.parametrize("pinned", [D2, D1], ids=["another model", "its model"])
+def test_a_worker_taken_by_memory_alone_gets_no_job_before_redis_confirms_its_model(tmp_path, pinned):
+    """wk-a's report comes once the back-off is over but while Redis is still stopped: a Redis call under it times
+    out, its credit is taken and its check of the pin is not made. Dispatch, once Redis answers, sent it the queued
+    jobs before its next report could drop it. It now gets none until Redis has said its model is the cluster's
+    (then at once, where it is)."""
+    with _in_process(tmp_path, pinned) as (gw, sock, server):
+        with _stopped(server):
+            _welcomed_in_an_outage(gw, sock)
+            gw._redis_retry_at = 0.0
+            _report(gw, sock, gw._redis_down)  # handled at once (Redis is not known down): a call under it times out
+            assert not gw.kept and gw.workers.workers["wk-a"].load is not None
+        _back(gw)
+        _admit(gw, "job-1")
+        gw.dispatch(gw.clock())
+        if sock.poll(300):
+            raise AssertionError(f"sent to a worker whose model Redis never confirmed: {P.decode(sock.recv())}")
+        _report(gw, sock, lambda: "wk-a" not in gw.workers.workers or not gw.workers.workers["wk-a"].unconfirmed)
+        gw.dispatch(gw.clock())
+        if pinned == D2:
+            assert "wk-a" not in gw.workers.workers and gw.counters["workers_of_another_model"] == 1
+            assert not sock.poll(300) and gw.queue.get("job-1").state == "queued"
+        else:
+            assert isinstance(dispatch := _answered(gw, sock), P.DispatchJob) and dispatch.job_id == "job-1", dispatch
