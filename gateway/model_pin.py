@@ -28,6 +28,9 @@ log = logging.getLogger("gateway.security")
 
 KEPT_MEMORY = 10_000  # worker ids whose last keep is remembered (ModelPin.due)
 UNKNOWN = object()  # Redis was not asked (its back-off) or did not answer: this gateway's memory decides
+# Redis answered with a pin this gateway cannot read (another version's, a hand edit): its memory decides too, but
+# Redis answered: waiting for it to say more (as for UNKNOWN, WorkerState.unconfirmed) would wait for ever.
+UNREADABLE = object()
 
 
 class ModelPin:
@@ -42,18 +45,18 @@ class ModelPin:
         self._kept: OrderedDict[str, float] = OrderedDict()
 
     def read(self):
-        """The cluster's pin (Pinned), None where none is, or UNKNOWN."""
+        """The cluster's pin (Pinned), None where none is, UNREADABLE or UNKNOWN."""
         return self._ask(lambda: self.client.hgetall(self.keys.model))
 
     def keep(self, hello):
         """Pin the model of ``hello`` (a worker this gateway took) where none is, and keep the pin alive; the
-        cluster's pin after (Pinned), or UNKNOWN."""
+        cluster's pin after (Pinned), UNREADABLE or UNKNOWN."""
         digest = hello.weights_digest
         args = [str(self.ttl_ms), hello.model, str(hello.vocab_size), str(hello.max_model_len),
                 scheme(digest) or "", digest or ""]
         pinned = self._ask(lambda: _as_hash(load_scripts(self.client)["model_pin"](keys=[self.keys.model],
                                                                                    args=args)))
-        if pinned is not UNKNOWN:  # else not noted as kept: the next report asks (noted, they skipped a quarter TTL)
+        if pinned is not UNKNOWN:  # else not noted as kept: the next report asks (noted, it skipped a quarter TTL)
             self._kept[hello.worker_id] = time.monotonic()
             self._kept.move_to_end(hello.worker_id)
             while len(self._kept) > KEPT_MEMORY:
@@ -89,4 +92,4 @@ def _parse(raw: dict):
                       {k.removeprefix("digest:"): v for k, v in fields.items() if k.startswith("digest:")})
     except (KeyError, ValueError):
         log.warning("the cluster's model pin is not one this gateway reads (%s); its memory decides", fields)
-        return UNKNOWN
+        return UNREADABLE

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from common import protocol as P
 from gateway import metrics, security
 from gateway.model_pin import UNKNOWN as UNKNOWN_PIN
+from gateway.model_pin import UNREADABLE as UNREADABLE_PIN
 from gateway.waits import first_prefill_ms
 from gateway.worker_completions import WorkerCompletions
 
@@ -70,10 +71,11 @@ class WorkerLink(WorkerCompletions):
         self._hello_asked[ident] = math.inf  # asking it for another would only repeat the refusal
 
     def _follow_model_pin(self, pinned) -> bool:
-        """Hold hellos to the cluster's model (gateway/model_pin.py); False where Redis did not say it."""
+        """Hold hellos to the cluster's model (gateway/model_pin.py); False where Redis did not answer."""
         if pinned is UNKNOWN_PIN:
             return False
-        self.hello_policy.follow(pinned)
+        if pinned is not UNREADABLE_PIN:
+            self.hello_policy.follow(pinned)
         return True
 
     def on_load(self, ident: bytes, msg: P.WorkerLoad) -> None:

@@ -234,3 +234,19 @@ def test_a_worker_taken_by_memory_alone_gets_no_job_before_redis_confirms_its_mo
             assert not sock.poll(300) and gw.queue.get("job-1").state == "queued"
         else:
             assert isinstance(dispatch := _answered(gw, sock), P.DispatchJob) and dispatch.job_id == "job-1", dispatch
+
+
+def test_a_pin_this_gateway_cannot_read_leaves_the_decision_to_its_memory_and_the_workers_their_jobs(tmp_path):
+    """A pin Redis holds but this gateway cannot read (another version's, a hand edit) says nothing: the gateway's
+    memory decides, as while Redis does not answer. Taken as Redis not answering, its workers waited for a check that
+    could never pass, and the cluster ran nothing."""
+    with _in_process(tmp_path, None) as (gw, sock, _):
+        gw.queue.client.hset(gw.queue.keys.model, mapping={"model": "/mnt/a/model", "vocab_size": "many"})
+        sock.send(P.encode(_hello("wk-a", "/mnt/a/model", D1)))
+        assert isinstance(_answered(gw, sock), P.GatewayWelcome)
+        _report(gw, sock, lambda: gw.workers.workers["wk-a"].load is not None)
+        _admit(gw, "job-1")
+        gw.dispatch(gw.clock())
+        assert isinstance(dispatch := _answered(gw, sock), P.DispatchJob) and dispatch.job_id == "job-1", dispatch
+        refused = _hello_in_process(gw, _hello("wk-b", "/mnt/b/model", D2))  # the memory still holds one model
+        assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
