@@ -132,3 +132,60 @@ def test_a_seed_outside_64_bits_is_refused_naming_the_range(cluster, seed):
     if isinstance(seed, int) and not isinstance(seed, bool):
         assert "-9223372036854775808" in raised.value.body["message"], raised.value.body
     assert_unchanged(before, snapshot(cluster))
+
+
+# (a /v1/completions prompt the door cannot serve, words its refusal must hold). pydantic's words for the union of
+# the prompt's shapes named one of them only: "prompt: Input should be a valid string", for an array of ids too.
+BAD_PROMPTS = [
+    (["Hello", "world"], ["batch of 2", "one prompt per request"]),
+    ([[5, 6], [7]], ["batch of 2", "one prompt per request"]),
+    ([], ["empty"]),
+    ([[]], ["empty"]),
+    ([""], ["empty"]),
+    ([5.0, 6.0], ["token ids", "a number"]),
+    ([5, True], ["token ids", "a boolean"]),
+    ([5, "six"], ["token ids", "a string"]),
+    ([[5], "six"], ["token ids", "an array"]),
+    ([[5, None]], ["token ids", "null"]),
+    (5, ["a string or an array of token ids", "an integer"]),
+    ({"text": "Hello"}, ["a string or an array of token ids", "an object"]),
+]
+
+
+@pytest.mark.parametrize("prompt,words", BAD_PROMPTS, ids=[repr(p) for p, _ in BAD_PROMPTS])
+def test_a_prompt_of_a_shape_the_door_cannot_serve_is_refused_in_words_that_say_why(cluster, prompt, words):
+    import openai
+
+    before = snapshot(cluster)
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client(cluster).completions.create(model="tiny-llama", prompt=prompt, max_tokens=1)
+    body = raised.value.body
+    assert body["param"] == "prompt" and body["type"] == "invalid_request_error", body
+    assert "valid string" not in body["message"] and all(w in body["message"] for w in words), body
+    assert_unchanged(before, snapshot(cluster))
+
+
+BAD_PARTS = [
+    ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], ["'image_url'", "text"]),
+    ([{"type": "text", "text": "Hi"}, {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+     ["'input_audio'", "text"]),
+    ([{"text": "Hi"}], ["type", "text"]),
+    ([{"type": "text"}], ["text"]),
+    (["Hi"], ["a string"]),
+    (5, ["a string or an array of text parts", "an integer"]),
+]
+
+
+@pytest.mark.parametrize("content,words", BAD_PARTS, ids=[repr(c)[:40] for c, _ in BAD_PARTS])
+def test_a_message_content_this_model_cannot_read_is_refused_naming_the_part(cluster, content, words):
+    """An image part was refused as "messages.0.content: Input should be a valid string": the client could not tell
+    that the server reads text only."""
+    import openai
+
+    before = snapshot(cluster)
+    with pytest.raises(openai.BadRequestError) as raised:
+        create(openai_client(cluster), "chat", max_tokens=1, messages=[{"role": "user", "content": content}])
+    body = raised.value.body
+    assert body["param"] == "messages.0.content" and body["type"] == "invalid_request_error", body
+    assert "valid string" not in body["message"] and all(w in body["message"] for w in words), body
+    assert_unchanged(before, snapshot(cluster))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field
 from pydantic_core import PydanticCustomError
 
 from common.tiers import ALL_TIERS
-from gateway.http import stops
+from gateway.http import shapes, stops
 from gateway.http.unhonoured import (CHAT, COMPLETION, MESSAGE, SHARED, STREAM_OPTIONS, Unhonoured, first_unhonoured,
                                      json_kind)
 
@@ -69,6 +69,11 @@ class Message(_Body):
     # a message without content has nothing this server can put in a prompt.
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shaped(cls, content: Any) -> Any:
+        return shapes.message_content(content)
 
     def text(self) -> str:
         if self.content is None:
@@ -207,6 +212,11 @@ class CompletionRequest(_Sampling):
              | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=1)])
     # Absent (or null): OpenAI's 16, at most the room the prompt leaves (gateway/http/sizing.py, max_tokens_for).
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shaped(cls, prompt: Any) -> Any:
+        return shapes.completion_prompt(prompt)
 
     @model_validator(mode="after")
     def _unwrap(self) -> CompletionRequest:
