@@ -358,6 +358,26 @@ def test_a_p1_preempts_the_suspended_work_that_resumes_in_a_freed_slot_before_jo
     assert wait_s(P2, [w], aged, aging_interval_s=60.0) == pytest.approx(0.6 + 5.0 + 3.0)
 
 
+def test_a_victim_preempted_again_resumes_in_the_next_slot_its_worker_frees_not_after_its_preemptor():
+    """Found on the conversation replay (fifty-first session): a P1 told 2.5 s started in 1.15 s, and two more P1s
+    missed 2x so. The suspended P3 resumed in the first slot its worker freed and an older P1 preempted it there;
+    suspended again, it resumed in the next slot that worker freed, where the P1 preempted it in turn. The model
+    had it resume only after its first preemptor's end, so the second slot went to a job aged into P1 ahead of the
+    P1 (which waits for a free slot, as the P2 it was admitted as, and got none while the P3 held the credit)."""
+    held = [running(P1, 60), running(P1, 100), Held(Work(P3, 0, 500), SUSPENDED, BY_P0_P1, 8)]
+    w = WorkerView(2, RATES, held)
+    older = Queued(Work(P1, 0, 300), enqueued_s=-1.0)
+    aged = Queued(Work(P2, 0, 300), enqueued_s=-70.0)  # in P1 since 10 s ago, ahead of both P1s
+    # 0.6 s: the P3 resumes, the older P1 preempts it after its residency (0.08 s); 1.0 s: it resumes again there,
+    # and the job preempts it after its residency.
+    assert wait_s(P1, [w], [older, aged], aging_interval_s=60.0) == pytest.approx(1.08)
+    # A P0 is first in line for the first (the older P1 then waits for the second).
+    assert wait_s(P0, [w], [older, aged], aging_interval_s=60.0) == pytest.approx(0.68)
+    # A P2 preempts nobody: the aged job goes first, into the first slot that frees for good (the older P1's end,
+    # 3.68 s: the P3 holds the other until it ends).
+    assert wait_s(P2, [w], [older, aged], aging_interval_s=60.0) > 3.68
+
+
 def test_a_victim_its_guards_protect_frees_its_slot_to_preemption_only_when_they_lift():
     """The worker leaves a resumed victim alone for its residency (min_residency_steps tokens, after any prompt it
     must re-read) and one near its end to the end (worker/preemption.PreemptionPolicy.guard): a P0 told it takes
