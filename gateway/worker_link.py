@@ -58,6 +58,9 @@ class WorkerLink(WorkerCompletions):
             self._refuse_hello(ident, msg, why)  # another gateway pinned another model since the read above
             return
         self._hello_asked.pop(ident, None)
+        if not confirmed and msg.worker_id not in self.workers.workers:
+            log.warning("took worker %s while Redis did not answer: it gets no job until Redis says its model is the "
+                        "cluster's", msg.worker_id)
         if (forgotten := self.workers.hello(msg, ident, self.clock(), confirmed)) is not None:
             security.forgot_worker(self, forgotten, msg.worker_id)
         self._track_drain(msg.worker_id)
@@ -105,7 +108,9 @@ class WorkerLink(WorkerCompletions):
                 self.counters["workers_of_another_model"] += 1
                 log.error("dropped worker %s, taken while Redis did not answer: %s", msg.worker_id, why)
                 return
-            w.unconfirmed = False
+            if w.unconfirmed:
+                log.info("worker %s serves the cluster's model, as Redis says: it gets jobs now", msg.worker_id)
+                w.unconfirmed = False
         # A job this gateway sent that ended before any report listed it, and whose JobFinished went to
         # another gateway or that was cancelled or requeued, would hold credit here forever.
         for job_id in list(w.pending):
