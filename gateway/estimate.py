@@ -119,8 +119,9 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
     free_at: list[float] = []
     worker_of: list[int] = []
     urgent_at: list[bool] = []
-    # Per urgent slot, how long the victim resuming there is guarded once it resumes again elsewhere (_moved).
-    guard_of: list[float] = []
+    # Per urgent slot, how long the victim resuming there is guarded once it resumes again elsewhere (_moved);
+    # None: no victim resumes after the job that takes it (its work ended).
+    guard_of: list[float | None] = []
     stepped: list[bool] = []  # the slot's work is running now (not work the replay starts there)
     stepping = [0.0] * len(workers)  # until when each worker runs something (then a job sent there waits a step)
     # Until when a job sent to each worker now waits to be read into a step: the step in progress (or, without a
@@ -136,9 +137,14 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         # the chunk in progress (on seven code-trace runs' dumped states, P0's median error fell on five).
         prefilling[i] = prefill_step_s
         stepping[i] = max((x[0] for x in times if x is not None), default=0.0)
-        # Work the job may not preempt, and work its guards protect to its end, free their slots as they end.
-        busy = sorted((times[k][0] for k, h in enumerate(held)
-                       if h.blocks(tier) or (h.status == RUNNING and h.guarded_to_end())), reverse=True)[:w.slots]
+        # Work the job may not preempt frees its slot as it ends.
+        blocked = sorted((times[k][0] for k, h in enumerate(held) if h.blocks(tier)), reverse=True)[:w.slots]
+        # Work the job may preempt but its guards protect to its end: the worker reports it as a victim all the
+        # same, so the dispatcher sends the job there, where it takes the slot as that work ends, before the jobs
+        # aged or promised ahead of it in line, which wait for a free slot.
+        ending = sorted(times[k][0] for k, h in enumerate(held) if h.status == RUNNING and not h.blocks(tier)
+                        and h.guarded_to_end())[:w.slots - len(blocked)]
+        busy = blocked + ending
         # Running work the job may preempt: its slot is the job's once the worker's guards let it (at once, unless
         # it resumed lately), but not a job's aged up to its tier (that one waits for a free slot, as the tier it
         # was admitted at, however far ahead in line).
@@ -146,9 +152,10 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         victims = sorted((times[k][1], w.rates.seconds(0.0, h.guard)) for k, h in enumerate(held)
                          if h.status == RUNNING and not h.blocks(tier) and not h.guarded_to_end())[:w.slots - len(busy)]
         guarded = [g for g, _ in victims]
-        slots = ([(t, False) for t in busy] + [(g, True) for g in guarded]
+        slots = ([(t, False) for t in blocked] + [(t, True) for t in ending] + [(g, True) for g in guarded]
                  + [(0.0, False)] * (w.slots - len(busy) - len(guarded)))
-        guards = [0.0] * len(busy) + [g for _, g in victims] + [0.0] * (w.slots - len(busy) - len(guarded))
+        guards: list[float | None] = ([0.0] * len(blocked) + [None] * len(ending) + [g for _, g in victims]
+                                      + [0.0] * (w.slots - len(busy) - len(guarded)))
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=lambda j: slots[j][0])
@@ -212,6 +219,10 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         is then one only preemption frees. Left in ``k``, the slot that freed first went to a job aged or promised
         ahead, which the worker never gets while the victim waits there (a P1 told 2.5 s that waited 1.2 s)."""
         i = worker_of[k]
+        if guard_of[k] is None:
+            urgent_at[k], guard_of[k] = False, 0.0
+            push(k)
+            return
         m = min((m for m in range(len(free_at)) if worker_of[m] == i and m != k and not urgent_at[m]),
                 key=lambda m: free_at[m], default=None)
         if m is None or free_at[m] >= free_at[k]:

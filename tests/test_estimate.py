@@ -378,6 +378,17 @@ def test_a_victim_preempted_again_resumes_in_the_next_slot_its_worker_frees_not_
     assert wait_s(P2, [w], [older, aged], aging_interval_s=60.0) > 3.68
 
 
+def test_a_p1_sent_to_a_victim_guarded_to_its_end_takes_its_slot_before_jobs_aged_ahead_of_it():
+    """A worker reports work its guards protect to its end as a victim all the same, so the dispatcher sends a P1
+    there at once (a code-trace P1 sent as it was admitted, told 2.0 s, started in 0.5 s): waiting in the worker, it
+    takes the slot as that work ends, before a job aged into P1 ahead of it, which waits in Redis for a free slot."""
+    w = WorkerView(1, RATES, [Held(Work(P3, 0, 3), RUNNING, BY_P0_P1, 3)])  # 3 tokens left, all of them guarded
+    aged = [Queued(Work(P2, 0, 300), -70.0)]
+    assert wait_s(P1, [w], aged, aging_interval_s=60.0) == pytest.approx(0.03)
+    # The slot is an ordinary one once the job ends there: the aged job has it then, and a P2 waits for both.
+    assert wait_s(P2, [w], aged, aging_interval_s=60.0) == pytest.approx(3.03)
+
+
 def test_a_victim_its_guards_protect_frees_its_slot_to_preemption_only_when_they_lift():
     """The worker leaves a resumed victim alone for its residency (min_residency_steps tokens, after any prompt it
     must re-read) and one near its end to the end (worker/preemption.PreemptionPolicy.guard): a P0 told it takes
