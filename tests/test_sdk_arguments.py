@@ -228,3 +228,20 @@ def test_a_client_used_in_a_forked_child_answers_there(cluster):
     assert client.status(job.id).state == "done"  # the parent's own connections still serve it
     client.close()
     aclient.close()
+
+
+@pytest.mark.parametrize("field,ids,words", [
+    ("prompt_token_ids", [5, 6.0], ["item 1", "float", "6.0"]),
+    ("prompt_token_ids", [True, 5], ["item 0", "bool"]),
+    ("prompt_token_ids", ["5"], ["item 0", "str", "'5'"]),
+    ("prompt_token_ids", (5, None), ["item 1", "NoneType"]),
+    ("stop_token_ids", [2.5], ["item 0", "float"]),
+])
+def test_a_token_id_of_the_wrong_type_is_named_with_its_place(field, ids, words):
+    """[5, 6.0] was refused as 'prompt_token_ids has the wrong type: list': the list was fine, an item was not, and
+    nothing said which. Refused before anything is sent (no gateway listens here)."""
+    with GatewayClient("tcp://127.0.0.1:9", "a-key", timeout_s=1) as client:
+        with pytest.raises(InvalidRequest) as e:
+            client.submit(prompt_token_ids=ids if field == "prompt_token_ids" else [5], max_tokens=2,
+                          **({field: ids} if field != "prompt_token_ids" else {}))
+    assert e.value.field == field and all(w in str(e.value) for w in words), e.value

@@ -97,6 +97,16 @@ def auto_idempotency_key() -> str:
 INT64 = (-(2**63), 2**63)  # what a frame carries (msgpack): a larger int could not even be sent
 
 
+def _kind_of(field: str, value) -> str:
+    """A wrong value's type, as a refusal names it; of a list of token ids, its first item that is no integer (the
+    list itself was fine: 'list' said nothing of [5, 6.0])."""
+    if field in ("prompt_token_ids", "stop_token_ids") and isinstance(value, list):
+        for i, item in enumerate(value):
+            if type(item) is not int:
+                return f"item {i} is {type(item).__name__} ({repr(item)[:40]}), not an integer"
+    return type(value).__name__
+
+
 def submit_request(*args, **kwargs) -> P.SubmitRequest:
     """sized_submit_request's frame alone (for those who need no size)."""
     return sized_submit_request(*args, **kwargs)[0]
@@ -130,7 +140,7 @@ def sized_submit_request(api_key: str, prompt, prompt_token_ids, max_tokens, tem
                   stop_token_ids=stop_token_ids, min_tokens=min_tokens, retry_key=retry_key, **penalties)
     wrong = P.mistyped(P.SubmitRequest, fields)
     if wrong is not None:
-        raise InvalidRequest(f"{wrong} has the wrong type: {type(fields[wrong]).__name__}", field=wrong)
+        raise InvalidRequest(f"{wrong} has the wrong type: {_kind_of(wrong, fields[wrong])}", field=wrong)
     for name, value, least in (("max_tokens", max_tokens, INT64[0]), ("top_k", top_k, INT64[0]), ("seed", seed, 0),
                                ("min_tokens", min_tokens, INT64[0])):
         if value is not None and not least <= value < INT64[1]:
