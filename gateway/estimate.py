@@ -151,32 +151,31 @@ def replay(tier: Tier, workers: Sequence[WorkerView], queued: Iterable[Queued] =
         # With each one's guard, which holds it again where it resumes after the job preempted it (_moved).
         victims = sorted((times[k][1], w.rates.seconds(0.0, h.guard)) for k, h in enumerate(held)
                          if h.status == RUNNING and not h.blocks(tier) and not h.guarded_to_end())[:w.slots - len(busy)]
-        guarded = [g for g, _ in victims]
-        slots = ([(t, False) for t in blocked] + [(t, True) for t in ending] + [(g, True) for g in guarded]
-                 + [(0.0, False)] * (w.slots - len(busy) - len(guarded)))
-        guards: list[float | None] = ([0.0] * len(blocked) + [None] * len(ending) + [g for _, g in victims]
-                                      + [0.0] * (w.slots - len(busy) - len(guarded)))
+        # Each slot: (free at, urgent, guard_of's entry).
+        slots: list[tuple[float, bool, float | None]] = (
+            [(t, False, 0.0) for t in blocked] + [(t, True, None) for t in ending] + [(g, True, s) for g, s in victims]
+            + [(0.0, False, 0.0)] * (w.slots - len(busy) - len(victims)))
         # Held work that starts before the job runs here, in tier order (suspended first within a tier).
         for h in sorted((h for h in held if h.goes_before(tier)), key=lambda h: (h.work.tier.rank, h.status)):
             j = min(range(len(slots)), key=lambda j: slots[j][0])
-            slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), slots[j][1])
+            slots[j] = (slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), *slots[j][1:])
             stepping[i] = max(stepping[i], slots[j][0])
         # Held work the job may preempt resumes in the first slots that free after that (it holds their credit):
         # there the job preempts it once it has re-read its prompt and passed its residency, but a job aged up
         # ahead of it in line, which preempts as what it was admitted (not at all), waits for a slot that frees.
         resuming = sorted((h for h in held if h.status != RUNNING and h.yields_to(tier)),
                           key=lambda h: (h.work.tier.rank, h.status))
-        first_free = sorted((j for j, (_, urgent) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])
+        first_free = sorted((j for j, (_, urgent, _) in enumerate(slots) if not urgent), key=lambda j: slots[j][0])
         for j, h in zip(first_free, resuming):
-            slots[j] = ((slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), False) if h.guarded_to_end()
-                        else (slots[j][0] + h.guarded_s(w.rates), True))
-            guards[j] = w.rates.seconds(0.0, h.guard)
-        for j, (t, urgent) in enumerate(slots):
+            guard_s = w.rates.seconds(0.0, h.guard)
+            slots[j] = ((slots[j][0] + w.rates.seconds(h.work.prefill, h.work.decode), False, guard_s)
+                        if h.guarded_to_end() else (slots[j][0] + h.guarded_s(w.rates), True, guard_s))
+        for j, (t, urgent, guard_s) in enumerate(slots):
             free_at.append(t)
             worker_of.append(i)
             urgent_at.append(urgent)
-            guard_of.append(guards[j])
-            stepped.append(j < len(busy) + len(guarded))  # running work, its steps replayed
+            guard_of.append(guard_s)
+            stepped.append(j < len(busy) + len(victims))  # running work, its steps replayed
     version = [0] * len(free_at)
     # Slots free at once go as the dispatcher hands them out: a free slot before a preemption (it preempts only
     # where every worker is full), and the worker with the most free slots first.
