@@ -32,7 +32,8 @@ __all__ = ["HELLO_FIRST", "MAX_API_KEY_CHARS", "MAX_LIST_LEN", "MAX_MAP_LEN", "M
            "CancelRequest", "DispatchJob", "ErrorReply", "GatewayWelcome", "InfoReply", "InfoRequest", "JobDone",
            "JobFinished", "JobFinishedAck", "JobReleased", "JobTokens",
            "ProtocolError", "StatusReply", "StatusRequest", "StreamRequest", "SubmitReply", "SubmitRequest",
-           "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "loads", "mistyped"]
+           "TokenChunk", "Unauthenticated", "WorkerHello", "WorkerLoad", "decode", "encode", "loads", "mistyped",
+           "refused_item"]
 
 SCHEMA_VERSION = 1
 # Bounded so a hostile or buggy peer cannot make a process allocate without limit.
@@ -231,6 +232,19 @@ def mistyped(cls: type, body: dict) -> str | None:
     for a sender to name a wrong argument before it sends (the SDK), by the receiver's own rules."""
     hints, _ = _schema(cls)
     return next((name for name, value in body.items() if not _matches(value, hints[name])), None)
+
+
+def refused_item(cls: type, name: str, value: Any) -> tuple[int, str] | None:
+    """Where mistyped() named ``name`` and ``value`` is a list for a list field of ``cls``: the index of its first
+    item decode() would refuse and the item type the field takes (a wrong item says more than 'list'); else None."""
+    hints, _ = _schema(cls)
+    hint = hints[name]
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    lists = [typing.get_args(h)[0] for h in members if typing.get_origin(h) is list]
+    if not isinstance(value, list) or len(lists) != 1:
+        return None
+    bad = next((i for i, v in enumerate(value) if not _matches(v, lists[0])), None)
+    return None if bad is None else (bad, getattr(lists[0], "__name__", str(lists[0])))
 
 
 # Exact element types a list[X] field accepts (bool is not an int here; an int is a float).

@@ -98,12 +98,11 @@ INT64 = (-(2**63), 2**63)  # what a frame carries (msgpack): a larger int could 
 
 
 def _kind_of(field: str, value) -> str:
-    """A wrong value's type, as a refusal names it; of a list of token ids, its first item that is no integer (the
-    list itself was fine: 'list' said nothing of [5, 6.0])."""
-    if field in ("prompt_token_ids", "stop_token_ids") and isinstance(value, list):
-        for i, item in enumerate(value):
-            if type(item) is not int:
-                return f"item {i} is {type(item).__name__} ({repr(item)[:40]}), not an integer"
+    """A wrong value's type, as a refusal names it; of a list, its first item the field refuses (the list itself
+    was fine: 'list' said nothing of [5, 6.0])."""
+    if (refused := P.refused_item(P.SubmitRequest, field, value)) is not None:
+        i, wanted = refused
+        return f"item {i} is {type(value[i]).__name__} ({repr(value[i])[:40]}), not {wanted}"
     return type(value).__name__
 
 
