@@ -99,10 +99,15 @@ class WorkerState:
         return self.hello.draining is True or (self.load is not None and self.load.draining is True)
 
     @property
+    def held_back(self) -> bool:
+        """Sent no job, on its credit or for a victim: it may be dead (lost_lease), its model is not confirmed, it
+        drains, or it has not reported yet (a hello says how many slots it has, not how many are free: a gateway that
+        restarted hears the hellos of workers whose slots are all busy)."""
+        return self.lost_lease or self.unconfirmed or self.draining or self.load is None
+
+    @property
     def credit(self) -> int:
-        # None before its first report: a hello says how many slots it has, not how many are free (a gateway that
-        # restarted hears the hellos of workers whose slots are all busy).
-        if self.lost_lease or self.unconfirmed or self.draining or self.load is None:
+        if self.held_back:
             return 0
         return max(0, self.load.free_slots - len(self.pending))
 
@@ -121,7 +126,7 @@ class WorkerState:
         Left out, an urgent job admitted while a job just sent here ran its first step waited in the queue for the
         report at that step's end, and its dispatch then came just after the worker had begun the next step: it
         waited two steps, a second or two beside a long prompt's chunks, where the wait model told it one."""
-        if self.load is None or self.lost_lease or self.unconfirmed or self.draining:
+        if self.held_back:
             return {}
         unreported = len(self.pending & urgent_sent)
         sent = [t for t in map(tier_of, self.pending - urgent_sent) if t is not None]
