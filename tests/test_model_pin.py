@@ -79,6 +79,21 @@ def test_with_no_worker_of_it_heard_for_the_pins_lifetime_the_cluster_may_serve_
         assert not _welcomed(gws[0].workers, _hello("wk-c", "/mnt/a/model", D1))
 
 
+@contextmanager
+def _stopped(server):
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def _backing_off(gw) -> None:
+    """The gateway starts a Redis back-off that lasts the test, whatever the machine's pace."""
+    gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
+    gw._redis_retry_at = gw.clock() + 600
+
+
 def _hello_in_process(gw, hello: P.WorkerHello):
     """``hello`` sent to the in-process gateway ``gw`` from a worker socket of its own; the gateway's reply."""
     sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=hello.worker_id.encode())
@@ -86,8 +101,7 @@ def _hello_in_process(gw, hello: P.WorkerHello):
     try:
         sock.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
         sock.send(P.encode(hello))
-        wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), sock.poll(0))[1], 10, "the answer")
-        return P.decode(sock.recv())
+        return _answered(gw, sock)
     finally:
         sock.close()
 
@@ -96,53 +110,11 @@ def test_while_redis_does_not_answer_the_gateways_memory_of_the_model_decides(tm
     with built_gateway(tmp_path, "pin-outage") as (gw, _, server):
         assert isinstance(_hello_in_process(gw, _hello("wk-a", "/mnt/a/model", D1)), P.GatewayWelcome)
         assert gw.queue.client.hget(gw.queue.keys.model, "digest:sha256t") == D1.encode()
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
-            gw._redis_retry_at = gw.clock() + 600  # it lasts the test, whatever the machine's pace
+        with _stopped(server):
+            _backing_off(gw)
             assert isinstance(_hello_in_process(gw, _hello("wk-b", "/srv/b/model", D1)), P.GatewayWelcome)
             refused = _hello_in_process(gw, _hello("wk-c", "/mnt/a/model", D2))
             assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
-
-
-def test_a_worker_taken_by_memory_alone_is_dropped_once_redis_says_the_cluster_serves_another_model(tmp_path):
-    """While Redis did not answer, a gateway with no model in its memory took wk-a; meanwhile another gateway had
-    pinned another model. Kept, wk-a would answer jobs with its own model, every answer marked done: its first load
-    report once Redis answers drops it (its leases run out, and its jobs go to the cluster's model)."""
-    with built_gateway(tmp_path, "pin-drop") as (gw, _, server):
-        # One socket throughout: a ROUTER refuses a second connection with an identity in use.
-        sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"wk-a")
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(gw.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
-
-        def answer(msg):
-            sock.send(P.encode(msg))
-            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), sock.poll(0))[1], 10, "the answer")
-            return P.decode(sock.recv())
-
-        try:
-            os.kill(server.pid, signal.SIGSTOP)
-            try:
-                gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
-                gw._redis_retry_at = gw.clock() + 600
-                assert isinstance(answer(_hello("wk-a", "/mnt/a/model", D1)), P.GatewayWelcome)
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
-            gw._redis_retry_at, gw._answer_clients_first = 0.0, False  # the back-off is over
-            other = ModelPin(gw.queue.client, gw.queue.keys, 20.0)  # another gateway's, taking a worker of its model
-            assert other.keep(_hello("wk-b", "/mnt/b/model", D2)).weights_digests == {"sha256t": D2}
-            sock.send(P.encode(P.WorkerLoad("wk-a", 1, 1024, {}, {}, [], 0.0)))
-            wait_for(lambda: (gw._drain(gw.worker_sock, gw._worker_handlers), "wk-a" not in gw.workers.workers)[1],
-                     10, "wk-a to be dropped")
-            refused = answer(_hello("wk-a", "/mnt/a/model", D1))
-            assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
-        finally:
-            sock.close()
-        assert gw.counters["workers_of_another_model"] == 1
-
-
 
 
 def _answered(gw, sock) -> P.Message:
@@ -173,19 +145,9 @@ def _in_process(tmp_path, pinned: str | None):
             sock.close()
 
 
-@contextmanager
-def _stopped(server):
-    os.kill(server.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-
-
 def _welcomed_in_an_outage(gw, sock) -> None:
     """wk-a says hello while the gateway waits out a Redis back-off: its memory alone takes it."""
-    gw._redis_failed(redis.ConnectionError("test: the back-off starts"))
-    gw._redis_retry_at = gw.clock() + 600
+    _backing_off(gw)
     sock.send(P.encode(_hello("wk-a", "/mnt/a/model", D1)))
     assert isinstance(_answered(gw, sock), P.GatewayWelcome)
 
@@ -194,6 +156,24 @@ def _back(gw) -> None:
     """Redis answers again and the back-off is over: the loop replays the frames kept meanwhile first."""
     gw._redis_retry_at, gw._answer_clients_first = 0.0, False
     gw.replay_kept()
+
+
+def test_a_worker_taken_by_memory_alone_is_dropped_once_redis_says_the_cluster_serves_another_model(tmp_path):
+    """While Redis did not answer, a gateway with no model in its memory took wk-a; meanwhile another gateway had
+    pinned another model. Kept, wk-a would answer jobs with its own model, every answer marked done: its first load
+    report once Redis answers drops it (its leases run out, and its jobs go to the cluster's model)."""
+    # One socket throughout (_in_process): a ROUTER refuses a second connection with an identity in use.
+    with _in_process(tmp_path, None) as (gw, sock, server):
+        with _stopped(server):
+            _welcomed_in_an_outage(gw, sock)
+        gw._redis_retry_at, gw._answer_clients_first = 0.0, False  # the back-off is over
+        other = ModelPin(gw.queue.client, gw.queue.keys, 20.0)  # another gateway's, taking a worker of its model
+        assert other.keep(_hello("wk-b", "/mnt/b/model", D2)).weights_digests == {"sha256t": D2}
+        _report(gw, sock, lambda: "wk-a" not in gw.workers.workers)
+        sock.send(P.encode(_hello("wk-a", "/mnt/a/model", D1)))
+        refused = _answered(gw, sock)
+        assert isinstance(refused, P.ErrorReply) and "weights" in refused.message, refused
+        assert gw.counters["workers_of_another_model"] == 1
 
 
 def test_a_keep_redis_did_not_answer_is_not_noted_as_done(tmp_path):
